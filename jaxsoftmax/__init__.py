@@ -1,0 +1,24 @@
+"""jaxsoftmax: online-softmax and FlashAttention kernels for JAX, written in Pallas.
+
+Drop-in replacements for jax.nn.softmax / log_softmax / logsumexp and for optax's
+integer-label softmax cross-entropy, with custom VJPs whose backward passes recompute
+from the saved log-sum-exp. See README.md and DESIGN notes for the numerics contract.
+"""
+
+from jaxsoftmax.cross_entropy import cross_entropy
+from jaxsoftmax.rowwise import RowTiling
+from jaxsoftmax.softmax import log_softmax, logsumexp, softmax
+from jaxsoftmax.state import merge_attention_states, merge_states, reduce_lse
+
+__all__ = [
+    "softmax",
+    "log_softmax",
+    "logsumexp",
+    "cross_entropy",
+    "merge_states",
+    "merge_attention_states",
+    "reduce_lse",
+    "RowTiling",
+]
+
+__version__ = "0.1.0"

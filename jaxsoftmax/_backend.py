@@ -1,0 +1,84 @@
+"""The one module that imports a Pallas backend.
+
+Every kernel in jaxsoftmax is written against the names exported here, so moving from
+Pallas' Triton lowering (deprecated upstream since JAX 0.11) to another backend is this
+file's work alone.
+
+Interpret mode: Pallas can run a kernel on any backend by interpreting it, which is how
+the kernels run (slowly) on a CPU and in CI. The choice, in order:
+
+1. the ``interpret=`` argument of a public function, when not None;
+2. the environment variable ``JAXSOFTMAX_INTERPRET`` (``1``/``true`` or ``0``/``false``);
+3. automatic: interpret unless JAX's default backend is a GPU.
+
+The choice is made when a function is traced; it is a static argument of every jitted
+entry point, so changing it later retraces instead of reusing a stale compilation.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["pl", "load", "store", "pallas_call", "resolve_interpret", "num_cores"]
+
+# The Triton lowering warns on every compilation that it is deprecated. That is a
+# message for kernel authors (this file is where the move will happen), not for users
+# of jaxsoftmax, so it is filtered by its exact text and nothing else.
+warnings.filterwarnings(
+    "ignore",
+    message="The Pallas Triton backend is deprecated",
+    category=DeprecationWarning,
+)
+
+load = plgpu.load
+store = plgpu.store
+
+_ENV = "JAXSOFTMAX_INTERPRET"
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+  """Returns whether kernels run interpreted; see the module docstring for the order."""
+  if interpret is not None:
+    if not isinstance(interpret, bool):
+      raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    return interpret
+  env = os.environ.get(_ENV, "").strip().lower()
+  if env in ("1", "true", "yes"):
+    return True
+  if env in ("0", "false", "no"):
+    return False
+  if env:
+    raise ValueError(f"{_ENV}={env!r}: expected 1/true/yes or 0/false/no")
+  return jax.default_backend() != "gpu"
+
+
+@functools.cache
+def num_cores() -> int:
+  """Streaming multiprocessors of the default GPU (132 on an H100/H200 SXM).
+
+  Tiling heuristics size their grids from it. Without a GPU (interpret mode) the
+  H100/H200 value is used so that tilings, and hence tests, do not depend on the host.
+  """
+  device = jax.devices()[0]
+  return int(getattr(device, "core_count", 0) or 132)
+
+
+def pallas_call(kernel, *, name: str, grid, in_specs, out_specs, out_shape,
+                num_warps: int, num_stages: int, interpret: bool):
+  """``pl.pallas_call`` with the backend's compiler parameters filled in."""
+  return pl.pallas_call(
+      kernel,
+      name=name,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+  )

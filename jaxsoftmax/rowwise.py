@@ -1,0 +1,549 @@
+"""The row-wise kernel engine shared by the softmax family and cross-entropy.
+
+Every op here views its input as R rows of C columns (the reduced axis last) and does,
+per row:
+
+1. statistics: at most one log-sum-exp, computed as the online state (m, l) of DESIGN §1,
+   plus any number of plain sums, each of a function of the row's elements;
+2. a map: each output element from the input elements and the row's statistics.
+
+A `RowOp` says what to compute; `row_call` runs it with one of three kernel variants,
+picked from the shape by `default_tiling` or forced with a `RowTiling`:
+
+``resident``  a program holds ``block_rows`` whole rows (``block_cols >= C``): each row
+              is read once and written once. With ``block_rows > 1`` this is the
+              many-rows-per-program kernel for short rows.
+``online``    a program streams its rows in column blocks: one sweep merges (m, l) block
+              by block, a second sweep maps. The second read is often served by L2.
+``split``     for a few very long rows: each row is cut into chunks of
+              ``chunk_blocks * block_cols`` columns; one program per (rows, chunk) writes
+              the chunk's partial statistics, which are merged (`state.reduce_lse`) and
+              handed to a second kernel that maps each chunk.
+
+Ops without statistics (pure maps, such as the logsumexp backward) always run the map
+kernel of the split variant, tiled in two dimensions.
+
+Memory traffic for an op with k (R, C) inputs and one output of b-byte elements:
+resident (k + 1)·R·C·b, the minimum; online and split (2k + 1)·R·C·b, less what L2 serves.
+
+Edge tiles: Pallas' Triton lowering does not bound-check block accesses, and interpret
+mode pads blocks with garbage, so every load and store below is masked by the row and
+column bounds. `where`-masked elements take part in no statistic and get ``op.fill``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_batching import custom_vmap
+
+from jaxsoftmax import _backend
+from jaxsoftmax._backend import pl
+from jaxsoftmax.state import _shift, reduce_lse
+
+__all__ = ["RowOp", "RowTiling", "RowView", "Tile", "default_tiling", "row_call",
+           "check_floating", "check_where"]
+
+VARIANTS = ("resident", "online", "split")
+
+# Largest row a resident program holds: 16384 float32 values are 32 registers per thread
+# at 16 warps, leaving room for the exp and the output before Triton spills.
+RESIDENT_MAX_COLS = 16384
+# Elements per tile for short rows: 4096 float32 = 16 KB in flight per program, 8 per
+# thread at 16 warps, enough 16-byte loads to cover HBM latency with several programs
+# per SM.
+ROWS_TILE_ELEMS = 4096
+# Column block of the streaming variants: 16 KB per load whatever the dtype.
+STREAM_BLOCK_BYTES = 16384
+# A program for every SM is too few to saturate HBM; the split variant aims for 4.
+SPLIT_PROGRAMS_PER_CORE = 4
+# Guard against tilings whose tile cannot live in registers.
+MAX_TILE_ELEMS = 1 << 17
+
+
+def _is_pow2(n: int) -> bool:
+  return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTiling:
+  """How a row-wise op is cut into programs.
+
+  Attributes:
+    variant: ``"resident"``, ``"online"`` or ``"split"`` (see the module docstring).
+    block_rows: rows per program; a power of two.
+    block_cols: columns per tile; a power of two. ``resident`` needs it >= the row length.
+    chunk_blocks: ``split`` only: column blocks (of ``block_cols``) per program.
+    num_warps: warps per program; a power of two from 1 to 32.
+    num_stages: software-pipelining depth Triton uses for the column loops.
+  """
+
+  variant: str
+  block_rows: int = 1
+  block_cols: int = 1024
+  chunk_blocks: int = 1
+  num_warps: int = 4
+  num_stages: int = 1
+
+  def __post_init__(self):
+    if self.variant not in VARIANTS:
+      raise ValueError(f"RowTiling.variant must be one of {VARIANTS}, got {self.variant!r}")
+    for field in ("block_rows", "block_cols"):
+      if not _is_pow2(getattr(self, field)):
+        raise ValueError(
+            f"RowTiling.{field} must be a power of two, got {getattr(self, field)!r}")
+    if self.block_rows * self.block_cols > MAX_TILE_ELEMS:
+      raise ValueError(
+          f"RowTiling: block_rows * block_cols = {self.block_rows * self.block_cols} "
+          f"exceeds {MAX_TILE_ELEMS} elements, more than a program's registers hold")
+    if not (isinstance(self.chunk_blocks, int) and self.chunk_blocks >= 1):
+      raise ValueError(f"RowTiling.chunk_blocks must be a positive int, got {self.chunk_blocks!r}")
+    if not (_is_pow2(self.num_warps) and self.num_warps <= 32):
+      raise ValueError(f"RowTiling.num_warps must be a power of two <= 32, got {self.num_warps!r}")
+    if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+      raise ValueError(f"RowTiling.num_stages must be a positive int, got {self.num_stages!r}")
+
+
+def _warps_for(tile_elems: int) -> int:
+  # About 8 elements per thread; fewer warps for small tiles so they are not idle.
+  return max(1, min(16, tile_elems // 256))
+
+
+def default_tiling(n_rows: int, n_cols: int, dtype, *, reduces: bool) -> RowTiling:
+  """The tiling jaxsoftmax uses for an (n_rows, n_cols) view, tuned on an H200."""
+  cols_pow2 = pl.next_power_of_2(n_cols)
+  rows_pow2 = pl.next_power_of_2(n_rows)
+  stream_cols = STREAM_BLOCK_BYTES // jnp.dtype(dtype).itemsize
+  if not reduces:
+    block_cols = min(cols_pow2, stream_cols)
+    block_rows = min(rows_pow2, max(1, stream_cols // block_cols))
+    return RowTiling("split", block_rows, block_cols, 1, _warps_for(block_rows * block_cols))
+  if cols_pow2 <= RESIDENT_MAX_COLS:
+    block_rows = min(rows_pow2, max(1, ROWS_TILE_ELEMS // cols_pow2))
+    return RowTiling("resident", block_rows, cols_pow2, 1,
+                     _warps_for(block_rows * cols_pow2))
+  cores = _backend.num_cores()
+  if n_rows >= 2 * cores:
+    return RowTiling("online", 1, stream_cols, 1, _warps_for(stream_cols))
+  chunks = pl.cdiv(SPLIT_PROGRAMS_PER_CORE * cores, n_rows)
+  chunk_blocks = max(1, pl.cdiv(pl.cdiv(n_cols, chunks), stream_cols))
+  return RowTiling("split", 1, stream_cols, chunk_blocks, _warps_for(stream_cols))
+
+
+class Tile(NamedTuple):
+  """What a RowOp's functions see of one (block_rows, block_cols) tile.
+
+  Attributes:
+    x: the op's (R, C) inputs, upcast to float32.
+    rows: the op's per-row inputs, shape (block_rows, 1), in their own dtypes.
+    cols: global column index of each tile column, shape (1, block_cols), int32.
+    valid: inside the array and not masked by ``where``, (block_rows, block_cols).
+  """
+
+  x: tuple[jax.Array, ...]
+  rows: tuple[jax.Array, ...]
+  cols: jax.Array
+  valid: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOp:
+  """One row-wise op, as functions traced inside the kernels.
+
+  Attributes:
+    name: prefix of the kernels' names in profiles.
+    lse: values whose log-sum-exp over the row is the first statistic, or None.
+    sums: values whose sums over the row are the next statistics.
+    apply: ``apply(tile, stats)``: the output tile, with ``stats`` the row statistics
+      (lse first, then the sums), each of shape (block_rows, 1); None for no output.
+    fill: output value where ``where`` masks an element.
+  """
+
+  name: str
+  lse: Callable[[Tile], jax.Array] | None = None
+  sums: tuple[Callable[[Tile], jax.Array], ...] = ()
+  apply: Callable[[Tile, tuple[jax.Array, ...]], jax.Array] | None = None
+  fill: float = 0.0
+
+  @property
+  def n_stats(self) -> int:
+    return (self.lse is not None) + len(self.sums)
+
+
+class _Refs(NamedTuple):
+  inputs: tuple
+  rows: tuple
+  where: object
+  out: object
+  stats: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Order of a pallas_call's operands: inputs, row inputs, where; out, stats."""
+
+  n_in: int
+  n_rows_in: int
+  has_where: bool
+  has_out: bool
+  n_stats: int
+
+  def unpack(self, refs) -> _Refs:
+    refs = list(refs)
+    take = lambda n: tuple(refs.pop(0) for _ in range(n))
+    inputs, rows = take(self.n_in), take(self.n_rows_in)
+    where = refs.pop(0) if self.has_where else None
+    out = refs.pop(0) if self.has_out else None
+    return _Refs(inputs, rows, where, out, take(self.n_stats))
+
+
+# --- kernel building blocks ------------------------------------------------------------
+
+
+def _row_bounds(block_index, block_rows: int, n_rows: int) -> jax.Array:
+  rows = block_index * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+  return rows < n_rows
+
+
+def _load_rows(row_refs, row_ok) -> tuple[jax.Array, ...]:
+  return tuple(_backend.load(r, mask=row_ok, other=0)[:, None] for r in row_refs)
+
+
+def _load_tile(refs: _Refs, rows, row_ok, *, start, col0, n_cols: int, block_cols: int):
+  """Loads the tile at local column ``start`` of the program's block; ``col0`` is its
+  global column. Returns the Tile and the in-bounds mask (for stores)."""
+  local = pl.ds(start, block_cols)
+  cols = col0 + jnp.arange(block_cols, dtype=jnp.int32)
+  in_bounds = row_ok[:, None] & (cols < n_cols)[None, :]
+  xs = tuple(
+      _backend.load(r.at[:, local], mask=in_bounds, other=0).astype(jnp.float32)
+      for r in refs.inputs)
+  valid = in_bounds
+  if refs.where is not None:
+    valid = valid & _backend.load(refs.where.at[:, local], mask=in_bounds, other=False)
+  return Tile(xs, rows, cols[None, :], valid), in_bounds
+
+
+def _empty_state(op: RowOp, block_rows: int):
+  m = jnp.full((block_rows,), -jnp.inf, jnp.float32)
+  l = jnp.zeros((block_rows,), jnp.float32)
+  return m, l, tuple(jnp.zeros((block_rows,), jnp.float32) for _ in op.sums)
+
+
+def _accumulate(op: RowOp, state, tile: Tile):
+  """Merges one tile into the running (m, l, sums) of its rows (DESIGN §1)."""
+  m, l, sums = state
+  if op.lse is not None:
+    v = jnp.where(tile.valid, op.lse(tile), -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(v, axis=1))
+    shift = _shift(m_new)
+    l = l * jnp.exp(m - shift) + jnp.sum(jnp.exp(v - shift[:, None]), axis=1)
+    m = m_new
+  sums = tuple(s + jnp.sum(jnp.where(tile.valid, f(tile), 0.0), axis=1)
+               for s, f in zip(sums, op.sums))
+  return m, l, sums
+
+
+def _finish(op: RowOp, state) -> tuple[jax.Array, ...]:
+  m, l, sums = state
+  lse = (_shift(m) + jnp.log(l),) if op.lse is not None else ()
+  return lse + sums
+
+
+def _store_map(op: RowOp, out_ref, tile: Tile, in_bounds, stats, *, start, block_cols: int):
+  y = jnp.where(tile.valid, op.apply(tile, tuple(s[:, None] for s in stats)), op.fill)
+  _backend.store(out_ref.at[:, pl.ds(start, block_cols)], y.astype(out_ref.dtype),
+                 mask=in_bounds)
+
+
+# --- kernels ---------------------------------------------------------------------------
+
+
+def _fused_kernel(*refs, op: RowOp, layout: _Layout, n_rows: int, n_cols: int,
+                  block_rows: int, block_cols: int, n_col_blocks: int):
+  """resident / online: statistics and map of whole rows in one program."""
+  refs = layout.unpack(refs)
+  row_ok = _row_bounds(pl.program_id(0), block_rows, n_rows)
+  rows = _load_rows(refs.rows, row_ok)
+
+  def tile_at(b):
+    return _load_tile(refs, rows, row_ok, start=b * block_cols, col0=b * block_cols,
+                      n_cols=n_cols, block_cols=block_cols)
+
+  if n_col_blocks == 1:
+    # resident: the row is read once and stays in registers for the map.
+    tile, in_bounds = tile_at(0)
+    stats = _finish(op, _accumulate(op, _empty_state(op, block_rows), tile))
+    if refs.out is not None:
+      _store_map(op, refs.out, tile, in_bounds, stats, start=0, block_cols=block_cols)
+  else:
+    # online: sweep 1 merges the state block by block; sweep 2 re-reads and maps.
+    state = lax.fori_loop(0, n_col_blocks, lambda b, s: _accumulate(op, s, tile_at(b)[0]),
+                          _empty_state(op, block_rows))
+    stats = _finish(op, state)
+    if refs.out is not None:
+
+      def map_block(b, carry):
+        tile, in_bounds = tile_at(b)
+        _store_map(op, refs.out, tile, in_bounds, stats, start=b * block_cols,
+                   block_cols=block_cols)
+        return carry
+
+      lax.fori_loop(0, n_col_blocks, map_block, None)
+  for ref, s in zip(refs.stats, stats):
+    _backend.store(ref, s, mask=row_ok)
+
+
+def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, n_rows: int, n_cols: int,
+                          block_rows: int, block_cols: int, chunk_blocks: int):
+  """split, phase 1: the statistics of one chunk of columns (lse as a partial lse)."""
+  refs = layout.unpack(refs)
+  row_ok = _row_bounds(pl.program_id(0), block_rows, n_rows)
+  rows = _load_rows(refs.rows, row_ok)
+  col0 = pl.program_id(1) * (chunk_blocks * block_cols)
+
+  def body(b, state):
+    tile, _ = _load_tile(refs, rows, row_ok, start=b * block_cols,
+                         col0=col0 + b * block_cols, n_cols=n_cols, block_cols=block_cols)
+    return _accumulate(op, state, tile)
+
+  state = lax.fori_loop(0, chunk_blocks, body, _empty_state(op, block_rows))
+  for ref, s in zip(refs.stats, _finish(op, state)):
+    _backend.store(ref, s, mask=row_ok)
+
+
+def _map_kernel(*refs, op: RowOp, layout: _Layout, n_rows: int, n_cols: int,
+                block_rows: int, block_cols: int, chunk_blocks: int, n_stats: int):
+  """split, phase 2, and pure maps: one chunk of columns, row statistics given as the
+  last ``n_stats`` row inputs."""
+  refs = layout.unpack(refs)
+  row_ok = _row_bounds(pl.program_id(0), block_rows, n_rows)
+  rows = _load_rows(refs.rows, row_ok)
+  n_given = len(rows) - n_stats
+  rows, stats = rows[:n_given], tuple(s[:, 0] for s in rows[n_given:])
+  col0 = pl.program_id(1) * (chunk_blocks * block_cols)
+
+  def body(b, carry):
+    tile, in_bounds = _load_tile(refs, rows, row_ok, start=b * block_cols,
+                                 col0=col0 + b * block_cols, n_cols=n_cols,
+                                 block_cols=block_cols)
+    _store_map(op, refs.out, tile, in_bounds, stats, start=b * block_cols,
+               block_cols=block_cols)
+    return carry
+
+  lax.fori_loop(0, chunk_blocks, body, None)
+
+
+# --- pallas_calls ----------------------------------------------------------------------
+
+
+def _check_tiling(tiling: RowTiling, op: RowOp, n_cols: int):
+  if tiling.variant == "resident" and op.n_stats and tiling.block_cols < n_cols:
+    raise ValueError(
+        f"RowTiling(variant='resident') holds whole rows: block_cols={tiling.block_cols} "
+        f"must be >= the row length {n_cols}")
+
+
+def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interpret: bool,
+         *arrays):
+  """Runs ``op`` on (inputs..., row inputs..., [where]); returns (out or None, stats)."""
+  inputs = arrays[:layout.n_in]
+  row_inputs = arrays[layout.n_in:layout.n_in + layout.n_rows_in]
+  where = arrays[layout.n_in + layout.n_rows_in:]
+  n_rows, n_cols = inputs[0].shape
+  tiling = tiling or default_tiling(n_rows, n_cols, inputs[0].dtype, reduces=op.n_stats > 0)
+  _check_tiling(tiling, op, n_cols)
+  br, bc = tiling.block_rows, tiling.block_cols
+  out_shape = jax.ShapeDtypeStruct((n_rows, n_cols), out_dtype)
+  stat_shape = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
+  statics = dict(op=op, n_rows=n_rows, n_cols=n_cols, block_rows=br, block_cols=bc)
+
+  def call(kernel, suffix, grid, tile_spec, row_spec, n_rows_in, out_specs, out_shapes):
+    in_specs = ([tile_spec] * layout.n_in + [row_spec] * n_rows_in
+                + [tile_spec] * layout.has_where)
+    return _backend.pallas_call(
+        kernel, name=f"{op.name}_{suffix}", grid=grid, in_specs=in_specs,
+        out_specs=out_specs, out_shape=out_shapes, num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages, interpret=interpret)
+
+  if op.n_stats and tiling.variant in ("resident", "online"):
+    n_col_blocks = pl.cdiv(n_cols, bc)
+    tile_spec = pl.BlockSpec((br, n_col_blocks * bc), lambda i: (i, 0))
+    row_spec = pl.BlockSpec((br,), lambda i: (i,))
+    has_out = op.apply is not None
+    fused = dataclasses.replace(layout, has_out=has_out, n_stats=op.n_stats)
+    outs = call(
+        functools.partial(_fused_kernel, layout=fused, n_col_blocks=n_col_blocks, **statics),
+        tiling.variant, (pl.cdiv(n_rows, br),), tile_spec, row_spec, layout.n_rows_in,
+        [tile_spec] * has_out + [row_spec] * op.n_stats,
+        [out_shape] * has_out + [stat_shape] * op.n_stats,
+    )(*inputs, *row_inputs, *where)
+    return (outs[0] if has_out else None), tuple(outs[has_out:])
+
+  chunk = tiling.chunk_blocks * bc
+  grid = (pl.cdiv(n_rows, br), pl.cdiv(n_cols, chunk))
+  tile_spec = pl.BlockSpec((br, chunk), lambda i, j: (i, j))
+  row_spec = pl.BlockSpec((br,), lambda i, j: (i,))
+  stats = ()
+  if op.n_stats:
+    phase1 = dataclasses.replace(layout, has_out=False, n_stats=op.n_stats)
+    parts = call(
+        functools.partial(_partial_stats_kernel, layout=phase1,
+                          chunk_blocks=tiling.chunk_blocks, **statics),
+        "split_stats", grid, tile_spec, row_spec, layout.n_rows_in,
+        [pl.BlockSpec((None, br), lambda i, j: (j, i))] * op.n_stats,
+        [jax.ShapeDtypeStruct((grid[1], n_rows), jnp.float32)] * op.n_stats,
+    )(*inputs, *row_inputs, *where)
+    n_lse = int(op.lse is not None)
+    stats = (tuple(reduce_lse(p, axis=0) for p in parts[:n_lse])
+             + tuple(p.sum(axis=0) for p in parts[n_lse:]))
+  if op.apply is None:
+    return None, stats
+  phase2 = dataclasses.replace(layout, n_rows_in=layout.n_rows_in + len(stats),
+                               has_out=True, n_stats=0)
+  out = call(
+      functools.partial(_map_kernel, layout=phase2, chunk_blocks=tiling.chunk_blocks,
+                        n_stats=len(stats), **statics),
+      "split_map" if op.n_stats else "map", grid, tile_spec, row_spec, phase2.n_rows_in,
+      tile_spec, out_shape,
+  )(*inputs, *row_inputs, *stats, *where)
+  return out, stats
+
+
+def row_call(op: RowOp, inputs: Sequence[jax.Array], row_inputs: Sequence[jax.Array] = (),
+             where: jax.Array | None = None, *, out_dtype=None,
+             tiling: RowTiling | None = None, interpret: bool = False):
+  """Runs a RowOp over (R, C) arrays.
+
+  Args:
+    op: what to compute.
+    inputs: (R, C) arrays of one floating dtype.
+    row_inputs: (R,) arrays, one value per row (labels, saved statistics, cotangents).
+    where: optional (R, C) bool mask; False elements take part in no statistic.
+    out_dtype: dtype of the output (default: the inputs' dtype).
+    tiling: a RowTiling, or None for `default_tiling`.
+    interpret: run the kernels in Pallas interpret mode.
+
+  Returns:
+    ``(out, stats)``: the (R, C) output, or None for ops without ``apply``, and the row
+    statistics (lse first, then the sums), each (R,) float32.
+
+  Under ``jax.vmap`` the mapped axes are folded into the rows, so any number of nested
+  vmaps runs the same 1-D or 2-D grid.
+  """
+  inputs = tuple(inputs)
+  arrays = inputs + tuple(row_inputs) + ((where,) if where is not None else ())
+  out_dtype = inputs[0].dtype if out_dtype is None else out_dtype
+  layout = _Layout(len(inputs), len(row_inputs), where is not None, False, 0)
+  run = custom_vmap(functools.partial(_run, op, tiling, out_dtype, layout, interpret))
+
+  @run.def_vmap
+  def _fold_batch_into_rows(axis_size, in_batched, *batched_arrays):
+    flat = []
+    for a, is_batched in zip(batched_arrays, in_batched):
+      if not is_batched:
+        a = jnp.broadcast_to(a, (axis_size,) + a.shape)
+      flat.append(a.reshape((-1,) + a.shape[2:]))
+    out, stats = run(*flat)
+    unfold = lambda v: None if v is None else v.reshape((axis_size, -1) + v.shape[1:])
+    result = (unfold(out), tuple(unfold(s) for s in stats))
+    return result, jax.tree.map(lambda _: True, result)
+
+  return run(*arrays)
+
+
+# --- the (R, C) view of an array -------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RowView:
+  """An array seen as rows: the reduced axes moved last and flattened into C columns.
+
+  Hashable, so it can be a static argument of a jitted function.
+  """
+
+  shape: tuple[int, ...]
+  axes: tuple[int, ...]  # the reduced axes, normalized and sorted
+
+  @classmethod
+  def of(cls, shape: tuple[int, ...], axis, *, fn: str) -> "RowView":
+    """Normalizes ``axis`` (an int, a tuple of ints, or None for all axes)."""
+    ndim = len(shape)
+    if axis is None:
+      axes = tuple(range(ndim))
+    else:
+      raw = axis if isinstance(axis, (tuple, list)) else (axis,)
+      if not all(isinstance(a, int) and not isinstance(a, bool) for a in raw):
+        raise TypeError(f"{fn}: axis must be an int, a tuple of ints or None, got {axis!r}")
+      if any(not -ndim <= a < ndim for a in raw):
+        raise ValueError(f"{fn}: axis {axis!r} is out of range for an input of shape {shape}")
+      axes = tuple(sorted({a % ndim for a in raw}))
+      if len(axes) != len(raw):
+        raise ValueError(f"{fn}: axis {axis!r} repeats an axis")
+    if not axes:
+      raise ValueError(f"{fn}: needs at least one axis to reduce; input shape {shape}")
+    return cls(tuple(shape), axes)
+
+  @property
+  def kept_axes(self) -> tuple[int, ...]:
+    return tuple(a for a in range(len(self.shape)) if a not in self.axes)
+
+  @property
+  def n_rows(self) -> int:
+    return math.prod(self.shape[a] for a in self.kept_axes)
+
+  @property
+  def n_cols(self) -> int:
+    return math.prod(self.shape[a] for a in self.axes)
+
+  def to_rows(self, a: jax.Array) -> jax.Array:
+    """(shape) -> (R, C). A copy when the reduced axes are not already last."""
+    moved = jnp.moveaxis(a, self.axes, range(-len(self.axes), 0))
+    return moved.reshape(self.n_rows, self.n_cols)
+
+  def from_rows(self, a: jax.Array) -> jax.Array:
+    """(R, C) -> (shape), the inverse of `to_rows`."""
+    moved_shape = tuple(self.shape[i] for i in self.kept_axes + self.axes)
+    return jnp.moveaxis(a.reshape(moved_shape), range(-len(self.axes), 0), self.axes)
+
+  def from_row_values(self, v: jax.Array, *, keepdims: bool) -> jax.Array:
+    """(R,) -> the reduced shape, with size-1 reduced axes if ``keepdims``."""
+    if keepdims:
+      return v.reshape(tuple(1 if i in self.axes else d for i, d in enumerate(self.shape)))
+    return v.reshape(tuple(self.shape[a] for a in self.kept_axes))
+
+  def to_row_values(self, v: jax.Array) -> jax.Array:
+    """The reduced shape (with or without keepdims) -> (R,)."""
+    return v.reshape(self.n_rows)
+
+
+def check_floating(x, name: str, fn: str) -> jax.Array:
+  """``x`` as an array of a real floating dtype, or a TypeError naming it."""
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(
+        f"{fn}: {name} must have a real floating dtype (float32, bfloat16, float16, or "
+        f"float64 on the reference path), got {x.dtype} with shape {x.shape}")
+  return x
+
+
+def check_where(where, shape: tuple[int, ...], fn: str) -> jax.Array | None:
+  """``where`` broadcast to ``shape`` as a bool array, or a clear error."""
+  if where is None:
+    return None
+  where = jnp.asarray(where)
+  if where.dtype != jnp.bool_:
+    raise TypeError(f"{fn}: where must be a boolean array, got dtype {where.dtype}")
+  try:
+    return jnp.broadcast_to(where, shape)
+  except ValueError:
+    raise ValueError(
+        f"{fn}: where of shape {where.shape} does not broadcast to the input shape "
+        f"{shape}") from None

@@ -1,0 +1,197 @@
+"""softmax, log_softmax and logsumexp as Pallas kernels with custom VJPs.
+
+Drop-ins for jax.nn.softmax, jax.nn.log_softmax and jax.nn.logsumexp: same arguments
+(``axis`` an int, a tuple or None; ``where``), same results within dtype tolerance, same
+handling of -inf and of masked elements. Inputs are float32, bfloat16 or float16 and
+are accumulated in float32; float64 inputs (under ``jax_enable_x64``) and empty arrays
+take the pure-jnp path of `jaxsoftmax.reference`.
+
+Forward (x of R rows of C elements, reduced axes last; `rowwise` picks the variant):
+
+    lse = logsumexp(x);  softmax = exp(x - lse);  log_softmax = x - lse
+
+Backward, recomputed from what the forward saved (never an extra R x C tensor):
+
+    softmax:      dx = y · (dy - sum(dy · y))          saves y
+    log_softmax:  dx = dy - exp(y) · sum(dy)            saves y
+    logsumexp:    dx = g · exp(x - lse)                 saves x and lse (float32)
+
+Minimum memory traffic per call: forward 2·R·C elements (read x, write y), backward
+3·R·C. Reducing over axes that are not the last ones costs a transpose on each side.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxsoftmax import _backend, reference
+from jaxsoftmax.rowwise import RowOp, RowTiling, RowView, check_floating, check_where, row_call
+
+__all__ = ["softmax", "log_softmax", "logsumexp"]
+
+_SOFTMAX = RowOp("softmax", lse=lambda t: t.x[0],
+                 apply=lambda t, s: jnp.exp(t.x[0] - s[0]))
+_LOG_SOFTMAX = RowOp("log_softmax", lse=lambda t: t.x[0],
+                     apply=lambda t, s: t.x[0] - s[0], fill=-jnp.inf)
+_LOGSUMEXP = RowOp("logsumexp", lse=lambda t: t.x[0])
+# Backward ops; their inputs are (y, dy), or x with rows (g, lse).
+_SOFTMAX_BWD = RowOp("softmax_bwd", sums=(lambda t: t.x[0] * t.x[1],),
+                     apply=lambda t, s: t.x[0] * (t.x[1] - s[0]))
+_LOG_SOFTMAX_BWD = RowOp("log_softmax_bwd", sums=(lambda t: t.x[1],),
+                         apply=lambda t, s: t.x[1] - jnp.exp(t.x[0]) * s[0])
+_LOGSUMEXP_BWD = RowOp("logsumexp_bwd",
+                       apply=lambda t, s: t.rows[0] * jnp.exp(t.x[0] - t.rows[1]))
+
+
+def _rows_or_none(view: RowView, a):
+  return None if a is None else view.to_rows(a)
+
+
+# --- softmax ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _softmax_rows(x, where, tiling, interpret):
+  return _softmax_rows_fwd(x, where, tiling, interpret)[0]
+
+
+def _softmax_rows_fwd(x, where, tiling, interpret):
+  y, _ = row_call(_SOFTMAX, (x,), where=where, tiling=tiling, interpret=interpret)
+  return y, (y, where)
+
+
+def _softmax_rows_bwd(tiling, interpret, res, dy):
+  y, where = res
+  dx, _ = row_call(_SOFTMAX_BWD, (y, dy), where=where, tiling=tiling, interpret=interpret)
+  return dx, None
+
+
+_softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("view", "tiling", "interpret"))
+def _softmax(x, where, *, view, tiling, interpret):
+  y = _softmax_rows(view.to_rows(x), _rows_or_none(view, where), tiling, interpret)
+  return view.from_rows(y)
+
+
+def softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
+            interpret: bool | None = None) -> jax.Array:
+  """Softmax over ``axis``, as jax.nn.softmax.
+
+  Args:
+    x: float32, bfloat16 or float16 array (float64 takes the reference path).
+    axis: the axis or axes to normalize over.
+    where: optional boolean mask broadcastable to ``x``: masked elements are left out of
+      the sum and get 0.
+    tiling: optional `RowTiling` to force a kernel variant and block sizes (forward and
+      backward); None picks one from the shape.
+    interpret: run the kernels in Pallas interpret mode; None decides from
+      ``JAXSOFTMAX_INTERPRET`` or the default backend.
+
+  Returns:
+    An array like ``x``. A row whose elements are all -inf gives NaN, as in jax.nn; a
+    row that ``where`` masks entirely gives 0.
+  """
+  x = check_floating(x, "x", "softmax")
+  view = RowView.of(x.shape, axis, fn="softmax")
+  where = check_where(where, x.shape, "softmax")
+  if x.dtype == jnp.float64 or x.size == 0:
+    return reference.softmax(x, view.axes, where)
+  return _softmax(x, where, view=view, tiling=tiling,
+                  interpret=_backend.resolve_interpret(interpret))
+
+
+# --- log_softmax -----------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _log_softmax_rows(x, where, tiling, interpret):
+  return _log_softmax_rows_fwd(x, where, tiling, interpret)[0]
+
+
+def _log_softmax_rows_fwd(x, where, tiling, interpret):
+  y, _ = row_call(_LOG_SOFTMAX, (x,), where=where, tiling=tiling, interpret=interpret)
+  return y, (y, where)
+
+
+def _log_softmax_rows_bwd(tiling, interpret, res, dy):
+  y, where = res
+  dx, _ = row_call(_LOG_SOFTMAX_BWD, (y, dy), where=where, tiling=tiling,
+                   interpret=interpret)
+  return dx, None
+
+
+_log_softmax_rows.defvjp(_log_softmax_rows_fwd, _log_softmax_rows_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("view", "tiling", "interpret"))
+def _log_softmax(x, where, *, view, tiling, interpret):
+  y = _log_softmax_rows(view.to_rows(x), _rows_or_none(view, where), tiling, interpret)
+  return view.from_rows(y)
+
+
+def log_softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
+                interpret: bool | None = None) -> jax.Array:
+  """Log-softmax over ``axis``, as jax.nn.log_softmax.
+
+  Arguments as `softmax`. Masked elements get -inf; a row of -inf gives NaN, as jax.nn.
+  """
+  x = check_floating(x, "x", "log_softmax")
+  view = RowView.of(x.shape, axis, fn="log_softmax")
+  where = check_where(where, x.shape, "log_softmax")
+  if x.dtype == jnp.float64 or x.size == 0:
+    return reference.log_softmax(x, view.axes, where)
+  return _log_softmax(x, where, view=view, tiling=tiling,
+                      interpret=_backend.resolve_interpret(interpret))
+
+
+# --- logsumexp -------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _logsumexp_rows(x, where, tiling, interpret):
+  return _logsumexp_rows_fwd(x, where, tiling, interpret)[0]
+
+
+def _logsumexp_rows_fwd(x, where, tiling, interpret):
+  _, (lse,) = row_call(_LOGSUMEXP, (x,), where=where, tiling=tiling, interpret=interpret)
+  return lse, (x, lse, where)
+
+
+def _logsumexp_rows_bwd(tiling, interpret, res, g):
+  x, lse, where = res
+  # A pure map: the tiling chosen for the forward's reduction does not apply.
+  del tiling
+  dx, _ = row_call(_LOGSUMEXP_BWD, (x,), (g.astype(jnp.float32), lse), where=where,
+                   interpret=interpret)
+  return dx, None
+
+
+_logsumexp_rows.defvjp(_logsumexp_rows_fwd, _logsumexp_rows_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("view", "keepdims", "tiling", "interpret"))
+def _logsumexp(x, where, *, view, keepdims, tiling, interpret):
+  lse = _logsumexp_rows(view.to_rows(x), _rows_or_none(view, where), tiling, interpret)
+  return view.from_row_values(lse, keepdims=keepdims).astype(x.dtype)
+
+
+def logsumexp(x, axis=None, *, keepdims: bool = False, where=None,
+              tiling: RowTiling | None = None, interpret: bool | None = None) -> jax.Array:
+  """log(sum(exp(x))) over ``axis`` (all axes when None), as jax.nn.logsumexp.
+
+  Arguments as `softmax`, plus ``keepdims``. jax.nn.logsumexp's ``b`` and
+  ``return_sign`` are not supported. The result has the dtype of ``x`` (the kernels
+  accumulate in float32); an all -inf or fully masked row gives -inf, a +inf element +inf.
+  """
+  x = check_floating(x, "x", "logsumexp")
+  view = RowView.of(x.shape, axis, fn="logsumexp")
+  where = check_where(where, x.shape, "logsumexp")
+  if x.dtype == jnp.float64 or x.size == 0:
+    return reference.logsumexp(x, view.axes, where, keepdims)
+  return _logsumexp(x, where, view=view, keepdims=keepdims, tiling=tiling,
+                    interpret=_backend.resolve_interpret(interpret))

@@ -1,0 +1,81 @@
+"""Online-softmax states and their merges (DESIGN §1).
+
+A softmax state over a set of values x_i is the pair (m, l): m = max_i x_i and
+l = sum_i exp(x_i - m). Two states over disjoint sets merge associatively:
+
+    m = max(m_a, m_b);   l = l_a·exp(m_a - m) + l_b·exp(m_b - m)
+
+and log-sum-exp of the union is m + log(l). Partial attention results (o, lse), each an
+output normalised over its own keys, merge the same way:
+
+    lse = log(exp(lse_a) + exp(lse_b));   o = o_a·exp(lse_a - lse) + o_b·exp(lse_b - lse)
+
+These merges are what a split-row kernel does across programs, and what a user does
+across devices (e.g. after an all-gather of partial results over a sharded vocabulary or
+sequence). The empty state (m = -inf, l = 0; or lse = -inf) is the identity: merging
+with it never produces NaN, and merging two empty states gives an empty state with o = 0.
+Infinite or NaN values propagate as they would in jax.nn.logsumexp.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["merge_states", "merge_attention_states", "reduce_lse"]
+
+
+def _shift(m: jax.Array) -> jax.Array:
+  # Subtracting a non-finite maximum would turn exp(-inf - -inf) into NaN; shift by 0
+  # instead, so an empty state stays empty and +inf stays +inf (as jax.nn.logsumexp).
+  return jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
+
+
+def merge_states(m_a, l_a, m_b, l_b) -> tuple[jax.Array, jax.Array]:
+  """Merges two online-softmax states (m, l) elementwise; returns (m, l).
+
+  Args:
+    m_a, l_a: running maximum and sum of exp(x - m_a) of the first part.
+    m_b, l_b: the same for the second part; all four broadcast together.
+  """
+  m_a, l_a, m_b, l_b = (jnp.asarray(v) for v in (m_a, l_a, m_b, l_b))
+  m = jnp.maximum(m_a, m_b)
+  shift = _shift(m)
+  return m, l_a * jnp.exp(m_a - shift) + l_b * jnp.exp(m_b - shift)
+
+
+def reduce_lse(lse: jax.Array, axis: int = 0) -> jax.Array:
+  """log(sum(exp(lse), axis)) of partial log-sum-exps, safe for empty (-inf) parts."""
+  lse = jnp.asarray(lse)
+  m = jnp.max(lse, axis=axis)
+  shift = _shift(m)
+  return shift + jnp.log(jnp.sum(jnp.exp(lse - jnp.expand_dims(shift, axis)), axis=axis))
+
+
+def merge_attention_states(o_a, lse_a, o_b, lse_b) -> tuple[jax.Array, jax.Array]:
+  """Merges two partial attention results; returns (o, lse).
+
+  Args:
+    o_a: output of the first part, normalised over its keys, shape ``(..., H)``.
+    lse_a: its log-sum-exp of scores, float32, shape ``(...)`` = ``o_a.shape[:-1]``.
+    o_b, lse_b: the same for the second part.
+
+  Returns:
+    ``o`` in the dtype of ``o_a`` (weights applied in float32) and ``lse`` (float32).
+    Rows empty in both parts (lse = -inf) get o = 0 and lse = -inf.
+  """
+  o_a, o_b = jnp.asarray(o_a), jnp.asarray(o_b)
+  lse_a = jnp.asarray(lse_a, jnp.float32)
+  lse_b = jnp.asarray(lse_b, jnp.float32)
+  if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or o_a.shape[:-1] != lse_a.shape:
+    raise ValueError(
+        "merge_attention_states: o_a, o_b must have one shape (..., H) and lse_a, lse_b "
+        f"the shape (...); got o_a {o_a.shape}, o_b {o_b.shape}, lse_a {lse_a.shape}, "
+        f"lse_b {lse_b.shape}")
+  lse = reduce_lse(jnp.stack([lse_a, lse_b]), axis=0)
+  # An empty row has lse = -inf in both parts and in the merge: its weights are 0.
+  empty = lse == -jnp.inf
+  w_a = jnp.where(empty, 0.0, jnp.exp(lse_a - lse))[..., None]
+  w_b = jnp.where(empty, 0.0, jnp.exp(lse_b - lse))[..., None]
+  o = w_a * o_a.astype(jnp.float32) + w_b * o_b.astype(jnp.float32)
+  return o.astype(o_a.dtype), lse
