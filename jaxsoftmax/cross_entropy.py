@@ -2,16 +2,16 @@
 
 A drop-in for optax.softmax_cross_entropy_with_integer_labels (which is
 ``reduction="none"`` here), with the options language-model training uses. Per row
-of V logits x with label y, with smoothing a and z-loss coefficient z:
+of V logits x with label y, smoothing a and z-loss coefficient z, from the row state
+m = max_j x_j, l = sum_j exp(x_j - m) and lse = m + log(l):
 
-    lse  = log(sum_j exp(x_j))
-    loss = lse - (1 - a)·x_y - (a / V)·sum_j x_j + z·lse²
+    loss = log(l) + (1 - a)·(m - x_y) + a·(m - mean_j x_j) + z·lse²
 
-The forward streams each row once and keeps three float32 numbers per row (lse, x_y and,
-if a > 0, sum_j x_j): no probability tensor is written. The backward is one map over
-the logits, from the saved lse:
+The forward streams each row once and keeps a few float32 numbers per row (m, l, x_y
+and, if a > 0, sum_j x_j): no probability tensor is written. The backward is one map
+over the logits, from the saved (m, l), with p_j = exp(x_j - m) / l:
 
-    dx_j = g·[(1 + 2z·lse)·exp(x_j - lse) - (1 - a)·[j = y] - a / V] + g_lse·exp(x_j - lse)
+    dx_j = g·[(1 + 2z·lse)·p_j - (1 - a)·[j = y] - a / V] + g_lse·p_j
 
 where g is the loss's cotangent and g_lse the cotangent of the returned lse, if any.
 Minimum memory traffic: forward R·V elements read, backward R·V read and R·V written.
@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxsoftmax import _backend, reference
 from jaxsoftmax.rowwise import RowOp, RowTiling, check_floating, row_call
+from jaxsoftmax.state import safe_shift, state_lse
 
 __all__ = ["cross_entropy"]
 
@@ -44,9 +45,9 @@ def _backward_op(label_smoothing: float, z_loss: float, n_classes: int) -> RowOp
   def apply(t, stats):
     del stats  # a pure map: the row statistics come in as row inputs
     x, = t.x
-    label, lse, g, g_lse = t.rows
-    p = jnp.exp(x - lse)
-    d = (g * (1 + 2 * z_loss * lse) + g_lse) * p
+    label, m, l, g, g_lse = t.rows
+    p = jnp.exp(x - m) / l
+    d = (g * (1 + 2 * z_loss * (m + jnp.log(l))) + g_lse) * p
     d = d - jnp.where(t.cols == label, g * (1 - label_smoothing), 0.0)
     if label_smoothing:
       d = d - g * (label_smoothing / n_classes)
@@ -63,12 +64,13 @@ def _rows(logits, labels, ignore_index, label_smoothing, z_loss, tiling, interpr
 
 def _rows_fwd(logits, labels, ignore_index, label_smoothing, z_loss, tiling, interpret):
   n_classes = logits.shape[-1]
-  _, stats = row_call(_forward_op(label_smoothing), (logits,), (labels,), tiling=tiling,
-                      interpret=interpret)
-  lse, label_logit = stats[0], stats[1]
-  loss = lse - (1 - label_smoothing) * label_logit
+  _, (m, l, label_logit, *row_sum) = row_call(
+      _forward_op(label_smoothing), (logits,), (labels,), tiling=tiling, interpret=interpret)
+  m, lse = safe_shift(m), state_lse(m, l)
+  # Differences from m first: lse - x_y would lose an ulp of |lse| to cancellation.
+  loss = jnp.log(l) + (1 - label_smoothing) * (m - label_logit)
   if label_smoothing:
-    loss = loss - (label_smoothing / n_classes) * stats[2]
+    loss = loss + label_smoothing * (m - row_sum[0] / n_classes)
   if z_loss:
     loss = loss + z_loss * lse**2
   active = labels != ignore_index
@@ -76,11 +78,11 @@ def _rows_fwd(logits, labels, ignore_index, label_smoothing, z_loss, tiling, int
   # An ignored row contributes nothing; a label out of range (only possible inside jit,
   # where it cannot be checked) makes its row NaN rather than silently wrong.
   loss = jnp.where(active, jnp.where(in_range, loss, jnp.nan), 0.0)
-  return (loss, lse), (logits, labels, lse)
+  return (loss, lse), (logits, labels, m, l)
 
 
 def _rows_bwd(ignore_index, label_smoothing, z_loss, tiling, interpret, res, cotangents):
-  logits, labels, lse = res
+  logits, labels, m, l = res
   g, g_lse = cotangents
   del tiling  # the backward is a pure map, tiled on its own
   n_classes = logits.shape[-1]
@@ -88,7 +90,7 @@ def _rows_bwd(ignore_index, label_smoothing, z_loss, tiling, interpret, res, cot
   in_range = (labels >= 0) & (labels < n_classes)
   g = jnp.where(active, jnp.where(in_range, g, jnp.nan), 0.0)
   dlogits, _ = row_call(_backward_op(label_smoothing, z_loss, n_classes), (logits,),
-                        (labels, lse, g, g_lse), interpret=interpret)
+                        (labels, m, l, g, g_lse), interpret=interpret)
   return dlogits, None
 
 

@@ -18,25 +18,51 @@ def _axes(x, axis):
   return tuple(range(x.ndim)) if axis is None else axis
 
 
-def logsumexp(x, axis=None, where=None, keepdims=False):
-  """log(sum(exp(x))) over ``axis`` (all axes for None), as jax.nn.logsumexp."""
-  axis = _axes(x, axis)
+def _state(x, axis, where):
+  """The row state (m, l) with m made finite, over ``axis`` with keepdims.
+
+  m carries no gradient (as in jax.nn): the results do not depend on it.
+  """
   masked = x if where is None else jnp.where(where, x, -jnp.inf)
   m = jnp.max(masked, axis=axis, keepdims=True)
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))
-  out = jnp.log(jnp.sum(jnp.exp(masked - m), axis=axis, keepdims=True)) + m
+  return m, jnp.sum(jnp.exp(masked - m), axis=axis, keepdims=True)
+
+
+def _log_l(l, axis, where):
+  if where is None:
+    return jnp.log(l)
+  # log(0) on a row that `where` masks entirely would send 0/0 = NaN into the gradient.
+  some = jnp.any(where, axis=axis, keepdims=True)
+  return jnp.where(some, jnp.log(jnp.where(some, l, 1)), -jnp.inf)
+
+
+def logsumexp(x, axis=None, where=None, keepdims=False):
+  """log(sum(exp(x))) over ``axis`` (all axes for None), as jax.nn.logsumexp.
+
+  A row that ``where`` masks entirely gives -inf with a zero gradient (no NaN); a row of
+  -inf values gives -inf with a NaN gradient, as jax.nn.
+  """
+  axis = _axes(x, axis)
+  m, l = _state(x, axis, where)
+  out = m + _log_l(l, axis, where)
   return out if keepdims else jnp.squeeze(out, axis=axis)
 
 
 def softmax(x, axis=-1, where=None):
-  """exp(x - logsumexp(x)); 0 where ``where`` is False, as jax.nn.softmax."""
-  y = jnp.exp(x - logsumexp(x, axis, where, keepdims=True))
-  return y if where is None else jnp.where(where, y, 0)
+  """exp(x - m) / l; 0 where ``where`` is False, as jax.nn.softmax."""
+  m, l = _state(x, axis, where)
+  shifted = x - m
+  if where is not None:
+    shifted = jnp.where(where, shifted, -jnp.inf)  # exp(-inf) = 0, with a 0 gradient
+    l = jnp.where(jnp.any(where, axis=axis, keepdims=True), l, 1)
+  return jnp.exp(shifted) / l
 
 
 def log_softmax(x, axis=-1, where=None):
-  """x - logsumexp(x); -inf where ``where`` is False, as jax.nn.log_softmax."""
-  y = x - logsumexp(x, axis, where, keepdims=True)
+  """(x - m) - log(l); -inf where ``where`` is False, as jax.nn.log_softmax."""
+  m, l = _state(x, axis, where)
+  y = (x - m) - _log_l(l, axis, where)
   return y if where is None else jnp.where(where, y, -jnp.inf)
 
 
@@ -50,16 +76,15 @@ def cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0, z_l
   give NaN. Computed in the dtype of ``logits``.
   """
   n_classes = logits.shape[-1]
-  lse = logsumexp(logits, axis=-1)
+  log_p = log_softmax(logits, axis=-1)
   active = labels != ignore_index
   in_range = (labels >= 0) & (labels < n_classes)
   safe = jnp.where(in_range, labels, 0)
-  label_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
-  loss = lse - (1 - label_smoothing) * label_logit
+  loss = -(1 - label_smoothing) * jnp.take_along_axis(log_p, safe[..., None], axis=-1)[..., 0]
   if label_smoothing:
-    loss = loss - label_smoothing / n_classes * jnp.sum(logits, axis=-1)
+    loss = loss - label_smoothing / n_classes * jnp.sum(log_p, axis=-1)
   if z_loss:
-    loss = loss + z_loss * lse**2
+    loss = loss + z_loss * logsumexp(logits, axis=-1)**2
   loss = jnp.where(active, jnp.where(in_range, loss, jnp.nan), 0)
   if reduction == "none":
     return loss

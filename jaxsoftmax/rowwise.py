@@ -3,8 +3,8 @@
 Every op here views its input as R rows of C columns (the reduced axis last) and does,
 per row:
 
-1. statistics: at most one log-sum-exp, computed as the online state (m, l) of DESIGN §1,
-   plus any number of plain sums, each of a function of the row's elements;
+1. statistics: at most one online-softmax state (m, l) of DESIGN §1 (`state.py`), plus
+   any number of plain sums, each of a function of the row's elements;
 2. a map: each output element from the input elements and the row's statistics.
 
 A `RowOp` says what to compute; `row_call` runs it with one of three kernel variants,
@@ -17,7 +17,7 @@ picked from the shape by `default_tiling` or forced with a `RowTiling`:
               by block, a second sweep maps. The second read is often served by L2.
 ``split``     for a few very long rows: each row is cut into chunks of
               ``chunk_blocks * block_cols`` columns; one program per (rows, chunk) writes
-              the chunk's partial statistics, which are merged (`state.reduce_lse`) and
+              the chunk's partial statistics, which are merged (`state.reduce_states`) and
               handed to a second kernel that maps each chunk.
 
 Ops without statistics (pure maps, such as the logsumexp backward) always run the map
@@ -46,7 +46,7 @@ from jax.custom_batching import custom_vmap
 
 from jaxsoftmax import _backend
 from jaxsoftmax._backend import pl
-from jaxsoftmax.state import _shift, reduce_lse
+from jaxsoftmax.state import safe_shift, reduce_states
 
 __all__ = ["RowOp", "RowTiling", "RowView", "Tile", "default_tiling", "row_call",
            "check_floating", "check_where"]
@@ -159,10 +159,13 @@ class RowOp:
 
   Attributes:
     name: prefix of the kernels' names in profiles.
-    lse: values whose log-sum-exp over the row is the first statistic, or None.
+    lse: values whose online-softmax state (m, l) over the row gives the first two
+      statistics, or None.
     sums: values whose sums over the row are the next statistics.
-    apply: ``apply(tile, stats)``: the output tile, with ``stats`` the row statistics
-      (lse first, then the sums), each of shape (block_rows, 1); None for no output.
+    apply: ``apply(tile, stats)``: the output tile, with ``stats`` the row statistics,
+      each of shape (block_rows, 1): m (made finite: 0 for a row without finite values,
+      so that exp(x - m) / l is NaN-free where it should be), l, then the sums. None for
+      no output.
     fill: output value where ``where`` masks an element.
   """
 
@@ -174,7 +177,7 @@ class RowOp:
 
   @property
   def n_stats(self) -> int:
-    return (self.lse is not None) + len(self.sums)
+    return 2 * (self.lse is not None) + len(self.sums)
 
 
 class _Refs(NamedTuple):
@@ -243,7 +246,7 @@ def _accumulate(op: RowOp, state, tile: Tile):
   if op.lse is not None:
     v = jnp.where(tile.valid, op.lse(tile), -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(v, axis=1))
-    shift = _shift(m_new)
+    shift = safe_shift(m_new)
     l = l * jnp.exp(m - shift) + jnp.sum(jnp.exp(v - shift[:, None]), axis=1)
     m = m_new
   sums = tuple(s + jnp.sum(jnp.where(tile.valid, f(tile), 0.0), axis=1)
@@ -253,11 +256,12 @@ def _accumulate(op: RowOp, state, tile: Tile):
 
 def _finish(op: RowOp, state) -> tuple[jax.Array, ...]:
   m, l, sums = state
-  lse = (_shift(m) + jnp.log(l),) if op.lse is not None else ()
-  return lse + sums
+  return ((m, l) if op.lse is not None else ()) + sums
 
 
 def _store_map(op: RowOp, out_ref, tile: Tile, in_bounds, stats, *, start, block_cols: int):
+  if op.lse is not None:
+    stats = (safe_shift(stats[0]),) + tuple(stats[1:])
   y = jnp.where(tile.valid, op.apply(tile, tuple(s[:, None] for s in stats)), op.fill)
   _backend.store(out_ref.at[:, pl.ds(start, block_cols)], y.astype(out_ref.dtype),
                  mask=in_bounds)
@@ -303,7 +307,7 @@ def _fused_kernel(*refs, op: RowOp, layout: _Layout, n_rows: int, n_cols: int,
 
 def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, n_rows: int, n_cols: int,
                           block_rows: int, block_cols: int, chunk_blocks: int):
-  """split, phase 1: the statistics of one chunk of columns (lse as a partial lse)."""
+  """split, phase 1: the statistics of one chunk of columns."""
   refs = layout.unpack(refs)
   row_ok = _row_bounds(pl.program_id(0), block_rows, n_rows)
   rows = _load_rows(refs.rows, row_ok)
@@ -401,9 +405,9 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
         [pl.BlockSpec((None, br), lambda i, j: (j, i))] * op.n_stats,
         [jax.ShapeDtypeStruct((grid[1], n_rows), jnp.float32)] * op.n_stats,
     )(*inputs, *row_inputs, *where)
-    n_lse = int(op.lse is not None)
-    stats = (tuple(reduce_lse(p, axis=0) for p in parts[:n_lse])
-             + tuple(p.sum(axis=0) for p in parts[n_lse:]))
+    n_state = 2 * (op.lse is not None)
+    stats = (reduce_states(*parts[:2], axis=0) if n_state else ()) + tuple(
+        p.sum(axis=0) for p in parts[n_state:])
   if op.apply is None:
     return None, stats
   phase2 = dataclasses.replace(layout, n_rows_in=layout.n_rows_in + len(stats),
@@ -433,7 +437,8 @@ def row_call(op: RowOp, inputs: Sequence[jax.Array], row_inputs: Sequence[jax.Ar
 
   Returns:
     ``(out, stats)``: the (R, C) output, or None for ops without ``apply``, and the row
-    statistics (lse first, then the sums), each (R,) float32.
+    statistics, each (R,) float32: the state (m, l) first if the op has one (m as the
+    row maximum, -inf for an empty row; `state.state_lse` gives the lse), then the sums.
 
   Under ``jax.vmap`` the mapped axes are folded into the rows, so any number of nested
   vmaps runs the same 1-D or 2-D grid.

@@ -6,15 +6,20 @@ handling of -inf and of masked elements. Inputs are float32, bfloat16 or float16
 are accumulated in float32; float64 inputs (under ``jax_enable_x64``) and empty arrays
 take the pure-jnp path of `jaxsoftmax.reference`.
 
-Forward (x of R rows of C elements, reduced axes last; `rowwise` picks the variant):
+Forward (x of R rows of C elements, reduced axes last; `rowwise` picks the variant),
+from the row state m = max(x), l = sum(exp(x - m)):
 
-    lse = logsumexp(x);  softmax = exp(x - lse);  log_softmax = x - lse
+    softmax = exp(x - m) / l;  log_softmax = (x - m) - log(l);  logsumexp = m + log(l)
 
-Backward, recomputed from what the forward saved (never an extra R x C tensor):
+Backward, recomputed from what the forward saved (never an extra R x C tensor), with
+p = exp(x - m) / l = exp(log_softmax):
 
     softmax:      dx = y · (dy - sum(dy · y))          saves y
-    log_softmax:  dx = dy - exp(y) · sum(dy)            saves y
-    logsumexp:    dx = g · exp(x - lse)                 saves x and lse (float32)
+    log_softmax:  dx = dy - p · sum(dy)                 saves x, m and l (float32)
+    logsumexp:    dx = g · p                            saves x, m and l (float32)
+
+Keeping (m, l) rather than lse = m + log(l) keeps float32 accuracy for large |x|: x - lse
+would carry the rounding error of lse, an ulp of |x|, into every output.
 
 Minimum memory traffic per call: forward 2·R·C elements (read x, write y), backward
 3·R·C. Reducing over axes that are not the last ones costs a transpose on each side.
@@ -29,21 +34,24 @@ import jax.numpy as jnp
 
 from jaxsoftmax import _backend, reference
 from jaxsoftmax.rowwise import RowOp, RowTiling, RowView, check_floating, check_where, row_call
+from jaxsoftmax.state import safe_shift, state_lse
 
 __all__ = ["softmax", "log_softmax", "logsumexp"]
 
 _SOFTMAX = RowOp("softmax", lse=lambda t: t.x[0],
-                 apply=lambda t, s: jnp.exp(t.x[0] - s[0]))
+                 apply=lambda t, s: jnp.exp(t.x[0] - s[0]) / s[1])
 _LOG_SOFTMAX = RowOp("log_softmax", lse=lambda t: t.x[0],
-                     apply=lambda t, s: t.x[0] - s[0], fill=-jnp.inf)
+                     apply=lambda t, s: (t.x[0] - s[0]) - jnp.log(s[1]), fill=-jnp.inf)
 _LOGSUMEXP = RowOp("logsumexp", lse=lambda t: t.x[0])
-# Backward ops; their inputs are (y, dy), or x with rows (g, lse).
+# Backward ops. softmax: inputs (y, dy). log_softmax: inputs (x, dy), rows (m, l).
+# logsumexp: input x, rows (g, m, l). m is the finite shift the forward used.
 _SOFTMAX_BWD = RowOp("softmax_bwd", sums=(lambda t: t.x[0] * t.x[1],),
                      apply=lambda t, s: t.x[0] * (t.x[1] - s[0]))
-_LOG_SOFTMAX_BWD = RowOp("log_softmax_bwd", sums=(lambda t: t.x[1],),
-                         apply=lambda t, s: t.x[1] - jnp.exp(t.x[0]) * s[0])
-_LOGSUMEXP_BWD = RowOp("logsumexp_bwd",
-                       apply=lambda t, s: t.rows[0] * jnp.exp(t.x[0] - t.rows[1]))
+_LOG_SOFTMAX_BWD = RowOp(
+    "log_softmax_bwd", sums=(lambda t: t.x[1],),
+    apply=lambda t, s: t.x[1] - jnp.exp(t.x[0] - t.rows[0]) / t.rows[1] * s[0])
+_LOGSUMEXP_BWD = RowOp(
+    "logsumexp_bwd", apply=lambda t, s: t.rows[0] * (jnp.exp(t.x[0] - t.rows[1]) / t.rows[2]))
 
 
 def _rows_or_none(view: RowView, a):
@@ -114,13 +122,13 @@ def _log_softmax_rows(x, where, tiling, interpret):
 
 
 def _log_softmax_rows_fwd(x, where, tiling, interpret):
-  y, _ = row_call(_LOG_SOFTMAX, (x,), where=where, tiling=tiling, interpret=interpret)
-  return y, (y, where)
+  y, (m, l) = row_call(_LOG_SOFTMAX, (x,), where=where, tiling=tiling, interpret=interpret)
+  return y, (x, safe_shift(m), l, where)
 
 
 def _log_softmax_rows_bwd(tiling, interpret, res, dy):
-  y, where = res
-  dx, _ = row_call(_LOG_SOFTMAX_BWD, (y, dy), where=where, tiling=tiling,
+  x, m, l, where = res
+  dx, _ = row_call(_LOG_SOFTMAX_BWD, (x, dy), (m, l), where=where, tiling=tiling,
                    interpret=interpret)
   return dx, None
 
@@ -158,16 +166,15 @@ def _logsumexp_rows(x, where, tiling, interpret):
 
 
 def _logsumexp_rows_fwd(x, where, tiling, interpret):
-  _, (lse,) = row_call(_LOGSUMEXP, (x,), where=where, tiling=tiling, interpret=interpret)
-  return lse, (x, lse, where)
+  _, (m, l) = row_call(_LOGSUMEXP, (x,), where=where, tiling=tiling, interpret=interpret)
+  return state_lse(m, l), (x, safe_shift(m), l, where)
 
 
 def _logsumexp_rows_bwd(tiling, interpret, res, g):
-  x, lse, where = res
+  x, m, l, where = res
   # A pure map: the tiling chosen for the forward's reduction does not apply.
   del tiling
-  dx, _ = row_call(_LOGSUMEXP_BWD, (x,), (g.astype(jnp.float32), lse), where=where,
-                   interpret=interpret)
+  dx, _ = row_call(_LOGSUMEXP_BWD, (x,), (g, m, l), where=where, interpret=interpret)
   return dx, None
 
 

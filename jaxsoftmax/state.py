@@ -1,11 +1,14 @@
 """Online-softmax states and their merges (DESIGN §1).
 
 A softmax state over a set of values x_i is the pair (m, l): m = max_i x_i and
-l = sum_i exp(x_i - m). Two states over disjoint sets merge associatively:
+l = sum_i exp(x_i - m), where a non-finite m is replaced by 0 inside the exp (so the
+empty state is m = -inf, l = 0). Two states over disjoint sets merge associatively:
 
     m = max(m_a, m_b);   l = l_a·exp(m_a - m) + l_b·exp(m_b - m)
 
-and log-sum-exp of the union is m + log(l). Partial attention results (o, lse), each an
+and the log-sum-exp of the values is m + log(l) (`state_lse`). Keeping m and l apart,
+rather than only their lse, is what lets softmax = exp(x - m) / l and
+log_softmax = (x - m) - log(l) keep full float32 accuracy when |x| is large. Partial attention results (o, lse), each an
 output normalised over its own keys, merge the same way:
 
     lse = log(exp(lse_a) + exp(lse_b));   o = o_a·exp(lse_a - lse) + o_b·exp(lse_b - lse)
@@ -22,13 +25,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["merge_states", "merge_attention_states", "reduce_lse"]
+__all__ = ["merge_states", "reduce_states", "state_lse", "merge_attention_states", "reduce_lse"]
 
 
-def _shift(m: jax.Array) -> jax.Array:
+def safe_shift(m: jax.Array) -> jax.Array:
+  """m where it is finite, else 0: the shift to subtract before exp."""
   # Subtracting a non-finite maximum would turn exp(-inf - -inf) into NaN; shift by 0
   # instead, so an empty state stays empty and +inf stays +inf (as jax.nn.logsumexp).
   return jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
+
+
+def reduce_states(m, l, axis: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Merges the online-softmax states (m, l) stacked along ``axis``; returns (m, l)."""
+  m, l = jnp.asarray(m), jnp.asarray(l)
+  m_all = jnp.max(m, axis=axis)
+  shift = jnp.expand_dims(safe_shift(m_all), axis)
+  return m_all, jnp.sum(l * jnp.exp(m - shift), axis=axis)
 
 
 def merge_states(m_a, l_a, m_b, l_b) -> tuple[jax.Array, jax.Array]:
@@ -38,17 +50,20 @@ def merge_states(m_a, l_a, m_b, l_b) -> tuple[jax.Array, jax.Array]:
     m_a, l_a: running maximum and sum of exp(x - m_a) of the first part.
     m_b, l_b: the same for the second part; all four broadcast together.
   """
-  m_a, l_a, m_b, l_b = (jnp.asarray(v) for v in (m_a, l_a, m_b, l_b))
-  m = jnp.maximum(m_a, m_b)
-  shift = _shift(m)
-  return m, l_a * jnp.exp(m_a - shift) + l_b * jnp.exp(m_b - shift)
+  m_a, l_a, m_b, l_b = jnp.broadcast_arrays(m_a, l_a, m_b, l_b)
+  return reduce_states(jnp.stack([m_a, m_b]), jnp.stack([l_a, l_b]), axis=0)
+
+
+def state_lse(m, l) -> jax.Array:
+  """log-sum-exp of the values a state (m, l) summarizes: -inf for the empty state."""
+  return safe_shift(jnp.asarray(m)) + jnp.log(l)
 
 
 def reduce_lse(lse: jax.Array, axis: int = 0) -> jax.Array:
   """log(sum(exp(lse), axis)) of partial log-sum-exps, safe for empty (-inf) parts."""
   lse = jnp.asarray(lse)
   m = jnp.max(lse, axis=axis)
-  shift = _shift(m)
+  shift = safe_shift(m)
   return shift + jnp.log(jnp.sum(jnp.exp(lse - jnp.expand_dims(shift, axis)), axis=axis))
 
 

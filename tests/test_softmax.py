@@ -1,0 +1,285 @@
+"""softmax, log_softmax, logsumexp: forward and gradients against the float64 truth.
+
+Every case runs the forward and the custom-VJP backward in one jitted vjp and checks
+both under the 2x rule (tolerance.py). Interpret-mode cases run anywhere; the ``gpu``
+cases compile the kernels and use the sizes the default tiling sends to each variant.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxsoftmax as js
+from jaxsoftmax import reference
+from jaxsoftmax.rowwise import RowTiling, default_tiling
+from tolerance import assert_2x, truth
+
+OPS = {
+    "softmax": (js.softmax, reference.softmax),
+    "log_softmax": (js.log_softmax, reference.log_softmax),
+    "logsumexp": (js.logsumexp, reference.logsumexp),
+}
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+# (shape, tiling): the path each one exercises.
+INTERPRET_CASES = [
+    pytest.param((1, 1), None, id="length-one"),
+    pytest.param((7, 97), None, id="resident-ragged"),  # 7 rows of 97 in a 128-wide tile
+    pytest.param((97, 7), None, id="many-rows-ragged"),  # 8-wide tiles, rows % block != 0
+    pytest.param((5, 1000), RowTiling("online", 2, 128), id="online-ragged"),  # 8 blocks
+    pytest.param((3, 4097), RowTiling("split", 1, 256, 3), id="split-ragged"),  # 6 chunks
+    pytest.param((2, 20000), None, id="split-default"),  # few long rows -> split
+]
+GPU_CASES = [
+    pytest.param((4096, 4096), None, id="resident-4096"),
+    pytest.param((1000, 1000), None, id="resident-1000"),
+    pytest.param((65537, 33), None, id="many-rows"),
+    pytest.param((300, 40000), None, id="online-default"),  # >= 2 x SMs rows, long
+    pytest.param((4, 1_000_003), None, id="split-default"),
+    pytest.param((5, 1000), RowTiling("online", 2, 128), id="online-forced"),
+    pytest.param((3, 4097), RowTiling("split", 1, 256, 3), id="split-forced"),
+]
+
+
+def _run(name, x, dy, where, tiling, interpret):
+  """Kernel forward and vjp, the reference's in x.dtype, and the float64 truth."""
+  kernel, ref = OPS[name]
+  f = functools.partial(kernel, axis=-1, where=where, tiling=tiling, interpret=interpret)
+  r = functools.partial(ref, axis=-1, where=where)
+
+  def fwd_bwd(fn, x, dy):
+    y, vjp = jax.vjp(fn, x)
+    return y, vjp(dy)[0]
+
+  got = jax.jit(functools.partial(fwd_bwd, f))(x, dy)
+  in_dtype = jax.jit(functools.partial(fwd_bwd, r))(x, dy)
+  exact = truth(lambda x, dy, w: fwd_bwd(functools.partial(ref, axis=-1, where=w), x, dy),
+                x, dy, where)
+  return got, in_dtype, exact
+
+
+def _check(name, x, dy, where=None, tiling=None, interpret=True):
+  got, in_dtype, exact = _run(name, x, dy, where, tiling, interpret)
+  assert got[0].dtype == x.dtype and got[1].dtype == x.dtype
+  assert_2x(got[0], in_dtype[0], exact[0], what=f"{name} forward")
+  assert_2x(got[1], in_dtype[1], exact[1], what=f"{name} gradient")
+
+
+def _inputs(key, shape, dtype, name, scale=4.0):
+  kx, kd = jax.random.split(key)
+  x = (scale * jax.random.normal(kx, shape)).astype(dtype)
+  dy_shape = shape[:-1] if name == "logsumexp" else shape
+  dy = jax.random.normal(kd, dy_shape).astype(dtype)
+  return x, dy
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape, tiling", INTERPRET_CASES)
+def test_matches_truth_interpret(key, name, dtype, shape, tiling):
+  _check(name, *_inputs(key, shape, dtype, name), tiling=tiling)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape, tiling", GPU_CASES)
+def test_matches_truth_gpu(key, name, dtype, shape, tiling):
+  _check(name, *_inputs(key, shape, dtype, name), tiling=tiling, interpret=False)
+
+
+MASK_CASES = [
+    pytest.param((9, 300), None, id="resident"),
+    pytest.param((9, 300), RowTiling("online", 4, 64), id="online"),
+    pytest.param((3, 700), RowTiling("split", 2, 64, 2), id="split"),
+]
+
+
+def _mask(key, shape):
+  where = jax.random.uniform(key, shape) > 0.3
+  return where.at[1].set(False)  # one row masked entirely
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("shape, tiling", MASK_CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_where(key, name, shape, tiling, dtype):
+  kx, km = jax.random.split(key)
+  x, dy = _inputs(kx, shape, dtype, name)
+  _check(name, x, dy, where=_mask(km, shape), tiling=tiling)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", OPS)
+def test_where_gpu(key, name):
+  kx, km = jax.random.split(key)
+  for shape in [(513, 3000), (3, 300_000)]:
+    x, dy = _inputs(kx, shape, jnp.bfloat16, name)
+    _check(name, x, dy, where=_mask(km, shape), interpret=False)
+
+
+def _extreme(kind, key, dtype):
+  """A (6, 50) input with one kind of extreme value."""
+  big = 6e4 if dtype == jnp.float16 else 1e30
+  x = 3 * jax.random.normal(key, (6, 50), jnp.float32)
+  if kind == "huge":  # ±big next to ordinary values: exp underflows to exactly 0
+    x = x.at[:, ::7].set(big).at[:, 3::7].set(-big)
+  elif kind == "offset":  # lse ~ 1000: x - lse would lose 3 decimal digits
+    x = x + 1000.0
+  elif kind == "all-equal":
+    x = jnp.full((6, 50), 3.0)
+  elif kind == "neg-inf-entries":
+    x = x.at[:, ::3].set(-jnp.inf)
+  elif kind == "neg-inf-row":  # jax.nn gives NaN for softmax and -inf for logsumexp
+    x = x.at[2].set(-jnp.inf)
+  elif kind == "nan":  # a NaN spreads through its row only
+    x = x.at[4, 17].set(jnp.nan)
+  return x.astype(dtype)
+
+
+EXTREME_TILINGS = [
+    pytest.param(None, id="resident"),
+    pytest.param(RowTiling("online", 2, 16), id="online"),
+    pytest.param(RowTiling("split", 4, 16, 2), id="split"),
+]
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("kind", ["huge", "offset", "all-equal", "neg-inf-entries", "neg-inf-row", "nan"])
+@pytest.mark.parametrize("tiling", EXTREME_TILINGS)
+def test_extremes(key, name, kind, tiling):
+  kx, kd = jax.random.split(key)
+  for dtype in DTYPES:
+    x = _extreme(kind, kx, dtype)
+    dy_shape = x.shape[:-1] if name == "logsumexp" else x.shape
+    dy = jax.random.normal(kd, dy_shape).astype(dtype)
+    _check(name, x, dy, tiling=tiling)
+    # And the same non-finite pattern as jax.nn, which the reference mirrors.
+    got = OPS[name][0](x, axis=-1, tiling=tiling)
+    expected = getattr(jax.nn, name)(x, axis=-1)
+    np.testing.assert_array_equal(np.isnan(np.asarray(got, np.float32)),
+                                  np.isnan(np.asarray(expected, np.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("kind", ["huge", "offset", "all-equal", "neg-inf-entries", "neg-inf-row", "nan"])
+def test_extremes_gpu(key, name, kind):
+  for dtype in DTYPES:
+    x = jnp.tile(_extreme(kind, key, dtype), (1, 700))  # 35000 columns: split by default
+    dy_shape = x.shape[:-1] if name == "logsumexp" else x.shape
+    dy = jax.random.normal(key, dy_shape).astype(dtype)
+    _check(name, x, dy, interpret=False)
+
+
+def test_all_neg_inf_row_matches_jax_nn():
+  x = jnp.array([[-jnp.inf] * 5, [0.0, 1, 2, 3, 4]])
+  np.testing.assert_array_equal(js.softmax(x), jax.nn.softmax(x))
+  np.testing.assert_array_equal(js.log_softmax(x), jax.nn.log_softmax(x))
+  np.testing.assert_array_equal(js.logsumexp(x, axis=-1), jax.nn.logsumexp(x, axis=-1))
+
+
+def test_fully_masked_row_gives_zero_gradient():
+  x = jnp.arange(12.0).reshape(3, 4)
+  where = jnp.ones((3, 4), bool).at[1].set(False)
+  for name in OPS:
+    fn = lambda x: jnp.sum(jnp.where(where, OPS[name][0](x, axis=-1, where=where), 0) ** 2) \
+        if name != "logsumexp" else jnp.sum(jnp.where(
+            where.any(-1), OPS[name][0](x, axis=-1, where=where), 0) ** 2)
+    g = jax.grad(fn)(x)
+    np.testing.assert_array_equal(g[1], 0.0)
+    assert np.isfinite(np.asarray(g)).all()
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_check_grads(key, name):
+  x = jax.random.normal(key, (3, 37), jnp.float32)
+  kernel = functools.partial(OPS[name][0], axis=-1)
+  check_grads(kernel, (x,), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+  split = functools.partial(kernel, tiling=RowTiling("split", 2, 16, 1))
+  check_grads(split, (x,), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
+def test_composes_with_jit_vmap_grad(key):
+  x = jax.random.normal(key, (2, 3, 40))
+  # Nested vmaps fold into rows (no extra grid dimensions).
+  np.testing.assert_allclose(jax.vmap(jax.vmap(js.softmax))(x), jax.nn.softmax(x),
+                             rtol=1e-6, atol=1e-7)
+  # vmap over an unmapped mask, and of a gradient.
+  where = jax.random.uniform(key, (40,)) > 0.5
+  np.testing.assert_allclose(
+      jax.vmap(lambda r: js.log_softmax(r, where=where))(x[0]),
+      jax.nn.log_softmax(x[0], where=where), rtol=1e-6, atol=1e-6)
+  loss = lambda f, x: jnp.sum(jnp.sin(f(x, axis=-1)))
+  np.testing.assert_allclose(
+      jax.jit(jax.vmap(jax.grad(functools.partial(loss, js.logsumexp))))(x),
+      jax.vmap(jax.grad(functools.partial(loss, jax.nn.logsumexp)))(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis", [0, 1, (0, 2), None, -2])
+def test_axes(key, axis):
+  x = jax.random.normal(key, (4, 5, 6))
+  if axis is not None:
+    np.testing.assert_allclose(js.softmax(x, axis=axis), jax.nn.softmax(x, axis=axis),
+                               rtol=1e-6, atol=1e-7)
+  for keepdims in (False, True):
+    got = js.logsumexp(x, axis=axis, keepdims=keepdims)
+    want = jax.nn.logsumexp(x, axis=axis, keepdims=keepdims)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_float64_takes_reference_path(key):
+  with jax.enable_x64(True):
+    x = jax.random.normal(key, (3, 9), jnp.float64)
+    assert js.softmax(x).dtype == jnp.float64
+    np.testing.assert_allclose(js.softmax(x), jax.nn.softmax(x), rtol=1e-14)
+    np.testing.assert_allclose(jax.grad(lambda x: js.logsumexp(x))(x),
+                               jax.grad(lambda x: jax.nn.logsumexp(x))(x), rtol=1e-14)
+
+
+def test_bad_input_names_the_argument():
+  with pytest.raises(TypeError, match="x must have a real floating dtype.*int32"):
+    js.softmax(jnp.arange(4))
+  with pytest.raises(TypeError, match="x must have a real floating dtype.*complex"):
+    js.logsumexp(jnp.ones(4, jnp.complex64))
+  with pytest.raises(ValueError, match=r"axis 2 is out of range.*\(3, 4\)"):
+    js.log_softmax(jnp.ones((3, 4)), axis=2)
+  with pytest.raises(ValueError, match="repeats an axis"):
+    js.softmax(jnp.ones((3, 4)), axis=(1, -1))
+  with pytest.raises(ValueError, match=r"where of shape \(5,\).*\(3, 4\)"):
+    js.softmax(jnp.ones((3, 4)), where=jnp.ones(5, bool))
+  with pytest.raises(TypeError, match="where must be a boolean"):
+    js.softmax(jnp.ones((3, 4)), where=jnp.ones((3, 4)))
+  with pytest.raises(ValueError, match="block_cols=16 must be >= the row length 40"):
+    js.softmax(jnp.ones((3, 40)), tiling=RowTiling("resident", 1, 16))
+  with pytest.raises(ValueError, match="block_rows must be a power of two"):
+    RowTiling("online", 3, 16)
+  with pytest.raises(ValueError, match="variant must be one of"):
+    RowTiling("fast")
+
+
+def test_nan_propagates_never_hidden():
+  x = jnp.ones((2, 100)).at[0, 50].set(jnp.nan)
+  for name in OPS:
+    y = np.asarray(OPS[name][0](x, axis=-1))
+    assert np.isnan(y[0]).all() and np.isfinite(y[1]).all(), name
+
+
+@pytest.mark.parametrize("shape, variant", [
+    ((4096, 4096), "resident"), ((65536, 1024), "resident"), ((16384, 16384), "resident"),
+    ((512, 262144), "online"), ((4096, 32768), "online"), ((4, 16777216), "split"),
+    ((8, 4194304), "split"),
+])
+def test_default_tiling_picks_the_variant(shape, variant):
+  tiling = default_tiling(*shape, jnp.float32, reduces=True)
+  assert tiling.variant == variant
+  if variant == "resident":
+    assert tiling.block_cols >= shape[1]
+  if variant == "split":  # enough programs to fill the GPU
+    n_chunks = -(-shape[1] // (tiling.chunk_blocks * tiling.block_cols))
+    assert shape[0] * n_chunks >= 2 * 132
