@@ -8,7 +8,8 @@ from the saved log-sum-exp. See README.md and DESIGN notes for the numerics cont
 from jaxsoftmax.cross_entropy import cross_entropy
 from jaxsoftmax.rowwise import RowTiling
 from jaxsoftmax.softmax import log_softmax, logsumexp, softmax
-from jaxsoftmax.state import merge_attention_states, merge_states, reduce_lse
+from jaxsoftmax.state import (merge_attention_states, merge_states, reduce_lse, reduce_states,
+                              state_lse)
 
 __all__ = [
     "softmax",
@@ -16,6 +17,8 @@ __all__ = [
     "logsumexp",
     "cross_entropy",
     "merge_states",
+    "reduce_states",
+    "state_lse",
     "merge_attention_states",
     "reduce_lse",
     "RowTiling",

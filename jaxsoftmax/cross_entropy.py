@@ -8,7 +8,8 @@ m = max_j x_j, l = sum_j exp(x_j - m) and lse = m + log(l):
     loss = log(l) + (1 - a)·(m - x_y) + a·(m - mean_j x_j) + z·lse²
 
 The forward streams each row once and keeps a few float32 numbers per row (m, l, x_y
-and, if a > 0, sum_j x_j): no probability tensor is written. The backward is one map
+and, if a > 0, sum_j (x_j - x_0), summed relative to the row's first logit so that large
+logits do not round the mean away): no probability tensor is written. The backward is one map
 over the logits, from the saved (m, l), with p_j = exp(x_j - m) / l:
 
     dx_j = g·[(1 + 2z·lse)·p_j - (1 - a)·[j = y] - a / V] + g_lse·p_j
@@ -35,10 +36,11 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def _forward_op(label_smoothing: float) -> RowOp:
+  """Rows: (labels, first logit of the row if label_smoothing)."""
   label_logit = lambda t: jnp.where(t.cols == t.rows[0], t.x[0], 0.0)
-  row_sum = lambda t: t.x[0]
+  relative_sum = lambda t: t.x[0] - t.rows[1]
   return RowOp("cross_entropy", lse=lambda t: t.x[0],
-               sums=(label_logit, row_sum) if label_smoothing else (label_logit,))
+               sums=(label_logit, relative_sum) if label_smoothing else (label_logit,))
 
 
 def _backward_op(label_smoothing: float, z_loss: float, n_classes: int) -> RowOp:
@@ -64,13 +66,15 @@ def _rows(logits, labels, ignore_index, label_smoothing, z_loss, tiling, interpr
 
 def _rows_fwd(logits, labels, ignore_index, label_smoothing, z_loss, tiling, interpret):
   n_classes = logits.shape[-1]
-  _, (m, l, label_logit, *row_sum) = row_call(
-      _forward_op(label_smoothing), (logits,), (labels,), tiling=tiling, interpret=interpret)
+  first = logits[:, 0].astype(jnp.float32)
+  _, (m, l, label_logit, *relative_sum) = row_call(
+      _forward_op(label_smoothing), (logits,), (labels, first)[:1 + bool(label_smoothing)],
+      tiling=tiling, interpret=interpret)
   m, lse = safe_shift(m), state_lse(m, l)
   # Differences from m first: lse - x_y would lose an ulp of |lse| to cancellation.
   loss = jnp.log(l) + (1 - label_smoothing) * (m - label_logit)
   if label_smoothing:
-    loss = loss + label_smoothing * (m - row_sum[0] / n_classes)
+    loss = loss + label_smoothing * ((m - first) - relative_sum[0] / n_classes)
   if z_loss:
     loss = loss + z_loss * lse**2
   active = labels != ignore_index

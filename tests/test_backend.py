@@ -1,0 +1,41 @@
+"""The backend switch: interpret-mode resolution and the silenced deprecation warning."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxsoftmax import _backend
+
+
+def test_argument_wins_over_environment(monkeypatch):
+  monkeypatch.setenv("JAXSOFTMAX_INTERPRET", "1")
+  assert _backend.resolve_interpret(False) is False
+  assert _backend.resolve_interpret(None) is True
+  monkeypatch.setenv("JAXSOFTMAX_INTERPRET", "0")
+  assert _backend.resolve_interpret(None) is False
+
+
+def test_bad_values_are_errors(monkeypatch):
+  with pytest.raises(TypeError, match="interpret must be a bool"):
+    _backend.resolve_interpret("yes")
+  monkeypatch.setenv("JAXSOFTMAX_INTERPRET", "maybe")
+  with pytest.raises(ValueError, match="JAXSOFTMAX_INTERPRET='maybe'"):
+    _backend.resolve_interpret(None)
+
+
+def test_automatic_choice_follows_the_backend(monkeypatch):
+  import jax
+  monkeypatch.delenv("JAXSOFTMAX_INTERPRET", raising=False)
+  assert _backend.resolve_interpret(None) == (jax.default_backend() != "gpu")
+
+
+@pytest.mark.gpu
+def test_users_do_not_see_the_triton_deprecation_warning():
+  # -W default shows every DeprecationWarning that is not filtered on purpose.
+  script = ("import jax.numpy as jnp, jaxsoftmax as js;"
+            "print(float(js.softmax(jnp.arange(5.0)).sum()))")
+  run = subprocess.run([sys.executable, "-W", "default", "-c", script],
+                       capture_output=True, text=True, check=True)
+  assert "1.0" in run.stdout
+  assert "Pallas Triton backend is deprecated" not in run.stderr

@@ -1,0 +1,195 @@
+"""cross_entropy: forward, lse and gradients against the float64 truth, and optax."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.test_util import check_grads
+
+import jaxsoftmax as js
+from jaxsoftmax import reference
+from jaxsoftmax.rowwise import RowTiling
+from tolerance import assert_2x, truth
+
+# (rows, classes, tiling): the path each one exercises.
+INTERPRET_CASES = [
+    pytest.param(13, 10, None, id="many-rows"),  # 10 classes, 8 rows per program
+    pytest.param(9, 1000, RowTiling("online", 2, 128), id="online-ragged"),
+    pytest.param(3, 4097, RowTiling("split", 1, 256, 3), id="split-ragged"),
+    pytest.param(4, 20000, None, id="split-default"),
+]
+GPU_CASES = [
+    pytest.param(1000, 1000, None, id="resident"),
+    pytest.param(600, 32000, None, id="online-default"),
+    pytest.param(3, 262_147, None, id="split-default"),  # a 256k vocabulary, ragged
+]
+OPTIONS = [
+    pytest.param({}, id="plain"),
+    pytest.param(dict(label_smoothing=0.1, z_loss=1e-3), id="smoothing-zloss"),
+]
+
+
+def _inputs(key, rows, classes, dtype, offset=0.0):
+  kx, ky, kg, kl = jax.random.split(key, 4)
+  logits = (offset + 3 * jax.random.normal(kx, (rows, classes))).astype(dtype)
+  labels = jax.random.randint(ky, (rows,), 0, classes).at[1 % rows].set(-100)  # one ignored
+  g = jax.random.normal(kg, (rows,))
+  g_lse = jax.random.normal(kl, (rows,))
+  return logits, labels, g, g_lse
+
+
+def _check(logits, labels, g, g_lse, options, tiling=None, interpret=True):
+  """Per-row loss and lse, and the gradient of <g, loss> + <g_lse, lse>."""
+
+  def run(loss_fn, lse_fn, logits, g, g_lse):
+    def objective(x):
+      loss, lse = loss_fn(x), lse_fn(x)
+      return jnp.sum(g * loss) + jnp.sum(g_lse * lse), (loss, lse)
+    grad, (loss, lse) = jax.grad(objective, has_aux=True)(logits)
+    return loss, lse, grad
+
+  kernel = functools.partial(js.cross_entropy, labels=labels, reduction="none",
+                             return_lse=True, tiling=tiling, interpret=interpret, **options)
+  got = jax.jit(functools.partial(run, lambda x: kernel(x)[0], lambda x: kernel(x)[1]))(
+      logits, g, g_lse)
+
+  def ref_run(logits, g, g_lse):
+    return run(lambda x: reference.cross_entropy(x, labels, reduction="none", **options),
+               lambda x: reference.logsumexp(x, axis=-1), logits, g, g_lse)
+
+  in_dtype = jax.jit(ref_run)(logits, g.astype(logits.dtype), g_lse.astype(logits.dtype))
+  exact = truth(ref_run, logits, g, g_lse)
+  assert got[0].dtype == jnp.float32 and got[2].dtype == logits.dtype
+  for what, a, b, c in zip(("loss", "lse", "gradient"), got, in_dtype, exact):
+    assert_2x(a, b, c, what=f"cross_entropy {what}")
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("rows, classes, tiling", INTERPRET_CASES)
+def test_matches_truth_interpret(key, rows, classes, tiling, dtype, options):
+  _check(*_inputs(key, rows, classes, dtype), options, tiling)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("rows, classes, tiling", GPU_CASES)
+def test_matches_truth_gpu(key, rows, classes, tiling, dtype, options):
+  _check(*_inputs(key, rows, classes, dtype), options, tiling, interpret=False)
+
+
+def test_large_logits_keep_float32_accuracy(key):
+  # lse ~ 1000: the loss is formed from differences to the row maximum.
+  _check(*_inputs(key, 6, 300, jnp.float32, offset=1000.0),
+         dict(label_smoothing=0.2), RowTiling("online", 2, 64))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_matches_optax(key, reduction):
+  kx, ky = jax.random.split(key)
+  logits = jax.random.normal(kx, (2, 7, 50))
+  labels = jax.random.randint(ky, (2, 7), 0, 50)
+  optax_loss = lambda x: optax.softmax_cross_entropy_with_integer_labels(x, labels)
+  reduce = dict(mean=jnp.mean, sum=jnp.sum, none=lambda v: v)[reduction]
+  ours = lambda x: js.cross_entropy(x, labels, reduction=reduction)
+  np.testing.assert_allclose(ours(logits), reduce(optax_loss(logits)), rtol=2e-6)
+  total = lambda f: lambda x: jnp.sum(jnp.sin(f(x)))
+  np.testing.assert_allclose(jax.grad(total(ours))(logits),
+                             jax.grad(total(lambda x: reduce(optax_loss(x))))(logits),
+                             rtol=1e-5, atol=1e-7)
+
+
+def test_label_smoothing_matches_optax_smooth_labels(key):
+  kx, ky = jax.random.split(key)
+  logits = jax.random.normal(kx, (5, 30))
+  labels = jax.random.randint(ky, (5,), 0, 30)
+  targets = optax.smooth_labels(jax.nn.one_hot(labels, 30), 0.3)
+  np.testing.assert_allclose(
+      js.cross_entropy(logits, labels, label_smoothing=0.3, reduction="none"),
+      optax.softmax_cross_entropy(logits, targets), rtol=2e-6)
+
+
+def test_ignored_rows(key):
+  logits = jax.random.normal(key, (4, 12))
+  labels = jnp.array([3, -100, 5, -100])
+  kept = jnp.array([0, 2])
+  loss = js.cross_entropy(logits, labels)
+  np.testing.assert_allclose(
+      loss, js.cross_entropy(logits[kept], labels[kept]), rtol=1e-6)  # mean over 2 rows
+  grad = jax.grad(lambda x: js.cross_entropy(x, labels))(logits)
+  np.testing.assert_array_equal(grad[1], 0.0)
+  np.testing.assert_array_equal(grad[3], 0.0)
+  all_ignored = jnp.full((4,), -100)
+  assert js.cross_entropy(logits, all_ignored) == 0.0
+  np.testing.assert_array_equal(jax.grad(lambda x: js.cross_entropy(x, all_ignored))(logits), 0)
+  custom = js.cross_entropy(logits, jnp.array([3, 7, 5, 7]), ignore_index=7, reduction="sum")
+  np.testing.assert_allclose(custom, 2 * loss, rtol=1e-6)
+
+
+def test_out_of_range_labels():
+  logits = jnp.zeros((3, 5))
+  with pytest.raises(ValueError, match=r"labels must lie in \[0, 5\).*5 at index \(1,\)"):
+    js.cross_entropy(logits, jnp.array([0, 5, 1]))
+  with pytest.raises(ValueError, match="-3 at index"):
+    js.cross_entropy(logits, jnp.array([0, 1, -3]))
+  # Inside jit the labels cannot be checked: the row's loss and gradient are NaN.
+  labels = jnp.array([0, 5, 1])
+  loss = jax.jit(lambda x, y: js.cross_entropy(x, y, reduction="none"))(logits, labels)
+  assert np.isnan(loss[1]) and np.isfinite(loss[jnp.array([0, 2])]).all()
+  grad = jax.jit(jax.grad(lambda x, y: js.cross_entropy(x, y, reduction="sum")))(logits, labels)
+  assert np.isnan(grad[1]).all() and np.isfinite(grad[jnp.array([0, 2])]).all()
+
+
+def test_nan_logits_propagate():
+  logits = jnp.zeros((2, 8)).at[0, 3].set(jnp.nan)
+  loss = js.cross_entropy(logits, jnp.array([1, 2]), reduction="none")
+  assert np.isnan(loss[0]) and np.isfinite(loss[1])
+
+
+def test_check_grads(key):
+  logits = jax.random.normal(key, (5, 33))
+  labels = jnp.array([0, 32, 7, -100, 3])
+  for options in ({}, dict(label_smoothing=0.1, z_loss=0.01)):
+    f = lambda x: js.cross_entropy(x, labels, return_lse=True, **options)
+    check_grads(f, (logits,), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
+def test_composes_with_vmap_and_jit(key):
+  logits = jax.random.normal(key, (3, 4, 20))
+  labels = jax.random.randint(key, (3, 4), 0, 20)
+  per_batch = jax.jit(jax.vmap(lambda x, y: js.cross_entropy(x, y)))(logits, labels)
+  np.testing.assert_allclose(
+      per_batch, optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(-1),
+      rtol=2e-6)
+
+
+def test_float64_takes_reference_path(key):
+  with jax.enable_x64(True):
+    logits = jax.random.normal(key, (3, 9), jnp.float64)
+    labels = jnp.array([1, 2, 3])
+    np.testing.assert_allclose(
+        js.cross_entropy(logits, labels),
+        optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), rtol=1e-14)
+
+
+def test_bad_input_names_the_argument():
+  logits, labels = jnp.zeros((3, 5)), jnp.zeros(3, jnp.int32)
+  with pytest.raises(TypeError, match="logits must have a real floating dtype"):
+    js.cross_entropy(jnp.zeros((3, 5), jnp.int32), labels)
+  with pytest.raises(TypeError, match="labels must be integers, got float32"):
+    js.cross_entropy(logits, jnp.zeros(3))
+  with pytest.raises(ValueError, match=r"labels of shape \(4,\).*\(3,\)"):
+    js.cross_entropy(logits, jnp.zeros(4, jnp.int32))
+  with pytest.raises(ValueError, match="reduction must be one of"):
+    js.cross_entropy(logits, labels, reduction="avg")
+  with pytest.raises(ValueError, match="label_smoothing must lie in"):
+    js.cross_entropy(logits, labels, label_smoothing=1.5)
+  with pytest.raises(ValueError, match="z_loss must be >= 0"):
+    js.cross_entropy(logits, labels, z_loss=-1.0)
+  with pytest.raises(ValueError, match="non-empty class axis"):
+    js.cross_entropy(jnp.zeros((3, 0)), labels)
