@@ -216,7 +216,8 @@ def _row_bounds(block_index, block_rows: int, n_rows: int) -> jax.Array:
 
 
 def _load_rows(row_refs, row_ok) -> tuple[jax.Array, ...]:
-  return tuple(_backend.load(r, mask=row_ok, other=0)[:, None] for r in row_refs)
+  """The per-row inputs of the program's rows, each of shape (block_rows,)."""
+  return tuple(_backend.load(r, mask=row_ok, other=0) for r in row_refs)
 
 
 def _load_tile(refs: _Refs, rows, row_ok, *, start, col0, n_cols: int, block_cols: int):
@@ -231,7 +232,7 @@ def _load_tile(refs: _Refs, rows, row_ok, *, start, col0, n_cols: int, block_col
   valid = in_bounds
   if refs.where is not None:
     valid = valid & _backend.load(refs.where.at[:, local], mask=in_bounds, other=False)
-  return Tile(xs, rows, cols[None, :], valid), in_bounds
+  return Tile(xs, tuple(r[:, None] for r in rows), cols[None, :], valid), in_bounds
 
 
 def _empty_state(op: RowOp, block_rows: int):
@@ -331,7 +332,7 @@ def _map_kernel(*refs, op: RowOp, layout: _Layout, n_rows: int, n_cols: int,
   row_ok = _row_bounds(pl.program_id(0), block_rows, n_rows)
   rows = _load_rows(refs.rows, row_ok)
   n_given = len(rows) - n_stats
-  rows, stats = rows[:n_given], tuple(s[:, 0] for s in rows[n_given:])
+  rows, stats = rows[:n_given], rows[n_given:]
   col0 = pl.program_id(1) * (chunk_blocks * block_cols)
 
   def body(b, carry):

@@ -1,0 +1,110 @@
+"""softmax, log_softmax and logsumexp on the GPU beside XLA, Pallas' own softmax and the
+copy / read ceilings, on the shapes of issue 2.
+
+    PYTHONPATH=. python3 benchmarks/bench_softmax.py --out benchmarks/results
+
+Minimum traffic (N elements of b bytes): forward softmax / log_softmax 2·N·b (read x,
+write y), logsumexp N·b; forward + backward 5·N·b (forward, then read y or x and dy,
+write dx). % is of the copy ceiling, or of the read ceiling for logsumexp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+import harness
+import jaxsoftmax as js
+from jaxsoftmax import reference
+
+SHAPES = [
+    ((4096, 4096), jnp.float32),
+    ((16384, 16384), jnp.float32),
+    ((65536, 1024), jnp.float32),
+    ((32768, 8192), jnp.bfloat16),
+    ((4096, 32768), jnp.bfloat16),
+    ((512, 262144), jnp.float32),
+    ((4, 16777216), jnp.float32),
+    ((8, 4194304), jnp.bfloat16),
+]
+SMOKE_SHAPES = [((8, 300), jnp.float32), ((2, 5000), jnp.bfloat16)]
+OPS = ("softmax", "log_softmax", "logsumexp")
+# Pallas' own softmax holds a whole row in one block: longer rows exhaust registers.
+PALLAS_MAX_COLS = 32768
+
+
+def _pallas_softmax():
+  with warnings.catch_warnings():  # importing it warns that it is deprecated
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas.ops.gpu import softmax as pallas_ops_softmax
+  return lambda x, axis: pallas_ops_softmax.softmax(x, axis=axis)
+
+
+def _forward(fn):
+  return lambda x: fn(x, axis=-1)
+
+
+def _forward_backward(fn):
+  def run(x, dy):
+    y, vjp = jax.vjp(lambda x: fn(x, axis=-1), x)
+    return y, vjp(dy)[0]
+  return run
+
+
+def bench_shape(report: harness.Report, shape, dtype):
+  n = math.prod(shape)
+  itemsize = jnp.dtype(dtype).itemsize
+  name = jnp.dtype(dtype).name
+  keys = jax.random.split(jax.random.PRNGKey(0), 2 * harness.rotations(n * itemsize))
+  xs = [(4 * jax.random.normal(k, shape, jnp.float32)).astype(dtype) for k in keys[::2]]
+  dys = [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys[1::2]]
+  x_sets = [(x,) for x in xs]
+  common = dict(shape=shape, dtype=name)
+
+  copy = report.measure(op="ceiling", impl="pallas copy", mode="copy", fn=harness.copy_kernel,
+                        arg_sets=x_sets, nbytes=2 * n * itemsize, **common)
+  read = report.measure(op="ceiling", impl="pallas read", mode="read", fn=harness.read_kernel,
+                        arg_sets=x_sets, nbytes=n * itemsize, ceiling="read", **common)
+
+  for op in OPS:
+    ours, xla, ref = getattr(js, op), getattr(jax.nn, op), getattr(reference, op)
+    impls = [("jaxsoftmax", ours), ("xla (jax.nn)", xla)]
+    if op == "softmax" and shape[-1] <= PALLAS_MAX_COLS:
+      impls.append(("pallas ops softmax", _pallas_softmax()))
+    is_lse = op == "logsumexp"
+    nbytes = n * itemsize + (shape[0] * itemsize if is_lse else n * itemsize)
+    truth = harness.float64_truth(_forward(ref), xs[0])
+    for impl, fn in impls:
+      report.measure(op=op, impl=impl, mode="fwd", fn=_forward(fn), arg_sets=x_sets,
+                     nbytes=nbytes, truth=truth, ceiling_gbps=read if is_lse else copy,
+                     ceiling="read" if is_lse else "copy", **common)
+    if is_lse:
+      continue
+    truth = harness.float64_truth(_forward_backward(ref), xs[0], dys[0])
+    for impl, fn in impls[:2]:
+      report.measure(op=op, impl=impl, mode="fwd+bwd", fn=_forward_backward(fn),
+                     arg_sets=list(zip(xs, dys)), nbytes=5 * n * itemsize, truth=truth,
+                     ceiling_gbps=copy, **common)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--name", default="softmax")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, any backend")
+  args = parser.parse_args()
+  harness.check_platform(args.smoke)
+  shapes = SMOKE_SHAPES if args.smoke else SHAPES
+  per_shape = 2 + 2 * 3 + 1 + 4
+  report = harness.Report(args.name, total=per_shape * len(shapes), out_dir=args.out)
+  for shape, dtype in shapes:
+    bench_shape(report, shape, dtype)
+  report.finish()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,309 @@
+"""Shared benchmark machinery (DESIGN §7): device-side timing, ceilings, errors, reports.
+
+Timing: every measurement is the median over iterations of the summed durations of the
+GPU kernels one call launches, read with CUPTI (`jax.experimental.mosaic.gpu.profiler`)
+or, where CUPTI is unavailable, from a `jax.profiler` trace. Each iteration calls the
+function on several input sets in turn when one set fits in L2 (inputs are rotated past
+60 MB), after a warm-up that compiles. The wall-clock median per call is kept beside it.
+
+Ceilings: a Pallas copy kernel (read + write) and a Pallas read kernel (read only), run
+in the same process on the same shapes, give the bandwidth the other rows are compared to.
+
+Errors: max abs error against a float64 truth computed on the device, and the normwise
+relative error max|out - truth| / max|truth| (elementwise ratios are meaningless for
+probabilities that underflow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsoftmax import _backend
+from jaxsoftmax._backend import pl
+
+L2_BYTES = 60 * 2**20
+ITERATIONS = 20
+WARMUP = 3
+
+
+# --- timing ----------------------------------------------------------------------------
+
+
+def rotations(nbytes: int) -> int:
+  """Input sets to rotate so that consecutive calls never find their inputs in L2."""
+  return max(1, math.ceil(2 * L2_BYTES / max(nbytes, 1)))
+
+
+def _cupti_times(fn, arg_sets, iterations):
+  from jax.experimental.mosaic.gpu import profiler
+  run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
+  _, per_iteration = profiler.measure(run_all, iterations=iterations)(arg_sets)
+  if per_iteration is None:
+    raise RuntimeError("CUPTI saw no kernels")
+  return [t * 1e3 / len(arg_sets) for t in per_iteration]  # ms -> us per call
+
+
+def _trace_times(fn, arg_sets, iterations):
+  """Kernel time per call from a jax.profiler trace (device planes, stream lines)."""
+  from jax.profiler import ProfileData
+  run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
+  jax.block_until_ready(run_all(arg_sets))
+  with tempfile.TemporaryDirectory() as logdir:
+    jax.profiler.start_trace(logdir)
+    for _ in range(iterations):
+      jax.block_until_ready(run_all(arg_sets))
+    jax.profiler.stop_trace()
+    [path] = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+    profile = ProfileData.from_file(path)
+  events = sorted(
+      (event.start_ns, event.duration_ns)
+      for plane in profile.planes if plane.name.startswith("/device:GPU")
+      for line in plane.lines if line.name.startswith("Stream")
+      for event in line.events)
+  if not events or len(events) % iterations:
+    raise RuntimeError(f"trace has {len(events)} kernel events for {iterations} iterations")
+  per = len(events) // iterations
+  return [sum(d for _, d in events[i * per:(i + 1) * per]) / 1e3 / len(arg_sets)
+          for i in range(iterations)]
+
+
+def time_call(fn: Callable, arg_sets: Sequence[tuple]):
+  """Median device time (us) per call, median wall time (us), and the timer used.
+
+  ``arg_sets``: input sets the iterations rotate through (see `rotations`). Without a
+  GPU (a smoke run of the scripts) the device time is the wall time, timer "wall".
+  """
+  jitted = jax.jit(fn)
+  for _ in range(WARMUP):
+    jax.block_until_ready(jitted(*arg_sets[0]))
+  walls = []
+  for i in range(ITERATIONS):
+    start = time.perf_counter()
+    jax.block_until_ready(jitted(*arg_sets[i % len(arg_sets)]))
+    walls.append((time.perf_counter() - start) * 1e6)
+  if jax.default_backend() != "gpu":
+    return statistics.median(walls), statistics.median(walls), "wall"
+  try:
+    device, timer = _cupti_times(fn, arg_sets, ITERATIONS), "cupti"
+  except Exception as cupti_error:  # noqa: BLE001 - fall back, and say why below
+    try:
+      device, timer = _trace_times(fn, arg_sets, ITERATIONS), "jax.profiler"
+    except Exception as trace_error:  # noqa: BLE001
+      raise RuntimeError(f"no device timer: cupti: {cupti_error}; trace: {trace_error}")
+  return statistics.median(device), statistics.median(walls), timer
+
+
+# --- bandwidth ceilings ----------------------------------------------------------------
+
+_CEILING_BLOCK = 16384
+
+
+def _flat_blocks(n: int):
+  return pl.cdiv(n, _CEILING_BLOCK)
+
+
+def copy_kernel(x: jax.Array) -> jax.Array:
+  """A plain Pallas copy: the read + write ceiling."""
+  flat = x.reshape(-1)
+  n = flat.size
+
+  def kernel(x_ref, y_ref):
+    idx = pl.program_id(0) * _CEILING_BLOCK + jnp.arange(_CEILING_BLOCK, dtype=jnp.int32)
+    ok = idx < n
+    _backend.store(y_ref, _backend.load(x_ref, mask=ok, other=0), mask=ok)
+
+  spec = pl.BlockSpec((_CEILING_BLOCK,), lambda i: (i,))
+  return _backend.pallas_call(
+      kernel, name="ceiling_copy", grid=(_flat_blocks(n),), in_specs=[spec],
+      out_specs=spec, out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+      num_warps=8, num_stages=1, interpret=_backend.resolve_interpret(None))(flat).reshape(x.shape)
+
+
+def read_kernel(x: jax.Array) -> jax.Array:
+  """A plain Pallas read: one float32 sum per block, the read ceiling."""
+  flat = x.reshape(-1)
+  n = flat.size
+
+  def kernel(x_ref, s_ref):
+    idx = pl.program_id(0) * _CEILING_BLOCK + jnp.arange(_CEILING_BLOCK, dtype=jnp.int32)
+    v = _backend.load(x_ref, mask=idx < n, other=0).astype(jnp.float32)
+    _backend.store(s_ref, jnp.sum(v, keepdims=True))
+
+  return _backend.pallas_call(
+      kernel, name="ceiling_read", grid=(_flat_blocks(n),),
+      in_specs=[pl.BlockSpec((_CEILING_BLOCK,), lambda i: (i,))],
+      out_specs=pl.BlockSpec((1,), lambda i: (i,)),
+      out_shape=jax.ShapeDtypeStruct((_flat_blocks(n),), jnp.float32),
+      num_warps=8, num_stages=1, interpret=_backend.resolve_interpret(None))(flat)
+
+
+# --- errors ----------------------------------------------------------------------------
+
+
+def float64_truth(fn: Callable, *args):
+  """``fn`` on float64 copies of the floating ``args``, on the device."""
+  with jax.enable_x64(True):
+    cast = [a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
+            for a in args]
+    return jax.block_until_ready(jax.jit(fn)(*cast))
+
+
+def errors(out, truth) -> tuple[float, float]:
+  """(max abs error, normwise relative error) over the finite truth; NaN if ``out`` has
+  NaN or infinity where the truth is finite. Pytrees (e.g. output and gradient) give the
+  largest of their leaves' errors."""
+  pairs = list(zip(jax.tree.leaves(out), jax.tree.leaves(truth), strict=True))
+  if len(pairs) != 1:
+    errs = np.array([errors(o, t) for o, t in pairs])
+    return tuple(float("nan") if np.isnan(col).any() else float(col.max()) for col in errs.T)
+  out, truth = pairs[0]
+  with jax.enable_x64(True):
+    out = jnp.asarray(out).astype(jnp.float64)
+    truth = jnp.asarray(truth, jnp.float64)
+    finite = jnp.isfinite(truth)
+    bad = jnp.any(finite & ~jnp.isfinite(out))
+    err = jnp.max(jnp.where(finite, jnp.abs(out - truth), 0))
+    scale = jnp.max(jnp.where(finite, jnp.abs(truth), 0))
+    if bool(bad):
+      return float("nan"), float("nan")
+    return float(err), float(err / jnp.maximum(scale, 1e-300))
+
+
+# --- results ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+  op: str
+  impl: str
+  shape: str
+  dtype: str
+  mode: str
+  max_abs_err: float | None
+  max_rel_err: float | None
+  median_us: float | None
+  wall_us: float | None
+  gbps: float | None
+  pct_ceiling: float | None
+  ceiling: str
+  timer: str
+  note: str = ""
+
+
+class Report:
+  """Collects rows, prints progress, and writes JSON and Markdown after every row (a
+  run cut short keeps what it measured) and a PNG plot at the end."""
+
+  def __init__(self, name: str, total: int, out_dir: str):
+    self.name, self.total, self.rows = name, total, []
+    os.makedirs(out_dir, exist_ok=True)
+    self.path = os.path.join(out_dir, name)
+    self.started = time.time()
+    self.meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                     backend=jax.default_backend(),
+                     date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+  def add(self, row: Row):
+    self.rows.append(row)
+    speed = (f"{row.median_us:9.1f} us {row.gbps:7.0f} GB/s {row.pct_ceiling:5.1f}%"
+             if row.median_us is not None else f"not measured: {row.note}")
+    err = f"err {row.max_abs_err:.1e}" if row.max_abs_err is not None else ""
+    print(f"[{len(self.rows):3d}/{self.total} {time.time() - self.started:5.0f}s] "
+          f"{row.op:12s} {row.mode:7s} {row.impl:22s} {row.shape:16s} {row.dtype:8s} "
+          f"{speed} {err}", flush=True)
+    self._write_tables()
+
+  def measure(self, *, op, impl, shape, dtype, mode, fn, arg_sets, nbytes, truth=None,
+              ceiling_gbps=None, ceiling="copy"):
+    """Times ``fn`` on ``arg_sets`` and adds its row; ``nbytes`` is the minimum traffic
+    of one call. A failure becomes a row that says why."""
+    shape_s = "x".join(map(str, shape))
+    try:
+      out = jax.block_until_ready(jax.jit(fn)(*arg_sets[0]))
+      err = errors(out, truth) if truth is not None else (None, None)
+      device_us, wall_us, timer = time_call(fn, arg_sets)
+    except Exception as e:  # noqa: BLE001 - a peer that fails is a result, not a crash
+      self.add(Row(op, impl, shape_s, dtype, mode, None, None, None, None, None, None,
+                   ceiling, "", note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+      return None
+    gbps = nbytes / device_us / 1e3
+    pct = 100 * gbps / ceiling_gbps if ceiling_gbps else 100.0
+    self.add(Row(op, impl, shape_s, dtype, mode, err[0], err[1], device_us, wall_us, gbps,
+                 pct, ceiling, timer))
+    return gbps
+
+  def _write_tables(self):
+    with open(self.path + ".json", "w") as f:
+      json.dump(dict(meta=self.meta, rows=[dataclasses.asdict(r) for r in self.rows]), f,
+                indent=1)
+    with open(self.path + ".md", "w") as f:
+      f.write(self.markdown())
+
+  def finish(self):
+    self.plot(self.path + ".png")
+    print(f"wrote {self.path}.json/.md/.png", flush=True)
+
+  def markdown(self) -> str:
+    m = self.meta
+    lines = [f"# {self.name}", "",
+             f"{m['device']}, JAX {m['jax']}, {m['date']}. Device time: median over "
+             f"{ITERATIONS} iterations of the kernels' summed durations; GB/s over the "
+             "minimum traffic; % of the ceiling (copy or read) measured in the same run.",
+             "",
+             "| op | mode | impl | shape | dtype | max abs err | max rel err | median us "
+             "| wall us | GB/s | % of ceiling | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, f: "" if v is None else format(v, f)
+    for r in self.rows:
+      pct = "" if r.pct_ceiling is None else f"{r.pct_ceiling:.1f}% {r.ceiling}"
+      lines.append(
+          f"| {r.op} | {r.mode} | {r.impl} | {r.shape} | {r.dtype} | "
+          f"{fmt(r.max_abs_err, '.1e')} | {fmt(r.max_rel_err, '.1e')} | "
+          f"{fmt(r.median_us, '.1f')} | {fmt(r.wall_us, '.1f')} | {fmt(r.gbps, '.0f')} | "
+          f"{pct} | {r.note} |")
+    return "\n".join(lines) + "\n"
+
+  def plot(self, path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = sorted({(r.op, r.mode) for r in self.rows if r.gbps is not None})
+    if not groups:
+      return
+    fig, axes = plt.subplots(len(groups), 1, figsize=(12, 3.2 * len(groups)), squeeze=False)
+    for ax, (op, mode) in zip(axes[:, 0], groups):
+      rows = [r for r in self.rows if (r.op, r.mode) == (op, mode) and r.gbps is not None]
+      shapes = list(dict.fromkeys(f"{r.shape} {r.dtype}" for r in rows))
+      impls = list(dict.fromkeys(r.impl for r in rows))
+      width = 0.8 / len(impls)
+      for k, impl in enumerate(impls):
+        vals = {f"{r.shape} {r.dtype}": r.gbps for r in rows if r.impl == impl}
+        ax.bar([i + k * width for i in range(len(shapes))],
+               [vals.get(s, 0) for s in shapes], width, label=impl)
+      ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], shapes, fontsize=7)
+      ax.set_ylabel("GB/s")
+      ax.set_title(f"{op} {mode}")
+      ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def check_platform(smoke: bool):
+  """Benchmarks time compiled kernels; only a --smoke run (tiny shapes, interpreted
+  kernels, wall-clock times) of the scripts themselves may run without a GPU."""
+  if jax.default_backend() != "gpu" and not smoke:
+    sys.exit("benchmarks time compiled kernels: run them on a GPU (or pass --smoke)")
