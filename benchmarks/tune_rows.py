@@ -41,13 +41,14 @@ def reduction_tilings(rows, cols, dtype):
       if tile >= cols_pow2:
         for warps in sorted({max(4, min(16, tile // 512)), max(4, min(32, tile // 256))}):
           out.append(RowTiling("resident", tile // cols_pow2, cols_pow2, 1, warps))
-  if cols > stream:
-    for block_cols in (stream // 2, stream, 2 * stream):
-      for warps, stages in ((8, 1), (16, 1), (16, 3)):
-        out.append(RowTiling("online", 1, block_cols, 1, warps, stages))
-    for chunk_blocks in (4, 16, 64):
-      if chunk_blocks * stream < cols:
-        out.append(RowTiling("split", 1, stream, chunk_blocks, 16))
+  for block_cols in (stream // 4, stream // 2, stream):
+    if block_cols < cols:
+      for warps in (8, 16):
+        out.append(RowTiling("online", 1, block_cols, 1, warps))
+  if cols > 64 * stream:
+    for block_cols in (stream // 2, stream):
+      for chunk_blocks in (2, 4, 8):
+        out.append(RowTiling("split", 1, block_cols, chunk_blocks, 16))
   return out
 
 
@@ -55,7 +56,7 @@ def map_tilings(rows, cols, dtype):
   del dtype
   cols_pow2 = pl.next_power_of_2(cols)
   out = []
-  for tile, warps in ((4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 8), (16384, 16)):
+  for tile, warps in ((8192, 16), (16384, 8), (16384, 16), (32768, 16)):
     block_cols = min(cols_pow2, tile)
     block_rows = min(pl.next_power_of_2(rows), max(1, tile // block_cols))
     out.append(RowTiling("split", block_rows, block_cols, 1, warps))

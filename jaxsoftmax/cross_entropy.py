@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsoftmax import _backend, reference
-from jaxsoftmax.rowwise import RowOp, RowTiling, check_floating, row_call
+from jaxsoftmax.rowwise import RowOp, RowTiling, check_floating, exp, row_call
 from jaxsoftmax.state import safe_shift, state_lse
 
 __all__ = ["cross_entropy"]
@@ -48,8 +48,8 @@ def _backward_op(label_smoothing: float, z_loss: float, n_classes: int) -> RowOp
     del stats  # a pure map: the row statistics come in as row inputs
     x, = t.x
     label, m, l, g, g_lse = t.rows
-    p = jnp.exp(x - m) / l
-    d = (g * (1 + 2 * z_loss * (m + jnp.log(l))) + g_lse) * p
+    # (g·(1 + 2z·lse) + g_lse)·p with p = exp(x - m) / l: one row coefficient times exp.
+    d = exp(x - m) * ((g * (1 + 2 * z_loss * (m + jnp.log(l))) + g_lse) / l)
     d = d - jnp.where(t.cols == label, g * (1 - label_smoothing), 0.0)
     if label_smoothing:
       d = d - g * (label_smoothing / n_classes)

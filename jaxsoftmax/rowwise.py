@@ -56,14 +56,16 @@ VARIANTS = ("resident", "online", "split")
 # Largest row a resident program holds: 16384 float32 values are 32 registers per thread
 # at 16 warps, leaving room for the exp and the output before Triton spills.
 RESIDENT_MAX_COLS = 16384
-# Elements per tile for short rows: 4096 float32 = 16 KB in flight per program, 8 per
-# thread at 16 warps, enough 16-byte loads to cover HBM latency with several programs
-# per SM.
-ROWS_TILE_ELEMS = 4096
-# Column block of the streaming variants: 16 KB per load whatever the dtype.
-STREAM_BLOCK_BYTES = 16384
-# A program for every SM is too few to saturate HBM; the split variant aims for 4.
-SPLIT_PROGRAMS_PER_CORE = 4
+# Short rows share a program up to this many elements. On the H200 one row of 1024 or
+# more per program beat 2 to 16 rows per program at the same row length (H200 sweep,
+# benchmarks/results/tune_rows.md): many small programs hide latency better.
+ROWS_TILE_ELEMS = 1024
+# Column block of the streaming variants, in bytes per row.
+STREAM_BLOCK_BYTES = 32768
+# Tile of the pure map kernel: 16384 elements reached the copy ceiling on every shape.
+MAP_TILE_ELEMS = 16384
+# Programs per SM the split variant aims for: fewer, longer chunks left HBM idle.
+SPLIT_PROGRAMS_PER_CORE = 16
 # Guard against tilings whose tile cannot live in registers.
 MAX_TILE_ELEMS = 1 << 17
 
@@ -112,8 +114,8 @@ class RowTiling:
 
 
 def _warps_for(tile_elems: int) -> int:
-  # About 8 elements per thread; fewer warps for small tiles so they are not idle.
-  return max(1, min(16, tile_elems // 256))
+  # About 16 elements per thread (four 16-byte loads of float32), 4 to 16 warps.
+  return max(4, min(16, tile_elems // 512))
 
 
 def default_tiling(n_rows: int, n_cols: int, dtype, *, reduces: bool) -> RowTiling:
@@ -122,8 +124,8 @@ def default_tiling(n_rows: int, n_cols: int, dtype, *, reduces: bool) -> RowTili
   rows_pow2 = pl.next_power_of_2(n_rows)
   stream_cols = STREAM_BLOCK_BYTES // jnp.dtype(dtype).itemsize
   if not reduces:
-    block_cols = min(cols_pow2, stream_cols)
-    block_rows = min(rows_pow2, max(1, stream_cols // block_cols))
+    block_cols = min(cols_pow2, MAP_TILE_ELEMS)
+    block_rows = min(rows_pow2, max(1, MAP_TILE_ELEMS // block_cols))
     return RowTiling("split", block_rows, block_cols, 1, _warps_for(block_rows * block_cols))
   if cols_pow2 <= RESIDENT_MAX_COLS:
     block_rows = min(rows_pow2, max(1, ROWS_TILE_ELEMS // cols_pow2))
@@ -144,13 +146,18 @@ class Tile(NamedTuple):
     x: the op's (R, C) inputs, upcast to float32.
     rows: the op's per-row inputs, shape (block_rows, 1), in their own dtypes.
     cols: global column index of each tile column, shape (1, block_cols), int32.
-    valid: inside the array and not masked by ``where``, (block_rows, block_cols).
+    valid: inside the array and not masked by ``where``, (block_rows, block_cols); None
+      when every element is (the shape is a multiple of the tiling and there is no
+      ``where``), so that no mask is computed at all.
+    e: for ops with a state, in ``apply`` only: exp(lse values - m), 0 where not valid;
+      the resident variant reuses the exps of the statistics sweep.
   """
 
   x: tuple[jax.Array, ...]
   rows: tuple[jax.Array, ...]
   cols: jax.Array
-  valid: jax.Array
+  valid: jax.Array | None
+  e: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,30 +216,101 @@ class _Layout:
 
 # --- kernel building blocks ------------------------------------------------------------
 
-
-def _row_bounds(block_index, block_rows: int, n_rows: int) -> jax.Array:
-  rows = block_index * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
-  return rows < n_rows
+_LOG2E = 1.4426950408889634
 
 
-def _load_rows(row_refs, row_ok) -> tuple[jax.Array, ...]:
+def exp(x: jax.Array) -> jax.Array:
+  """exp as one multiply and the hardware exp2 (ex2.approx, 2 ulp): libdevice's expf
+  costs several instructions more, which bounds bfloat16 kernels by issue rate. Callers
+  pass x - m, never x·log2e - m·log2e, so large |x| costs no accuracy."""
+  return jnp.exp2(x * _LOG2E)
+
+
+def _masked(valid, x, fill):
+  return x if valid is None else jnp.where(valid, x, fill)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bounds:
+  """Which masks a program needs, known statically from the shape and the tiling."""
+
+  n_rows: int
+  n_cols: int
+  block_rows: int
+  block_cols: int
+  span: int  # columns one program covers: its whole block, or its chunk
+
+  @property
+  def row_mask(self) -> bool:
+    return self.n_rows % self.block_rows != 0
+
+  @property
+  def col_mask(self) -> bool:
+    return self.n_cols % self.span != 0
+
+  def rows_ok(self, block_index):
+    if not self.row_mask:
+      return None
+    rows = block_index * self.block_rows + jnp.arange(self.block_rows, dtype=jnp.int32)
+    return rows < self.n_rows
+
+  def tile(self, rows_ok, col0):
+    """Global columns (1, block_cols) of the tile at global column ``col0``, and its
+    in-bounds mask (None when nothing can be out of bounds)."""
+    cols = col0 + jnp.arange(self.block_cols, dtype=jnp.int32)
+    in_bounds = None
+    if self.col_mask:
+      in_bounds = jnp.broadcast_to((cols < self.n_cols)[None, :],
+                                   (self.block_rows, self.block_cols))
+    if rows_ok is not None:
+      row_part = jnp.broadcast_to(rows_ok[:, None], (self.block_rows, self.block_cols))
+      in_bounds = row_part if in_bounds is None else in_bounds & row_part
+    return cols[None, :], in_bounds
+
+
+def _load_rows(row_refs, rows_ok) -> tuple[jax.Array, ...]:
   """The per-row inputs of the program's rows, each of shape (block_rows,)."""
-  return tuple(_backend.load(r, mask=row_ok, other=0) for r in row_refs)
+  return tuple(_backend.load(r, mask=rows_ok, other=0) for r in row_refs)
 
 
-def _load_tile(refs: _Refs, rows, row_ok, *, start, col0, n_cols: int, block_cols: int):
-  """Loads the tile at local column ``start`` of the program's block; ``col0`` is its
-  global column. Returns the Tile and the in-bounds mask (for stores)."""
+class _Block(NamedTuple):
+  """What a program loads for one tile: its inputs as float32 and its `where` values."""
+
+  xs: tuple[jax.Array, ...]
+  where: jax.Array | None
+
+
+def _load_block(refs: _Refs, start, in_bounds, block_cols: int) -> _Block:
   local = pl.ds(start, block_cols)
-  cols = col0 + jnp.arange(block_cols, dtype=jnp.int32)
-  in_bounds = row_ok[:, None] & (cols < n_cols)[None, :]
-  xs = tuple(
-      _backend.load(r.at[:, local], mask=in_bounds, other=0).astype(jnp.float32)
-      for r in refs.inputs)
-  valid = in_bounds
+  xs = tuple(_backend.load(r.at[:, local], mask=in_bounds, other=0).astype(jnp.float32)
+             for r in refs.inputs)
+  where = None
   if refs.where is not None:
-    valid = valid & _backend.load(refs.where.at[:, local], mask=in_bounds, other=False)
-  return Tile(xs, tuple(r[:, None] for r in rows), cols[None, :], valid), in_bounds
+    where = _backend.load(refs.where.at[:, local], mask=in_bounds, other=False)
+  return _Block(xs, where)
+
+
+def _tile(block: _Block, rows, cols, in_bounds) -> Tile:
+  valid = in_bounds
+  if block.where is not None:
+    valid = block.where if valid is None else valid & block.where
+  return Tile(block.xs, tuple(r[:, None] for r in rows), cols, valid)
+
+
+def _pipelined(n_blocks: int, load, consume, carry):
+  """``carry = consume(b, load(b), carry)`` for b in [0, n_blocks), issuing the load of
+  block b + 1 before the work on block b, so its memory latency overlaps that work
+  (Triton pipelines loads only for dots, so the loop does it by hand)."""
+  if n_blocks == 1:
+    return consume(0, load(0), carry)
+
+  def body(b, state):
+    carry, current = state
+    upcoming = load(b + 1)
+    return consume(b, current, carry), upcoming
+
+  carry, last = lax.fori_loop(0, n_blocks - 1, body, (carry, load(0)))
+  return consume(n_blocks - 1, last, carry)
 
 
 def _empty_state(op: RowOp, block_rows: int):
@@ -242,17 +320,20 @@ def _empty_state(op: RowOp, block_rows: int):
 
 
 def _accumulate(op: RowOp, state, tile: Tile):
-  """Merges one tile into the running (m, l, sums) of its rows (DESIGN §1)."""
+  """Merges one tile into the running (m, l, sums) of its rows (DESIGN §1). Returns the
+  new state and the tile's exp(v - m_new)."""
   m, l, sums = state
+  e = None
   if op.lse is not None:
-    v = jnp.where(tile.valid, op.lse(tile), -jnp.inf)
+    v = _masked(tile.valid, op.lse(tile), -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(v, axis=1))
     shift = safe_shift(m_new)
-    l = l * jnp.exp(m - shift) + jnp.sum(jnp.exp(v - shift[:, None]), axis=1)
+    e = exp(v - shift[:, None])
+    l = l * exp(m - shift) + jnp.sum(e, axis=1)
     m = m_new
-  sums = tuple(s + jnp.sum(jnp.where(tile.valid, f(tile), 0.0), axis=1)
+  sums = tuple(s + jnp.sum(_masked(tile.valid, f(tile), 0.0), axis=1)
                for s, f in zip(sums, op.sums))
-  return m, l, sums
+  return (m, l, sums), e
 
 
 def _finish(op: RowOp, state) -> tuple[jax.Array, ...]:
@@ -261,9 +342,13 @@ def _finish(op: RowOp, state) -> tuple[jax.Array, ...]:
 
 
 def _store_map(op: RowOp, out_ref, tile: Tile, in_bounds, stats, *, start, block_cols: int):
+  stats = tuple(s[:, None] for s in stats)
   if op.lse is not None:
-    stats = (safe_shift(stats[0]),) + tuple(stats[1:])
-  y = jnp.where(tile.valid, op.apply(tile, tuple(s[:, None] for s in stats)), op.fill)
+    shift = safe_shift(stats[0])
+    stats = (shift,) + stats[1:]
+    if tile.e is None:  # unused values are dropped by the compiler
+      tile = tile._replace(e=exp(_masked(tile.valid, op.lse(tile), -jnp.inf) - shift))
+  y = _masked(tile.valid, op.apply(tile, stats), op.fill)
   _backend.store(out_ref.at[:, pl.ds(start, block_cols)], y.astype(out_ref.dtype),
                  mask=in_bounds)
 
@@ -271,79 +356,83 @@ def _store_map(op: RowOp, out_ref, tile: Tile, in_bounds, stats, *, start, block
 # --- kernels ---------------------------------------------------------------------------
 
 
-def _fused_kernel(*refs, op: RowOp, layout: _Layout, n_rows: int, n_cols: int,
-                  block_rows: int, block_cols: int, n_col_blocks: int):
+def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_blocks: int):
   """resident / online: statistics and map of whole rows in one program."""
   refs = layout.unpack(refs)
-  row_ok = _row_bounds(pl.program_id(0), block_rows, n_rows)
-  rows = _load_rows(refs.rows, row_ok)
-
-  def tile_at(b):
-    return _load_tile(refs, rows, row_ok, start=b * block_cols, col0=b * block_cols,
-                      n_cols=n_cols, block_cols=block_cols)
+  bc = bounds.block_cols
+  rows_ok = bounds.rows_ok(pl.program_id(0))
+  rows = _load_rows(refs.rows, rows_ok)
+  tile_bounds = lambda b: bounds.tile(rows_ok, b * bc)
+  load = lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc)
 
   if n_col_blocks == 1:
     # resident: the row is read once and stays in registers for the map.
-    tile, in_bounds = tile_at(0)
-    stats = _finish(op, _accumulate(op, _empty_state(op, block_rows), tile))
-    if refs.out is not None:
-      _store_map(op, refs.out, tile, in_bounds, stats, start=0, block_cols=block_cols)
-  else:
-    # online: sweep 1 merges the state block by block; sweep 2 re-reads and maps.
-    state = lax.fori_loop(0, n_col_blocks, lambda b, s: _accumulate(op, s, tile_at(b)[0]),
-                          _empty_state(op, block_rows))
+    cols, in_bounds = tile_bounds(0)
+    tile = _tile(load(0), rows, cols, in_bounds)
+    state, e = _accumulate(op, _empty_state(op, bounds.block_rows), tile)
     stats = _finish(op, state)
     if refs.out is not None:
+      _store_map(op, refs.out, tile._replace(e=e), in_bounds, stats, start=0, block_cols=bc)
+  else:
+    # online: sweep 1 merges the state block by block; sweep 2 re-reads and maps.
+    def accumulate(b, block, state):
+      return _accumulate(op, state, _tile(block, rows, *tile_bounds(b)))[0]
 
-      def map_block(b, carry):
-        tile, in_bounds = tile_at(b)
-        _store_map(op, refs.out, tile, in_bounds, stats, start=b * block_cols,
-                   block_cols=block_cols)
+    stats = _finish(op, _pipelined(n_col_blocks, load, accumulate,
+                                   _empty_state(op, bounds.block_rows)))
+    if refs.out is not None:
+
+      def map_block(b, block, carry):
+        cols, in_bounds = tile_bounds(b)
+        _store_map(op, refs.out, _tile(block, rows, cols, in_bounds), in_bounds, stats,
+                   start=b * bc, block_cols=bc)
         return carry
 
-      lax.fori_loop(0, n_col_blocks, map_block, None)
+      _pipelined(n_col_blocks, load, map_block, ())
   for ref, s in zip(refs.stats, stats):
-    _backend.store(ref, s, mask=row_ok)
+    _backend.store(ref, s, mask=rows_ok)
 
 
-def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, n_rows: int, n_cols: int,
-                          block_rows: int, block_cols: int, chunk_blocks: int):
+def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
+                          chunk_blocks: int):
   """split, phase 1: the statistics of one chunk of columns."""
   refs = layout.unpack(refs)
-  row_ok = _row_bounds(pl.program_id(0), block_rows, n_rows)
-  rows = _load_rows(refs.rows, row_ok)
-  col0 = pl.program_id(1) * (chunk_blocks * block_cols)
+  bc = bounds.block_cols
+  rows_ok = bounds.rows_ok(pl.program_id(0))
+  rows = _load_rows(refs.rows, rows_ok)
+  col0 = pl.program_id(1) * bounds.span
+  tile_bounds = lambda b: bounds.tile(rows_ok, col0 + b * bc)
 
-  def body(b, state):
-    tile, _ = _load_tile(refs, rows, row_ok, start=b * block_cols,
-                         col0=col0 + b * block_cols, n_cols=n_cols, block_cols=block_cols)
-    return _accumulate(op, state, tile)
+  def accumulate(b, block, state):
+    return _accumulate(op, state, _tile(block, rows, *tile_bounds(b)))[0]
 
-  state = lax.fori_loop(0, chunk_blocks, body, _empty_state(op, block_rows))
+  state = _pipelined(chunk_blocks, lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc),
+                     accumulate, _empty_state(op, bounds.block_rows))
   for ref, s in zip(refs.stats, _finish(op, state)):
-    _backend.store(ref, s, mask=row_ok)
+    _backend.store(ref, s, mask=rows_ok)
 
 
-def _map_kernel(*refs, op: RowOp, layout: _Layout, n_rows: int, n_cols: int,
-                block_rows: int, block_cols: int, chunk_blocks: int, n_stats: int):
+def _map_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, chunk_blocks: int,
+                n_stats: int):
   """split, phase 2, and pure maps: one chunk of columns, row statistics given as the
   last ``n_stats`` row inputs."""
   refs = layout.unpack(refs)
-  row_ok = _row_bounds(pl.program_id(0), block_rows, n_rows)
-  rows = _load_rows(refs.rows, row_ok)
+  bc = bounds.block_cols
+  rows_ok = bounds.rows_ok(pl.program_id(0))
+  rows = _load_rows(refs.rows, rows_ok)
   n_given = len(rows) - n_stats
   rows, stats = rows[:n_given], rows[n_given:]
-  col0 = pl.program_id(1) * (chunk_blocks * block_cols)
+  col0 = pl.program_id(1) * bounds.span
+  tile_bounds = lambda b: bounds.tile(rows_ok, col0 + b * bc)
 
-  def body(b, carry):
-    tile, in_bounds = _load_tile(refs, rows, row_ok, start=b * block_cols,
-                                 col0=col0 + b * block_cols, n_cols=n_cols,
-                                 block_cols=block_cols)
-    _store_map(op, refs.out, tile, in_bounds, stats, start=b * block_cols,
-               block_cols=block_cols)
+  def map_block(b, block, carry):
+    cols, in_bounds = tile_bounds(b)
+    _store_map(op, refs.out, _tile(block, rows, cols, in_bounds), in_bounds, stats,
+               start=b * bc, block_cols=bc)
     return carry
 
-  lax.fori_loop(0, chunk_blocks, body, None)
+  _pipelined(chunk_blocks, lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc),
+             map_block, ())
 
 
 # --- pallas_calls ----------------------------------------------------------------------
@@ -368,7 +457,6 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
   br, bc = tiling.block_rows, tiling.block_cols
   out_shape = jax.ShapeDtypeStruct((n_rows, n_cols), out_dtype)
   stat_shape = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
-  statics = dict(op=op, n_rows=n_rows, n_cols=n_cols, block_rows=br, block_cols=bc)
 
   def call(kernel, suffix, grid, tile_spec, row_spec, n_rows_in, out_specs, out_shapes):
     in_specs = ([tile_spec] * layout.n_in + [row_spec] * n_rows_in
@@ -384,8 +472,10 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
     row_spec = pl.BlockSpec((br,), lambda i: (i,))
     has_out = op.apply is not None
     fused = dataclasses.replace(layout, has_out=has_out, n_stats=op.n_stats)
+    bounds = _Bounds(n_rows, n_cols, br, bc, span=n_col_blocks * bc)
     outs = call(
-        functools.partial(_fused_kernel, layout=fused, n_col_blocks=n_col_blocks, **statics),
+        functools.partial(_fused_kernel, op=op, layout=fused, bounds=bounds,
+                          n_col_blocks=n_col_blocks),
         tiling.variant, (pl.cdiv(n_rows, br),), tile_spec, row_spec, layout.n_rows_in,
         [tile_spec] * has_out + [row_spec] * op.n_stats,
         [out_shape] * has_out + [stat_shape] * op.n_stats,
@@ -396,12 +486,13 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
   grid = (pl.cdiv(n_rows, br), pl.cdiv(n_cols, chunk))
   tile_spec = pl.BlockSpec((br, chunk), lambda i, j: (i, j))
   row_spec = pl.BlockSpec((br,), lambda i, j: (i,))
+  bounds = _Bounds(n_rows, n_cols, br, bc, span=chunk)
   stats = ()
   if op.n_stats:
     phase1 = dataclasses.replace(layout, has_out=False, n_stats=op.n_stats)
     parts = call(
-        functools.partial(_partial_stats_kernel, layout=phase1,
-                          chunk_blocks=tiling.chunk_blocks, **statics),
+        functools.partial(_partial_stats_kernel, op=op, layout=phase1, bounds=bounds,
+                          chunk_blocks=tiling.chunk_blocks),
         "split_stats", grid, tile_spec, row_spec, layout.n_rows_in,
         [pl.BlockSpec((None, br), lambda i, j: (j, i))] * op.n_stats,
         [jax.ShapeDtypeStruct((grid[1], n_rows), jnp.float32)] * op.n_stats,
@@ -414,8 +505,8 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
   phase2 = dataclasses.replace(layout, n_rows_in=layout.n_rows_in + len(stats),
                                has_out=True, n_stats=0)
   out = call(
-      functools.partial(_map_kernel, layout=phase2, chunk_blocks=tiling.chunk_blocks,
-                        n_stats=len(stats), **statics),
+      functools.partial(_map_kernel, op=op, layout=phase2, bounds=bounds,
+                        chunk_blocks=tiling.chunk_blocks, n_stats=len(stats)),
       "split_map" if op.n_stats else "map", grid, tile_spec, row_spec, phase2.n_rows_in,
       tile_spec, out_shape,
   )(*inputs, *row_inputs, *stats, *where)

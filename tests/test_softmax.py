@@ -33,6 +33,9 @@ INTERPRET_CASES = [
     pytest.param((5, 1000), RowTiling("online", 2, 128), id="online-ragged"),  # 8 blocks
     pytest.param((3, 4097), RowTiling("split", 1, 256, 3), id="split-ragged"),  # 6 chunks
     pytest.param((2, 20000), None, id="split-default"),  # few long rows -> split
+    # Shapes that are multiples of the tiling: the kernels compute no masks at all.
+    pytest.param((4, 256), RowTiling("online", 2, 64), id="online-exact"),
+    pytest.param((2, 512), RowTiling("split", 1, 64, 2), id="split-exact"),
 ]
 GPU_CASES = [
     pytest.param((4096, 4096), None, id="resident-4096"),
