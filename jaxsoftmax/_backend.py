@@ -36,8 +36,13 @@ warnings.filterwarnings(
     category=DeprecationWarning,
 )
 
-load = plgpu.load
 store = plgpu.store
+
+
+def load(ref, *, mask=None, other=None):
+  """Masked load; ``other`` fills the masked-off elements and is dropped when there is
+  no mask (the Triton lowering rejects ``other`` without a mask)."""
+  return plgpu.load(ref, mask=mask, other=None if mask is None else other)
 
 _ENV = "JAXSOFTMAX_INTERPRET"
 
