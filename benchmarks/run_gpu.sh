@@ -28,15 +28,15 @@ for stage in ${STAGES:-tests tune bench}; do
   case $stage in
     tests)
       # Four workers share the GPU: each may take a fifth of its memory.
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout 300 $python -m pytest -m gpu -q -n 4 \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout 150 $python -m pytest -m gpu -q -n 4 \
         -p no:cacheprovider -rfE tests 2>&1 | tee "$out/tests.log" | tail -n 25 \
         | tee -a "$out/summary.log" ;;
     tune)
       timeout 270 $python benchmarks/tune_rows.py --out "$out" 2>&1 \
         | tee "$out/tune.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     bench)
-      timeout 390 $python benchmarks/bench_softmax.py --out "$out" 2>&1 | tee "$out/bench.log"
-      timeout 150 $python benchmarks/bench_cross_entropy.py --out "$out" 2>&1 \
+      timeout 300 $python benchmarks/bench_softmax.py --out "$out" 2>&1 | tee "$out/bench.log"
+      timeout 120 $python benchmarks/bench_cross_entropy.py --out "$out" 2>&1 \
         | tee -a "$out/bench.log"
       tail -n 2 "$out/bench.log" | tee -a "$out/summary.log" ;;
     *) echo "unknown stage $stage" | tee -a "$out/summary.log" ;;

@@ -60,12 +60,14 @@ RESIDENT_MAX_COLS = 16384
 # more per program beat 2 to 16 rows per program at the same row length (H200 sweep,
 # benchmarks/results/tune_rows.md): many small programs hide latency better.
 ROWS_TILE_ELEMS = 1024
-# Column block of the streaming variants, in bytes per row.
-STREAM_BLOCK_BYTES = 32768
+# Column block of the streaming variants, in bytes per row: 16 KB beat 8 and 32 KB on
+# the long-row shapes of the H200 sweep.
+STREAM_BLOCK_BYTES = 16384
 # Tile of the pure map kernel: 16384 elements reached the copy ceiling on every shape.
 MAP_TILE_ELEMS = 16384
-# Programs per SM the split variant aims for: fewer, longer chunks left HBM idle.
-SPLIT_PROGRAMS_PER_CORE = 16
+# Programs per SM the split variant aims for: short chunks (2 column blocks) were the
+# fastest in the H200 sweep; fewer, longer chunks leave HBM idle at the tail.
+SPLIT_PROGRAMS_PER_CORE = 64
 # Guard against tilings whose tile cannot live in registers.
 MAX_TILE_ELEMS = 1 << 17
 
