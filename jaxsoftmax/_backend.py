@@ -22,10 +22,11 @@ import os
 import warnings
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["pl", "load", "store", "pallas_call", "resolve_interpret", "num_cores"]
+__all__ = ["pl", "load", "store", "exp2", "pallas_call", "resolve_interpret", "num_cores"]
 
 # The Triton lowering warns on every compilation that it is deprecated. That is a
 # message for kernel authors (this file is where the move will happen), not for users
@@ -72,6 +73,26 @@ def num_cores() -> int:
   """
   device = jax.devices()[0]
   return int(getattr(device, "core_count", 0) or 132)
+
+
+def exp2(interpret: bool):
+  """2**x for float32 tiles inside kernels.
+
+  Compiled, this is the bare hardware instruction (ex2.approx.ftz: about 2 ulp, results
+  below 2**-126 flushed to 0), which libdevice's exp2f wraps in a few more instructions
+  for denormals; those instructions bound bfloat16 kernels by issue rate on an H200.
+  Interpreted, it is jnp.exp2.
+  """
+  if interpret:
+    return jnp.exp2
+
+  def hardware_exp2(x):
+    [y] = plgpu.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return y
+
+  return hardware_exp2
 
 
 def pallas_call(kernel, *, name: str, grid, in_specs, out_specs, out_shape,

@@ -7,9 +7,10 @@ m = max_j x_j, l = sum_j exp(x_j - m) and lse = m + log(l):
 
     loss = log(l) + (1 - a)·(m - x_y) + a·(m - mean_j x_j) + z·lse²
 
-The forward streams each row once and keeps a few float32 numbers per row (m, l, x_y
-and, if a > 0, sum_j (x_j - x_0), summed relative to the row's first logit so that large
-logits do not round the mean away): no probability tensor is written. The backward is one map
+The forward streams each row once and keeps a few float32 numbers per row (m, l and, if
+a > 0, sum_j (x_j - x_0), summed relative to the row's first logit so that large logits
+do not round the mean away); x_y is gathered beside it, one element per row. No
+probability tensor is written. The backward is one map
 over the logits, from the saved (m, l), with p_j = exp(x_j - m) / l:
 
     dx_j = g·[(1 + 2z·lse)·p_j - (1 - a)·[j = y] - a / V] + g_lse·p_j
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsoftmax import _backend, reference
-from jaxsoftmax.rowwise import RowOp, RowTiling, check_floating, exp, row_call
+from jaxsoftmax.rowwise import RowOp, RowTiling, check_floating, row_call
 from jaxsoftmax.state import safe_shift, state_lse
 
 __all__ = ["cross_entropy"]
@@ -36,11 +37,10 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def _forward_op(label_smoothing: float) -> RowOp:
-  """Rows: (labels, first logit of the row if label_smoothing)."""
-  label_logit = lambda t: jnp.where(t.cols == t.rows[0], t.x[0], 0.0)
-  relative_sum = lambda t: t.x[0] - t.rows[1]
+  """Rows: (first logit of the row,) if label_smoothing, else none."""
+  relative_sum = lambda t: t.x[0] - t.rows[0]
   return RowOp("cross_entropy", lse=lambda t: t.x[0],
-               sums=(label_logit, relative_sum) if label_smoothing else (label_logit,))
+               sums=(relative_sum,) if label_smoothing else ())
 
 
 def _backward_op(label_smoothing: float, z_loss: float, n_classes: int) -> RowOp:
@@ -49,7 +49,7 @@ def _backward_op(label_smoothing: float, z_loss: float, n_classes: int) -> RowOp
     x, = t.x
     label, m, l, g, g_lse = t.rows
     # (g·(1 + 2z·lse) + g_lse)·p with p = exp(x - m) / l: one row coefficient times exp.
-    d = exp(x - m) * ((g * (1 + 2 * z_loss * (m + jnp.log(l))) + g_lse) / l)
+    d = t.exp(x - m) * ((g * (1 + 2 * z_loss * (m + jnp.log(l))) + g_lse) / l)
     d = d - jnp.where(t.cols == label, g * (1 - label_smoothing), 0.0)
     if label_smoothing:
       d = d - g * (label_smoothing / n_classes)
@@ -67,10 +67,13 @@ def _rows(logits, labels, ignore_index, label_smoothing, z_loss, tiling, interpr
 def _rows_fwd(logits, labels, ignore_index, label_smoothing, z_loss, tiling, interpret):
   n_classes = logits.shape[-1]
   first = logits[:, 0].astype(jnp.float32)
-  _, (m, l, label_logit, *relative_sum) = row_call(
-      _forward_op(label_smoothing), (logits,), (labels, first)[:1 + bool(label_smoothing)],
+  _, (m, l, *relative_sum) = row_call(
+      _forward_op(label_smoothing), (logits,), (first,) if label_smoothing else (),
       tiling=tiling, interpret=interpret)
   m, lse = safe_shift(m), state_lse(m, l)
+  in_range = (labels >= 0) & (labels < n_classes)
+  label_logit = jnp.take_along_axis(
+      logits, jnp.where(in_range, labels, 0)[:, None], axis=1)[:, 0].astype(jnp.float32)
   # Differences from m first: lse - x_y would lose an ulp of |lse| to cancellation.
   loss = jnp.log(l) + (1 - label_smoothing) * (m - label_logit)
   if label_smoothing:
@@ -78,7 +81,6 @@ def _rows_fwd(logits, labels, ignore_index, label_smoothing, z_loss, tiling, int
   if z_loss:
     loss = loss + z_loss * lse**2
   active = labels != ignore_index
-  in_range = (labels >= 0) & (labels < n_classes)
   # An ignored row contributes nothing; a label out of range (only possible inside jit,
   # where it cannot be checked) makes its row NaN rather than silently wrong.
   loss = jnp.where(active, jnp.where(in_range, loss, jnp.nan), 0.0)

@@ -48,7 +48,7 @@ from jaxsoftmax import _backend
 from jaxsoftmax._backend import pl
 from jaxsoftmax.state import safe_shift, reduce_states
 
-__all__ = ["RowOp", "RowTiling", "RowView", "Tile", "default_tiling", "row_call",
+__all__ = ["RowOp", "RowTiling", "RowView", "Tile", "default_tiling", "exp_for", "row_call",
            "check_floating", "check_where"]
 
 VARIANTS = ("resident", "online", "split")
@@ -151,6 +151,7 @@ class Tile(NamedTuple):
     valid: inside the array and not masked by ``where``, (block_rows, block_cols); None
       when every element is (the shape is a multiple of the tiling and there is no
       ``where``), so that no mask is computed at all.
+    exp: the exp to use on the tile (see `exp_for`).
     e: for ops with a state, in ``apply`` only: exp(lse values - m), 0 where not valid;
       the resident variant reuses the exps of the statistics sweep.
   """
@@ -159,6 +160,7 @@ class Tile(NamedTuple):
   rows: tuple[jax.Array, ...]
   cols: jax.Array
   valid: jax.Array | None
+  exp: Callable[[jax.Array], jax.Array]
   e: jax.Array | None = None
 
 
@@ -221,11 +223,12 @@ class _Layout:
 _LOG2E = 1.4426950408889634
 
 
-def exp(x: jax.Array) -> jax.Array:
-  """exp as one multiply and the hardware exp2 (ex2.approx, 2 ulp): libdevice's expf
-  costs several instructions more, which bounds bfloat16 kernels by issue rate. Callers
-  pass x - m, never x·log2e - m·log2e, so large |x| costs no accuracy."""
-  return jnp.exp2(x * _LOG2E)
+def exp_for(interpret: bool) -> Callable[[jax.Array], jax.Array]:
+  """exp as one multiply and the backend's exp2 (`_backend.exp2`): libdevice's expf costs
+  several instructions more, which bounds bfloat16 kernels by issue rate. Callers pass
+  x - m, never x·log2e - m·log2e, so large |x| costs no accuracy."""
+  exp2 = _backend.exp2(interpret)
+  return lambda x: exp2(x * _LOG2E)
 
 
 def _masked(valid, x, fill):
@@ -292,11 +295,11 @@ def _load_block(refs: _Refs, start, in_bounds, block_cols: int) -> _Block:
   return _Block(xs, where)
 
 
-def _tile(block: _Block, rows, cols, in_bounds) -> Tile:
+def _tile(block: _Block, rows, cols, in_bounds, exp) -> Tile:
   valid = in_bounds
   if block.where is not None:
     valid = block.where if valid is None else valid & block.where
-  return Tile(block.xs, tuple(r[:, None] for r in rows), cols, valid)
+  return Tile(block.xs, tuple(r[:, None] for r in rows), cols, valid, exp)
 
 
 def _pipelined(n_blocks: int, load, consume, carry):
@@ -330,8 +333,8 @@ def _accumulate(op: RowOp, state, tile: Tile):
     v = _masked(tile.valid, op.lse(tile), -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(v, axis=1))
     shift = safe_shift(m_new)
-    e = exp(v - shift[:, None])
-    l = l * exp(m - shift) + jnp.sum(e, axis=1)
+    e = tile.exp(v - shift[:, None])
+    l = l * tile.exp(m - shift) + jnp.sum(e, axis=1)
     m = m_new
   sums = tuple(s + jnp.sum(_masked(tile.valid, f(tile), 0.0), axis=1)
                for s, f in zip(sums, op.sums))
@@ -349,7 +352,7 @@ def _store_map(op: RowOp, out_ref, tile: Tile, in_bounds, stats, *, start, block
     shift = safe_shift(stats[0])
     stats = (shift,) + stats[1:]
     if tile.e is None:  # unused values are dropped by the compiler
-      tile = tile._replace(e=exp(_masked(tile.valid, op.lse(tile), -jnp.inf) - shift))
+      tile = tile._replace(e=tile.exp(_masked(tile.valid, op.lse(tile), -jnp.inf) - shift))
   y = _masked(tile.valid, op.apply(tile, stats), op.fill)
   _backend.store(out_ref.at[:, pl.ds(start, block_cols)], y.astype(out_ref.dtype),
                  mask=in_bounds)
@@ -358,7 +361,8 @@ def _store_map(op: RowOp, out_ref, tile: Tile, in_bounds, stats, *, start, block
 # --- kernels ---------------------------------------------------------------------------
 
 
-def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_blocks: int):
+def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_blocks: int,
+                  exp):
   """resident / online: statistics and map of whole rows in one program."""
   refs = layout.unpack(refs)
   bc = bounds.block_cols
@@ -370,7 +374,7 @@ def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_bloc
   if n_col_blocks == 1:
     # resident: the row is read once and stays in registers for the map.
     cols, in_bounds = tile_bounds(0)
-    tile = _tile(load(0), rows, cols, in_bounds)
+    tile = _tile(load(0), rows, cols, in_bounds, exp)
     state, e = _accumulate(op, _empty_state(op, bounds.block_rows), tile)
     stats = _finish(op, state)
     if refs.out is not None:
@@ -378,7 +382,7 @@ def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_bloc
   else:
     # online: sweep 1 merges the state block by block; sweep 2 re-reads and maps.
     def accumulate(b, block, state):
-      return _accumulate(op, state, _tile(block, rows, *tile_bounds(b)))[0]
+      return _accumulate(op, state, _tile(block, rows, *tile_bounds(b), exp))[0]
 
     stats = _finish(op, _pipelined(n_col_blocks, load, accumulate,
                                    _empty_state(op, bounds.block_rows)))
@@ -386,7 +390,7 @@ def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_bloc
 
       def map_block(b, block, carry):
         cols, in_bounds = tile_bounds(b)
-        _store_map(op, refs.out, _tile(block, rows, cols, in_bounds), in_bounds, stats,
+        _store_map(op, refs.out, _tile(block, rows, cols, in_bounds, exp), in_bounds, stats,
                    start=b * bc, block_cols=bc)
         return carry
 
@@ -396,7 +400,7 @@ def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_bloc
 
 
 def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
-                          chunk_blocks: int):
+                          chunk_blocks: int, exp):
   """split, phase 1: the statistics of one chunk of columns."""
   refs = layout.unpack(refs)
   bc = bounds.block_cols
@@ -406,7 +410,7 @@ def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
   tile_bounds = lambda b: bounds.tile(rows_ok, col0 + b * bc)
 
   def accumulate(b, block, state):
-    return _accumulate(op, state, _tile(block, rows, *tile_bounds(b)))[0]
+    return _accumulate(op, state, _tile(block, rows, *tile_bounds(b), exp))[0]
 
   state = _pipelined(chunk_blocks, lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc),
                      accumulate, _empty_state(op, bounds.block_rows))
@@ -415,7 +419,7 @@ def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
 
 
 def _map_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, chunk_blocks: int,
-                n_stats: int):
+                n_stats: int, exp):
   """split, phase 2, and pure maps: one chunk of columns, row statistics given as the
   last ``n_stats`` row inputs."""
   refs = layout.unpack(refs)
@@ -429,7 +433,7 @@ def _map_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, chunk_blocks
 
   def map_block(b, block, carry):
     cols, in_bounds = tile_bounds(b)
-    _store_map(op, refs.out, _tile(block, rows, cols, in_bounds), in_bounds, stats,
+    _store_map(op, refs.out, _tile(block, rows, cols, in_bounds, exp), in_bounds, stats,
                start=b * bc, block_cols=bc)
     return carry
 
@@ -459,6 +463,7 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
   br, bc = tiling.block_rows, tiling.block_cols
   out_shape = jax.ShapeDtypeStruct((n_rows, n_cols), out_dtype)
   stat_shape = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
+  exp = exp_for(interpret)
 
   def call(kernel, suffix, grid, tile_spec, row_spec, n_rows_in, out_specs, out_shapes):
     in_specs = ([tile_spec] * layout.n_in + [row_spec] * n_rows_in
@@ -477,7 +482,7 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
     bounds = _Bounds(n_rows, n_cols, br, bc, span=n_col_blocks * bc)
     outs = call(
         functools.partial(_fused_kernel, op=op, layout=fused, bounds=bounds,
-                          n_col_blocks=n_col_blocks),
+                          n_col_blocks=n_col_blocks, exp=exp),
         tiling.variant, (pl.cdiv(n_rows, br),), tile_spec, row_spec, layout.n_rows_in,
         [tile_spec] * has_out + [row_spec] * op.n_stats,
         [out_shape] * has_out + [stat_shape] * op.n_stats,
@@ -494,7 +499,7 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
     phase1 = dataclasses.replace(layout, has_out=False, n_stats=op.n_stats)
     parts = call(
         functools.partial(_partial_stats_kernel, op=op, layout=phase1, bounds=bounds,
-                          chunk_blocks=tiling.chunk_blocks),
+                          chunk_blocks=tiling.chunk_blocks, exp=exp),
         "split_stats", grid, tile_spec, row_spec, layout.n_rows_in,
         [pl.BlockSpec((None, br), lambda i, j: (j, i))] * op.n_stats,
         [jax.ShapeDtypeStruct((grid[1], n_rows), jnp.float32)] * op.n_stats,
@@ -508,7 +513,7 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
                                has_out=True, n_stats=0)
   out = call(
       functools.partial(_map_kernel, op=op, layout=phase2, bounds=bounds,
-                        chunk_blocks=tiling.chunk_blocks, n_stats=len(stats)),
+                        chunk_blocks=tiling.chunk_blocks, n_stats=len(stats), exp=exp),
       "split_map" if op.n_stats else "map", grid, tile_spec, row_spec, phase2.n_rows_in,
       tile_spec, out_shape,
   )(*inputs, *row_inputs, *stats, *where)

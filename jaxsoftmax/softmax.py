@@ -33,8 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsoftmax import _backend, reference
-from jaxsoftmax.rowwise import (RowOp, RowTiling, RowView, check_floating, check_where, exp,
-                                row_call)
+from jaxsoftmax.rowwise import RowOp, RowTiling, RowView, check_floating, check_where, row_call
 from jaxsoftmax.state import safe_shift, state_lse
 
 __all__ = ["softmax", "log_softmax", "logsumexp"]
@@ -49,9 +48,9 @@ _SOFTMAX_BWD = RowOp("softmax_bwd", sums=(lambda t: t.x[0] * t.x[1],),
                      apply=lambda t, s: t.x[0] * (t.x[1] - s[0]))
 _LOG_SOFTMAX_BWD = RowOp(
     "log_softmax_bwd", sums=(lambda t: t.x[1],),
-    apply=lambda t, s: t.x[1] - exp(t.x[0] - t.rows[0]) * (s[0] / t.rows[1]))
+    apply=lambda t, s: t.x[1] - t.exp(t.x[0] - t.rows[0]) * (s[0] / t.rows[1]))
 _LOGSUMEXP_BWD = RowOp(
-    "logsumexp_bwd", apply=lambda t, s: exp(t.x[0] - t.rows[1]) * (t.rows[0] / t.rows[2]))
+    "logsumexp_bwd", apply=lambda t, s: t.exp(t.x[0] - t.rows[1]) * (t.rows[0] / t.rows[2]))
 
 
 def _rows_or_none(view: RowView, a):
