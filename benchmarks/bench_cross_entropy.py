@@ -9,7 +9,6 @@ ceiling for the forward and of the copy ceiling for forward + backward.
 
 from __future__ import annotations
 
-import argparse
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +36,7 @@ def bench_shape(report: harness.Report, shape, dtype):
            jax.random.randint(ky, (rows,), 0, classes)) for kx, ky in zip(keys[::2], keys[1::2])]
   common = dict(shape=shape, dtype=jnp.dtype(dtype).name)
   x_sets = [(x,) for x, _ in sets]
-  copy = report.measure(op="ceiling", impl="pallas copy", mode="copy", fn=harness.copy_kernel,
-                        arg_sets=x_sets, nbytes=2 * n_bytes, **common)
-  read = report.measure(op="ceiling", impl="pallas read", mode="read", fn=harness.read_kernel,
-                        arg_sets=x_sets, nbytes=n_bytes, ceiling="read", **common)
+  copy, read = harness.measure_ceilings(report, x_sets, shape=shape, dtype=dtype)
   ref = lambda x, y: reference.cross_entropy(x, y)
   truth_fwd = harness.float64_truth(ref, *sets[0])
   truth_both = harness.float64_truth(jax.value_and_grad(ref), *sets[0])
@@ -54,19 +50,6 @@ def bench_shape(report: harness.Report, shape, dtype):
                    ceiling_gbps=copy, **common)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="benchmarks/results")
-  parser.add_argument("--name", default="cross_entropy")
-  parser.add_argument("--smoke", action="store_true", help="tiny shapes, any backend")
-  args = parser.parse_args()
-  harness.check_platform(args.smoke)
-  shapes = SMOKE_SHAPES if args.smoke else SHAPES
-  report = harness.Report(args.name, total=6 * len(shapes), out_dir=args.out)
-  for shape, dtype in shapes:
-    bench_shape(report, shape, dtype)
-  report.finish()
-
-
 if __name__ == "__main__":
-  main()
+  harness.run("cross_entropy", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
+              lambda shape, dtype: 2 + 2 * len(IMPLS))

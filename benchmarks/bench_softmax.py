@@ -10,7 +10,6 @@ write dx). % is of the copy ceiling, or of the read ceiling for logsumexp.
 
 from __future__ import annotations
 
-import argparse
 import math
 import warnings
 
@@ -65,10 +64,7 @@ def bench_shape(report: harness.Report, shape, dtype):
   x_sets = [(x,) for x in xs]
   common = dict(shape=shape, dtype=name)
 
-  copy = report.measure(op="ceiling", impl="pallas copy", mode="copy", fn=harness.copy_kernel,
-                        arg_sets=x_sets, nbytes=2 * n * itemsize, **common)
-  read = report.measure(op="ceiling", impl="pallas read", mode="read", fn=harness.read_kernel,
-                        arg_sets=x_sets, nbytes=n * itemsize, ceiling="read", **common)
+  copy, read = harness.measure_ceilings(report, x_sets, shape=shape, dtype=dtype)
 
   for op in OPS:
     ours, xla, ref = getattr(js, op), getattr(jax.nn, op), getattr(reference, op)
@@ -91,20 +87,11 @@ def bench_shape(report: harness.Report, shape, dtype):
                      ceiling_gbps=copy, **common)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="benchmarks/results")
-  parser.add_argument("--name", default="softmax")
-  parser.add_argument("--smoke", action="store_true", help="tiny shapes, any backend")
-  args = parser.parse_args()
-  harness.check_platform(args.smoke)
-  shapes = SMOKE_SHAPES if args.smoke else SHAPES
-  per_shape = 2 + 2 * 3 + 1 + 4
-  report = harness.Report(args.name, total=per_shape * len(shapes), out_dir=args.out)
-  for shape, dtype in shapes:
-    bench_shape(report, shape, dtype)
-  report.finish()
+def _rows(shape, dtype):
+  pallas = shape[-1] <= PALLAS_MAX_COLS
+  # ceilings; softmax fwd (+ Pallas) and fwd+bwd; log_softmax fwd and fwd+bwd; logsumexp fwd
+  return 2 + (2 + pallas) + 2 + 2 + 2 + 2
 
 
 if __name__ == "__main__":
-  main()
+  harness.run("softmax", __doc__, SHAPES, SMOKE_SHAPES, bench_shape, _rows)

@@ -16,6 +16,7 @@ probabilities that underflow).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import glob
 import json
@@ -302,8 +303,33 @@ class Report:
     plt.close(fig)
 
 
-def check_platform(smoke: bool):
-  """Benchmarks time compiled kernels; only a --smoke run (tiny shapes, interpreted
-  kernels, wall-clock times) of the scripts themselves may run without a GPU."""
-  if jax.default_backend() != "gpu" and not smoke:
+def measure_ceilings(report: Report, x_sets, *, shape, dtype) -> tuple[float, float]:
+  """Copy and read bandwidth (GB/s) on these inputs, as rows of the report."""
+  nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize
+  common = dict(shape=shape, dtype=jnp.dtype(dtype).name)
+  copy = report.measure(op="ceiling", impl="pallas copy", mode="copy", fn=copy_kernel,
+                        arg_sets=x_sets, nbytes=2 * nbytes, **common)
+  read = report.measure(op="ceiling", impl="pallas read", mode="read", fn=read_kernel,
+                        arg_sets=x_sets, nbytes=nbytes, ceiling="read", **common)
+  return copy, read
+
+
+def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape):
+  """The command line every benchmark script shares: ``--out``, ``--smoke``.
+
+  ``bench_shape(report, shape, dtype)`` adds the rows of one shape. Benchmarks time
+  compiled kernels; only a --smoke run (tiny shapes, interpreted kernels, wall-clock
+  times) of the scripts themselves may run without a GPU.
+  """
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, any backend")
+  args = parser.parse_args()
+  if jax.default_backend() != "gpu" and not args.smoke:
     sys.exit("benchmarks time compiled kernels: run them on a GPU (or pass --smoke)")
+  shapes = smoke_shapes if args.smoke else shapes
+  total = sum(rows_per_shape(shape, dtype) for shape, dtype in shapes)
+  report = Report(name, total=total, out_dir=args.out)
+  for shape, dtype in shapes:
+    bench_shape(report, shape, dtype)
+  report.finish()

@@ -10,7 +10,6 @@ the split variant's second phase). Each row is one tiling, named in the impl col
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import jax
@@ -29,7 +28,7 @@ _IDENTITY = RowOp("identity", apply=lambda t, s: t.x[0])
 def _name(t: RowTiling) -> str:
   return (f"{t.variant} {t.block_rows}x{t.block_cols}"
           + (f" c{t.chunk_blocks}" if t.variant == "split" else "")
-          + f" w{t.num_warps} s{t.num_stages}")
+          + f" w{t.num_warps}")
 
 
 def reduction_tilings(rows, cols, dtype):
@@ -70,8 +69,7 @@ def tune_shape(report, shape, dtype):
   keys = jax.random.split(jax.random.PRNGKey(1), harness.rotations(n * itemsize))
   x_sets = [((4 * jax.random.normal(k, shape, jnp.float32)).astype(dtype),) for k in keys]
   common = dict(shape=shape, dtype=jnp.dtype(dtype).name)
-  copy = report.measure(op="ceiling", impl="pallas copy", mode="copy", fn=harness.copy_kernel,
-                        arg_sets=x_sets, nbytes=2 * n * itemsize, **common)
+  copy, _ = harness.measure_ceilings(report, x_sets, shape=shape, dtype=dtype)
   default = js.rowwise.default_tiling(rows, cols, dtype, reduces=True)
   for t in reduction_tilings(rows, cols, dtype):
     mark = " (default)" if t == default else ""
@@ -87,19 +85,7 @@ def tune_shape(report, shape, dtype):
                    arg_sets=x_sets, nbytes=2 * n * itemsize, ceiling_gbps=copy, **common)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="benchmarks/results")
-  parser.add_argument("--smoke", action="store_true", help="tiny shapes, any backend")
-  args = parser.parse_args()
-  harness.check_platform(args.smoke)
-  shapes = SMOKE_SHAPES if args.smoke else SHAPES
-  total = sum(1 + len(reduction_tilings(*s, d)) + len(map_tilings(*s, d)) for s, d in shapes)
-  report = harness.Report("tune_rows", total=total, out_dir=args.out)
-  for shape, dtype in shapes:
-    tune_shape(report, shape, dtype)
-  report.finish()
-
-
 if __name__ == "__main__":
-  main()
+  harness.run("tune_rows", __doc__, SHAPES, SMOKE_SHAPES, tune_shape,
+              lambda shape, dtype: 2 + len(reduction_tilings(*shape, dtype))
+              + len(map_tilings(*shape, dtype)))

@@ -27,8 +27,10 @@ Memory traffic for an op with k (R, C) inputs and one output of b-byte elements:
 resident (k + 1)·R·C·b, the minimum; online and split (2k + 1)·R·C·b, less what L2 serves.
 
 Edge tiles: Pallas' Triton lowering does not bound-check block accesses, and interpret
-mode pads blocks with garbage, so every load and store below is masked by the row and
-column bounds. `where`-masked elements take part in no statistic and get ``op.fill``.
+mode pads blocks with garbage, so every load and store that can reach past the array is
+masked; which ones can is known statically from the shape and the tiling (`_Bounds`), and
+the others carry no mask at all. `where`-masked elements take part in no statistic and
+get ``op.fill``.
 """
 
 from __future__ import annotations
@@ -86,7 +88,6 @@ class RowTiling:
     block_cols: columns per tile; a power of two. ``resident`` needs it >= the row length.
     chunk_blocks: ``split`` only: column blocks (of ``block_cols``) per program.
     num_warps: warps per program; a power of two from 1 to 32.
-    num_stages: software-pipelining depth Triton uses for the column loops.
   """
 
   variant: str
@@ -94,7 +95,6 @@ class RowTiling:
   block_cols: int = 1024
   chunk_blocks: int = 1
   num_warps: int = 4
-  num_stages: int = 1
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
@@ -111,8 +111,6 @@ class RowTiling:
       raise ValueError(f"RowTiling.chunk_blocks must be a positive int, got {self.chunk_blocks!r}")
     if not (_is_pow2(self.num_warps) and self.num_warps <= 32):
       raise ValueError(f"RowTiling.num_warps must be a power of two <= 32, got {self.num_warps!r}")
-    if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
-      raise ValueError(f"RowTiling.num_stages must be a positive int, got {self.num_stages!r}")
 
 
 def _warps_for(tile_elems: int) -> int:
@@ -471,7 +469,9 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
     return _backend.pallas_call(
         kernel, name=f"{op.name}_{suffix}", grid=grid, in_specs=in_specs,
         out_specs=out_specs, out_shape=out_shapes, num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages, interpret=interpret)
+        # The column loops are pipelined by hand (`_pipelined`); Triton's pipeliner,
+        # which only acts on loops feeding dots, gets nothing to do.
+        num_stages=1, interpret=interpret)
 
   if op.n_stats and tiling.variant in ("resident", "online"):
     n_col_blocks = pl.cdiv(n_cols, bc)
