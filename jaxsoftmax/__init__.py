@@ -1,10 +1,11 @@
 """jaxsoftmax: online-softmax and FlashAttention kernels for JAX, written in Pallas.
 
-Drop-in replacements for jax.nn.softmax / log_softmax / logsumexp and for optax's
-integer-label softmax cross-entropy, with custom VJPs whose backward passes recompute
-from the saved log-sum-exp. See README.md and DESIGN notes for the numerics contract.
+Drop-in replacements for jax.nn.softmax / log_softmax / logsumexp /
+dot_product_attention and for optax's integer-label softmax cross-entropy, with custom
+VJPs whose backward passes recompute from the saved row statistics. See README.md and DESIGN notes for the numerics contract.
 """
 
+from jaxsoftmax.attention import dot_product_attention
 from jaxsoftmax.cross_entropy import cross_entropy
 from jaxsoftmax.rowwise import RowTiling
 from jaxsoftmax.softmax import log_softmax, logsumexp, softmax
@@ -16,6 +17,7 @@ __all__ = [
     "log_softmax",
     "logsumexp",
     "cross_entropy",
+    "dot_product_attention",
     "merge_states",
     "reduce_states",
     "state_lse",

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["pl", "load", "store", "exp2", "pallas_call", "resolve_interpret", "num_cores"]
+__all__ = ["pl", "load", "store", "dot", "exp2", "pallas_call", "resolve_interpret",
+           "num_cores"]
 
 # The Triton lowering warns on every compilation that it is deprecated. That is a
 # message for kernel authors (this file is where the move will happen), not for users
@@ -73,6 +74,13 @@ def num_cores() -> int:
   """
   device = jax.devices()[0]
   return int(getattr(device, "core_count", 0) or 132)
+
+
+def dot(a, b, *, trans_b: bool = False, trans_a: bool = False):
+  """A matrix product on the tensor cores, accumulated in float32. float32 operands use
+  full float32 precision (Triton would otherwise round them to tf32)."""
+  precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
 
 
 def exp2(interpret: bool):

@@ -1,0 +1,180 @@
+"""`dot_product_attention`: jax.nn.dot_product_attention's signature on FlashAttention
+kernels, with a custom VJP that saves (q, k, v, o, lse) and nothing of size T x S.
+
+Layout B T N H (or T N H, unbatched); K/V heads K dividing N (GQA, MQA). Beyond jax.nn:
+``logits_soft_cap``, ``segment_ids`` for packed sequences, and ``block_sizes``. A query
+row with no allowed key gets output 0, lse -inf and zero gradients (jax.nn averages the
+values instead). ``bias`` and ``mask`` take the pure-jnp path of `reference`, slower and
+O(T·S) in memory, with exact values and gradients (dbias included).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsoftmax import _backend, reference
+from jaxsoftmax.attention.backward import backward
+from jaxsoftmax.attention.forward import forward
+from jaxsoftmax.attention.masks import MaskSpec
+from jaxsoftmax.attention.tiling import BlockSizes
+
+__all__ = ["dot_product_attention", "BlockSizes"]
+
+_IMPLEMENTATIONS = (None, "pallas", "xla")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention(q, k, v, aux, spec, blocks, scale, softcap, interpret):
+  return _attention_fwd(q, k, v, aux, spec, blocks, scale, softcap, interpret)[0]
+
+
+def _attention_fwd(q, k, v, aux, spec, blocks, scale, softcap, interpret):
+  o, lse = forward(q, k, v, aux, spec=spec, blocks=blocks, scale=scale, softcap=softcap,
+                   interpret=interpret)
+  return (o, lse), (q, k, v, aux, o, lse)
+
+
+def _attention_bwd(spec, blocks, scale, softcap, interpret, res, cotangents):
+  q, k, v, aux, o, lse = res
+  do, _ = cotangents  # the public lse is under stop_gradient, as in jax.nn
+  dq, dk, dv = backward(q, k, v, o, lse, do, aux, spec=spec, blocks=blocks, scale=scale,
+                        softcap=softcap, interpret=interpret)
+  return dq, dk, dv, jax.tree.map(lambda _: None, aux)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention_jit = jax.jit(_attention, static_argnums=(4, 5, 6, 7, 8))
+
+
+def _window(local_window_size) -> tuple[int, int] | None:
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, int):
+    local_window_size = (local_window_size, local_window_size)
+  if (not isinstance(local_window_size, Sequence) or len(local_window_size) != 2
+      or not all(isinstance(w, int) and w >= 0 for w in local_window_size)):
+    raise ValueError("dot_product_attention: local_window_size must be an int >= 0 or a "
+                     f"(left, right) pair of them, got {local_window_size!r}")
+  return tuple(local_window_size)
+
+
+def _lengths(lengths, batch: int, name: str):
+  if lengths is None:
+    return None
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"dot_product_attention: {name} must be an integer array of shape "
+                     f"({batch},), got {lengths.dtype} {lengths.shape}")
+  return lengths.astype(jnp.int32)
+
+
+def _segments(segment_ids, B: int, T: int, S: int):
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    q_seg, kv_seg = (jnp.asarray(s) for s in segment_ids)
+  else:
+    q_seg = kv_seg = jnp.asarray(segment_ids)
+  if q_seg.shape != (B, T) or kv_seg.shape != (B, S) or not (
+      jnp.issubdtype(q_seg.dtype, jnp.integer) and jnp.issubdtype(kv_seg.dtype, jnp.integer)):
+    raise ValueError(
+        "dot_product_attention: segment_ids must be integer arrays of shape (B, T) for the "
+        f"queries and (B, S) for the keys (one array when T == S); got {q_seg.dtype} "
+        f"{q_seg.shape} and {kv_seg.dtype} {kv_seg.shape} for B={B}, T={T}, S={S}")
+  return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+
+
+def _check_inputs(query, key, value):
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim != 4:
+      raise ValueError(f"dot_product_attention: {name} must have rank 4 (B, T, N, H) or 3 "
+                       f"(T, N, H), got shape {x.shape}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64):
+      raise TypeError(f"dot_product_attention: {name} must be float32, bfloat16, float16 "
+                      f"(or float64 on the reference path), got {x.dtype}")
+  if not query.dtype == key.dtype == value.dtype:
+    raise TypeError("dot_product_attention: query, key and value must share a dtype, got "
+                    f"{query.dtype}, {key.dtype}, {value.dtype}")
+  B, _, N, H = query.shape
+  if key.shape != value.shape:
+    raise ValueError(f"dot_product_attention: key {key.shape} and value {value.shape} must "
+                     "have the same shape (B, S, K, H)")
+  if key.shape[0] != B or key.shape[3] != H:
+    raise ValueError(f"dot_product_attention: key {key.shape} must match query "
+                     f"{query.shape} in batch and head dim")
+  if N % key.shape[2]:
+    raise ValueError(f"dot_product_attention: the {N} query heads must be a multiple of the "
+                     f"{key.shape[2]} key/value heads")
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                          is_causal=False, query_seq_lengths=None,
+                          key_value_seq_lengths=None, local_window_size=None,
+                          implementation=None, return_residual=False,
+                          logits_soft_cap=None, segment_ids=None,
+                          block_sizes: BlockSizes | None = None,
+                          interpret: bool | None = None):
+  """Scaled dot-product attention, as jax.nn.dot_product_attention.
+
+  Args:
+    query: (B, T, N, H) or (T, N, H); float32, bfloat16 or float16.
+    key, value: (B, S, K, H) or (S, K, H), with K dividing N.
+    bias, mask: optional, broadcastable to (B, N, T, S); handled on the reference path.
+    scale: logits scale, 1/sqrt(H) by default.
+    is_causal: key j is visible to query i when j <= i (top-left aligned when T != S).
+    query_seq_lengths, key_value_seq_lengths: optional (B,) int lengths.
+    local_window_size: int or (left, right): query i sees keys i - left ... i + right.
+    implementation: None or "pallas" for the kernels, "xla" for the reference path.
+    return_residual: also return the float32 log-sum-exp of the logits, (B, T, N).
+    logits_soft_cap: cap c > 0: logits become c·tanh(logits / c) before masking.
+    segment_ids: (B, T) ints when T == S, or a (query (B, T), key (B, S)) pair: a query
+      sees only keys of its segment (packed sequences).
+    block_sizes: optional `BlockSizes` for tuning; default chosen from the shape.
+    interpret: run the kernels in Pallas interpret mode (see `jaxsoftmax.softmax`).
+
+  Returns:
+    The output, shaped and typed like ``query``, and with ``return_residual`` the lse.
+  """
+  query, key, value = (jnp.asarray(a) for a in (query, key, value))
+  unbatched = query.ndim == 3
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+  _check_inputs(query, key, value)
+  B, T, N, H = query.shape
+  S = key.shape[1]
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"dot_product_attention: implementation must be one of "
+                     f"{_IMPLEMENTATIONS}, got {implementation!r}")
+  if logits_soft_cap is not None and not logits_soft_cap > 0:
+    raise ValueError(f"dot_product_attention: logits_soft_cap must be > 0, got "
+                     f"{logits_soft_cap!r}")
+  window = _window(local_window_size)
+  q_len = _lengths(query_seq_lengths, B, "query_seq_lengths")
+  kv_len = _lengths(key_value_seq_lengths, B, "key_value_seq_lengths")
+  q_seg, kv_seg = _segments(segment_ids, B, T, S)
+  scale = float(1 / np.sqrt(H) if scale is None else scale)
+
+  if (bias is not None or mask is not None or implementation == "xla"
+      or query.dtype == jnp.float64):
+    out, lse = reference.dot_product_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=q_len, key_value_seq_lengths=kv_len, local_window_size=window,
+        logits_soft_cap=logits_soft_cap, q_segments=q_seg, kv_segments=kv_seg)
+    lse = jax.lax.stop_gradient(lse)
+  else:
+    spec = MaskSpec(T, S, bool(is_causal), *(window or (None, None)),
+                    has_kv_lengths=kv_len is not None, has_q_lengths=q_len is not None,
+                    has_segments=q_seg is not None)
+    blocks = block_sizes or BlockSizes.default(T, S, H, query.dtype)
+    out, lse = _attention_jit(query, key, value, (q_len, kv_len, q_seg, kv_seg), spec,
+                              blocks, scale, logits_soft_cap,
+                              _backend.resolve_interpret(interpret))
+    lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)))  # (B, N, T) -> (B, T, N)
+  if unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residual else out

@@ -1,0 +1,128 @@
+"""Which (query, key) pairs attention may use, per element and per block.
+
+Query i may attend to key j when all the masks in use allow it:
+
+    causal          j <= i                      (top-left aligned when T != S, as jax.nn)
+    local window    i - left <= j <= i + right
+    key lengths     j < key_value_seq_lengths[b]
+    segments        segment_ids_q[b, i] == segment_ids_kv[b, j]
+    padding         j < S                       (the last key block may run past S)
+
+Query rows at or past query_seq_lengths[b] use no key at all: their output is 0 and their
+lse -inf, which the kernels get by skipping their blocks and zeroing those rows at the end.
+
+The kernels walk the key blocks of a query block in three ranges (FlashAttention-2, and
+the Triton tutorial's split of the causal loop): blocks that no mask can reach run
+without any element mask; only the boundary blocks before and after them compute one,
+and blocks that are entirely masked are not visited at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """The static part of the masks (the lengths and segment ids are arrays)."""
+
+  q_len: int  # T
+  kv_len: int  # S
+  is_causal: bool = False
+  window_left: int | None = None
+  window_right: int | None = None
+  has_kv_lengths: bool = False
+  has_q_lengths: bool = False
+  has_segments: bool = False
+
+  @property
+  def masks_elements(self) -> bool:
+    """Whether any mask beyond the key padding applies."""
+    return (self.is_causal or self.window_left is not None or self.window_right is not None
+            or self.has_kv_lengths or self.has_segments)
+
+
+# Block arithmetic on non-negative int32 scalars, where truncation is the floor.
+def _floor_div(a, b: int):
+  return lax.div(a, jnp.int32(b))
+
+
+def _cdiv(a, b: int):
+  return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def key_block_ranges(spec: MaskSpec, q0, block_q: int, block_k: int, kv_length, q_length):
+  """(lo, full_lo, full_hi, hi): key blocks [lo, hi) may hold allowed keys for the queries
+  [q0, q0 + block_q); those in [full_lo, full_hi) need no element mask.
+
+  ``q0`` and the batch row's lengths (or None) may be traced int32 scalars.
+  """
+  n_blocks = _cdiv(spec.kv_len, block_k)
+  q_last = q0 + block_q - 1
+  lo = jnp.int32(0)
+  hi = jnp.int32(n_blocks)
+  # Blocks entirely inside every mask: the last key must be allowed for the first query
+  # and the first key for the last query.
+  full_lo = jnp.int32(0)
+  full_hi = jnp.int32(spec.kv_len // block_k)  # a partial last block is masked
+  if spec.is_causal:
+    hi = jnp.minimum(hi, _cdiv(q_last + 1, block_k))
+    full_hi = jnp.minimum(full_hi, _floor_div(q0 + 1, block_k))
+  if spec.window_right is not None:
+    hi = jnp.minimum(hi, _cdiv(q_last + spec.window_right + 1, block_k))
+    full_hi = jnp.minimum(full_hi, _floor_div(q0 + spec.window_right + 1, block_k))
+  if spec.window_left is not None:
+    lo = jnp.maximum(lo, _floor_div(jnp.maximum(q0 - spec.window_left, 0), block_k))
+    full_lo = jnp.maximum(full_lo, _cdiv(jnp.maximum(q_last - spec.window_left, 0), block_k))
+  if kv_length is not None:
+    hi = jnp.minimum(hi, _cdiv(kv_length, block_k))
+    full_hi = jnp.minimum(full_hi, _floor_div(kv_length, block_k))
+  if spec.has_segments:
+    full_hi = full_lo  # every block compares segment ids
+  if q_length is not None:  # queries past the length use no key
+    hi = jnp.where(q0 < q_length, hi, lo)
+  hi = jnp.maximum(hi, lo)
+  full_lo = jnp.clip(full_lo, lo, hi)
+  full_hi = jnp.clip(full_hi, full_lo, hi)
+  return lo, full_lo, full_hi, hi
+
+
+def query_block_ranges(spec: MaskSpec, k0, block_q: int, block_k: int, kv_length,
+                       q_length, n_q_blocks: int):
+  """(lo, hi): query blocks that may attend to some key of [k0, k0 + block_k); for the
+  dK/dV kernel. Element masks are applied on every visited block there."""
+  k_last = k0 + block_k - 1
+  lo = jnp.int32(0)
+  hi = jnp.int32(n_q_blocks)
+  if spec.is_causal:  # queries i >= j
+    lo = jnp.maximum(lo, _floor_div(k0, block_q))
+  if spec.window_left is not None:  # i <= j + left
+    hi = jnp.minimum(hi, _cdiv(k_last + spec.window_left + 1, block_q))
+  if spec.window_right is not None:  # i >= j - right
+    lo = jnp.maximum(lo, _floor_div(jnp.maximum(k0 - spec.window_right, 0), block_q))
+  if kv_length is not None:  # the whole key block past the length: nothing to do
+    hi = jnp.where(k0 < kv_length, hi, lo)
+  if q_length is not None:
+    hi = jnp.minimum(hi, _cdiv(q_length, block_q))
+  return lo, jnp.maximum(hi, lo)
+
+
+def element_mask(spec: MaskSpec, q_idx: jax.Array, k_idx: jax.Array, kv_length,
+                 q_segments, k_segments) -> jax.Array:
+  """The (block_q, block_k) mask of allowed pairs; q_idx (block_q, 1), k_idx (1, block_k)."""
+  allowed = k_idx < spec.kv_len
+  if spec.is_causal:
+    allowed = allowed & (k_idx <= q_idx)
+  if spec.window_left is not None:
+    allowed = allowed & (q_idx - spec.window_left <= k_idx)
+  if spec.window_right is not None:
+    allowed = allowed & (k_idx <= q_idx + spec.window_right)
+  if kv_length is not None:
+    allowed = allowed & (k_idx < kv_length)
+  if q_segments is not None:
+    allowed = allowed & (q_segments[:, None] == k_segments[None, :])
+  return allowed

@@ -1,0 +1,189 @@
+"""dot_product_attention: output, lse and all gradients against the float64 truth."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxsoftmax as js
+from jaxsoftmax import reference
+from jaxsoftmax.attention import BlockSizes
+from tolerance import assert_2x, truth
+
+SMALL_BLOCKS = BlockSizes(16, 16, 16, 16, num_warps=4, num_warps_bwd=4)
+
+
+def _inputs(key, B, T, S, N, K, H, dtype):
+  kq, kk, kv, kd = jax.random.split(key, 4)
+  q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (B, S, K, H), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (B, S, K, H), jnp.float32).astype(dtype)
+  do = jax.random.normal(kd, (B, T, N, H), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+def _segments(key, B, T, S):
+  kq, kk = jax.random.split(key)
+  return (jnp.sort(jax.random.randint(kq, (B, T), 0, 3), axis=1),
+          jnp.sort(jax.random.randint(kk, (B, S), 0, 3), axis=1))
+
+
+def _check(q, k, v, do, *, blocks=None, interpret=True, segments=None, **options):
+  """Output, lse and (dq, dk, dv) of the kernels against the float64 truth (2x rule)."""
+  q_seg, kv_seg = segments if segments is not None else (None, None)
+
+  def run(attention, q, k, v, do):
+    (o, lse), vjp = jax.vjp(attention, q, k, v)
+    return (o, lse, *vjp((do, jnp.zeros_like(lse))))
+
+  def ours(q, k, v):
+    return js.dot_product_attention(q, k, v, return_residual=True, block_sizes=blocks,
+                                    interpret=interpret, segment_ids=segments, **options)
+
+  def ref(q, k, v):
+    return reference.dot_product_attention(q, k, v, q_segments=q_seg, kv_segments=kv_seg,
+                                           **options)
+
+  got = jax.jit(functools.partial(run, ours))(q, k, v, do)
+  in_dtype = jax.jit(functools.partial(run, ref))(q, k, v, do)
+  exact = truth(functools.partial(run, ref), q, k, v, do)
+  for what, a, b, c in zip(("output", "lse", "dq", "dk", "dv"), got, in_dtype, exact):
+    assert_2x(a, b, c, what=what)
+  return got
+
+
+# (B, T, S, N, K, H, options): the path each one exercises, with 16 x 16 blocks.
+INTERPRET_CASES = [
+    pytest.param(2, 37, 45, 4, 2, 24, {}, id="gqa-ragged-T!=S-H24"),
+    pytest.param(1, 40, 40, 2, 2, 32, dict(is_causal=True), id="causal-diagonal-blocks"),
+    pytest.param(2, 33, 50, 3, 1, 16, dict(is_causal=True, local_window_size=(9, 4)),
+                 id="mqa-causal-window"),
+    pytest.param(2, 30, 30, 2, 1, 16, dict(local_window_size=5), id="symmetric-window"),
+    pytest.param(2, 29, 35, 2, 2, 16, dict(query_seq_lengths=jnp.array([20, 29]),
+                                          key_value_seq_lengths=jnp.array([35, 9])),
+                 id="lengths"),
+    pytest.param(1, 30, 30, 2, 2, 16, dict(logits_soft_cap=2.0, scale=0.7), id="softcap"),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("B, T, S, N, K, H, options", INTERPRET_CASES)
+def test_matches_truth_interpret(key, B, T, S, N, K, H, options, dtype):
+  _check(*_inputs(key, B, T, S, N, K, H, dtype), blocks=SMALL_BLOCKS, **options)
+
+
+def test_segments_and_fully_masked_rows(key):
+  B, T, S = 2, 34, 34
+  q, k, v, do = _inputs(key, B, T, S, 2, 1, 16, jnp.float32)
+  q_seg, kv_seg = _segments(key, B, T, S)
+  kv_seg = kv_seg.at[0].set(7)  # batch row 0: no key shares a query's segment
+  o, lse, dq, dk, dv = _check(q, k, v, do, blocks=SMALL_BLOCKS, segments=(q_seg, kv_seg),
+                              is_causal=True)
+  np.testing.assert_array_equal(o[0], 0.0)
+  np.testing.assert_array_equal(lse[0], -np.inf)
+  for g in (dq[0], dk[0], dv[0]):
+    np.testing.assert_array_equal(g, 0.0)
+
+
+# Default block sizes, compiled, on shapes whose lengths are not multiples of a block.
+GPU_CASES = [
+    pytest.param(2, 1000, 1000, 8, 2, 128, dict(is_causal=True), id="causal-gqa-H128"),
+    pytest.param(1, 700, 1300, 4, 4, 64, {}, id="T!=S-H64"),
+    pytest.param(2, 513, 513, 4, 1, 80, dict(local_window_size=(100, 20)), id="window-H80"),
+    pytest.param(1, 400, 400, 2, 2, 256, dict(is_causal=True, logits_soft_cap=20.0),
+                 id="softcap-H256"),
+    pytest.param(2, 300, 300, 4, 2, 96, dict(query_seq_lengths=jnp.array([300, 123]),
+                                             key_value_seq_lengths=jnp.array([77, 300])),
+                 id="lengths-H96"),
+    pytest.param(1, 257, 257, 2, 2, 192, {}, id="H192"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32],
+                         ids=["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("B, T, S, N, K, H, options", GPU_CASES)
+def test_matches_truth_gpu(key, B, T, S, N, K, H, options, dtype):
+  _check(*_inputs(key, B, T, S, N, K, H, dtype), interpret=False, **options)
+
+
+@pytest.mark.gpu
+def test_segments_gpu(key):
+  B, T = 2, 700
+  q, k, v, do = _inputs(key, B, T, T, 4, 2, 64, jnp.bfloat16)
+  _check(q, k, v, do, interpret=False, segments=_segments(key, B, T, T), is_causal=True)
+
+
+def test_matches_jax_nn(key):
+  q, k, v, _ = _inputs(key, 2, 20, 24, 4, 2, 16, jnp.float32)
+  for options in ({}, dict(is_causal=True), dict(local_window_size=(3, 2)),
+                  dict(key_value_seq_lengths=jnp.array([24, 11], jnp.int32))):
+    np.testing.assert_allclose(js.dot_product_attention(q, k, v, **options),
+                               jax.nn.dot_product_attention(q, k, v, **options),
+                               rtol=2e-5, atol=2e-6)
+
+
+def test_bias_and_mask_take_the_reference_path(key):
+  q, k, v, _ = _inputs(key, 2, 12, 12, 2, 2, 16, jnp.float32)
+  bias = jax.random.normal(key, (1, 2, 12, 12))
+  mask = jax.random.uniform(key, (2, 1, 12, 12)) > 0.2
+  loss = lambda f, b: jnp.sum(f(q, k, v, bias=b, mask=mask) ** 2)
+  np.testing.assert_allclose(loss(js.dot_product_attention, bias),
+                             loss(jax.nn.dot_product_attention, bias), rtol=1e-5)
+  np.testing.assert_allclose(jax.grad(functools.partial(loss, js.dot_product_attention))(bias),
+                             jax.grad(functools.partial(loss, jax.nn.dot_product_attention))(bias),
+                             rtol=1e-4, atol=1e-6)
+
+
+def test_check_grads(key):
+  q, k, v, _ = _inputs(key, 1, 18, 20, 2, 1, 16, jnp.float32)
+  f = functools.partial(js.dot_product_attention, is_causal=True, block_sizes=SMALL_BLOCKS)
+  check_grads(f, (q, k, v), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
+def test_unbatched_jit_and_vmap(key):
+  q, k, v, _ = _inputs(key, 3, 20, 20, 2, 2, 16, jnp.float32)
+  ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  f = functools.partial(js.dot_product_attention, is_causal=True)
+  np.testing.assert_allclose(jax.jit(f)(q[0], k[0], v[0]), ref[0], rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(jax.vmap(f)(q, k, v), ref, rtol=2e-5, atol=2e-6)
+
+
+def test_default_block_sizes():
+  assert BlockSizes.default(4096, 4096, 128, jnp.bfloat16).block_q == 128
+  small = BlockSizes.default(7, 9, 20, jnp.bfloat16)
+  assert (small.block_q, small.block_k) == (16, 16)
+  assert BlockSizes.default(4096, 4096, 256, jnp.bfloat16).block_k == 32
+
+
+def test_bad_input_names_the_argument():
+  q = jnp.zeros((2, 8, 4, 16))
+  kv = jnp.zeros((2, 8, 2, 16))
+  attention = js.dot_product_attention
+  with pytest.raises(ValueError, match=r"query must have rank 4.*\(8, 16\)"):
+    attention(jnp.zeros((8, 16)), kv, kv)
+  with pytest.raises(ValueError, match="4 query heads must be a multiple of the 3"):
+    attention(q, jnp.zeros((2, 8, 3, 16)), jnp.zeros((2, 8, 3, 16)))
+  with pytest.raises(ValueError, match="must match query"):
+    attention(q, jnp.zeros((2, 8, 2, 32)), jnp.zeros((2, 8, 2, 32)))
+  with pytest.raises(TypeError, match="share a dtype"):
+    attention(q, kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16))
+  with pytest.raises(TypeError, match="query must be float32"):
+    attention(q.astype(jnp.int32), kv, kv)
+  with pytest.raises(ValueError, match=r"key_value_seq_lengths must be an integer array of "
+                                       r"shape \(2,\)"):
+    attention(q, kv, kv, key_value_seq_lengths=jnp.array([1, 2, 3]))
+  with pytest.raises(ValueError, match="local_window_size must be"):
+    attention(q, kv, kv, local_window_size=(-1, 2))
+  with pytest.raises(ValueError, match="logits_soft_cap must be > 0"):
+    attention(q, kv, kv, logits_soft_cap=0.0)
+  with pytest.raises(ValueError, match="segment_ids must be integer arrays"):
+    attention(q, kv, kv, segment_ids=jnp.zeros((2, 5), jnp.int32))
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    attention(q, kv, kv, implementation="cudnn")
+  with pytest.raises(ValueError, match="block_q must be a power of two >= 16"):
+    BlockSizes(block_q=24)
