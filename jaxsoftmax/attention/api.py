@@ -168,7 +168,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     lse = jax.lax.stop_gradient(lse)
   else:
     spec = MaskSpec(T, S, bool(is_causal), *(window or (None, None)),
-                    has_kv_lengths=kv_len is not None, has_q_lengths=q_len is not None,
                     has_segments=q_seg is not None)
     blocks = block_sizes or BlockSizes.default(T, S, H, query.dtype)
     out, lse = _attention_jit(query, key, value, (q_len, kv_len, q_seg, kv_seg), spec,

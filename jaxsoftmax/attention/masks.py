@@ -35,15 +35,7 @@ class MaskSpec:
   is_causal: bool = False
   window_left: int | None = None
   window_right: int | None = None
-  has_kv_lengths: bool = False
-  has_q_lengths: bool = False
   has_segments: bool = False
-
-  @property
-  def masks_elements(self) -> bool:
-    """Whether any mask beyond the key padding applies."""
-    return (self.is_causal or self.window_left is not None or self.window_right is not None
-            or self.has_kv_lengths or self.has_segments)
 
 
 # Block arithmetic on non-negative int32 scalars, where truncation is the floor.
