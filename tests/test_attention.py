@@ -13,7 +13,7 @@ from jaxsoftmax import reference
 from jaxsoftmax.attention import BlockSizes
 from tolerance import assert_2x, truth
 
-SMALL_BLOCKS = BlockSizes(16, 16, 16, 16, num_warps=4, num_warps_bwd=4)
+SMALL_BLOCKS = BlockSizes(16, 16, 16, 16, 16, 16, num_warps=4, num_warps_bwd=4)
 
 
 def _inputs(key, B, T, S, N, K, H, dtype):
@@ -89,6 +89,30 @@ def test_segments_and_fully_masked_rows(key):
     np.testing.assert_array_equal(g, 0.0)
 
 
+# Unequal tiles in every kernel: interior (unmasked) and boundary blocks of different
+# sizes in the forward, dK/dV and dQ loops.
+MIXED_BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32,
+                          block_q_dq=32, block_k_dq=16, num_warps=4, num_warps_bwd=4)
+
+
+@pytest.mark.parametrize("options", [dict(is_causal=True), dict(local_window_size=(20, 7)),
+                                     dict(key_value_seq_lengths=jnp.array([70, 41]))],
+                         ids=["causal", "window", "kv-lengths"])
+def test_mixed_block_sizes(key, options):
+  # float32: a block-range mistake shows as an O(1) error far above float32 rounding,
+  # while bfloat16's rounding noise is the 16-bit cases' business above.
+  _check(*_inputs(key, 2, 75, 70, 2, 1, 16, jnp.float32), blocks=MIXED_BLOCKS, **options)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_large_logits(key, dtype):
+  # Logits in the hundreds: the exponent folding must not cost accuracy, and probabilities
+  # that underflow must not turn into NaN.
+  q, k, v, do = _inputs(key, 1, 50, 50, 2, 2, 32, jnp.float32)
+  _check((q * 40).astype(dtype), k.astype(dtype), v.astype(dtype), do.astype(dtype),
+         blocks=SMALL_BLOCKS, is_causal=True)
+
+
 # Default block sizes, compiled, on shapes whose lengths are not multiples of a block.
 GPU_CASES = [
     pytest.param(2, 1000, 1000, 8, 2, 128, dict(is_causal=True), id="causal-gqa-H128"),
@@ -157,7 +181,8 @@ def test_default_block_sizes():
   assert BlockSizes.default(4096, 4096, 128, jnp.bfloat16).block_q == 128
   small = BlockSizes.default(7, 9, 20, jnp.bfloat16)
   assert (small.block_q, small.block_k) == (16, 16)
-  assert BlockSizes.default(4096, 4096, 256, jnp.bfloat16).block_k == 32
+  wide = BlockSizes.default(4096, 4096, 256, jnp.bfloat16)
+  assert (wide.block_q, wide.block_k, wide.block_k_dkv) == (64, 64, 64)
 
 
 def test_bad_input_names_the_argument():

@@ -1,5 +1,6 @@
 """`dot_product_attention`: jax.nn.dot_product_attention's signature on FlashAttention
-kernels, with a custom VJP that saves (q, k, v, o, lse) and nothing of size T x S.
+kernels, with a custom VJP that saves (q, k, v, o) and the log-sum-exp (as its parts m
+and log2 l, see `forward`), and nothing of size T x S.
 
 Layout B T N H (or T N H, unbatched); K/V heads K dividing N (GQA, MQA). Beyond jax.nn:
 ``logits_soft_cap``, ``segment_ids`` for packed sequences, and ``block_sizes``. A query
@@ -19,7 +20,7 @@ import numpy as np
 
 from jaxsoftmax import _backend, reference
 from jaxsoftmax.attention.backward import backward
-from jaxsoftmax.attention.forward import forward
+from jaxsoftmax.attention import forward as forward_kernel
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.tiling import BlockSizes
 
@@ -30,20 +31,26 @@ _IMPLEMENTATIONS = (None, "pallas", "xla")
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _attention(q, k, v, aux, spec, blocks, scale, softcap, interpret):
-  return _attention_fwd(q, k, v, aux, spec, blocks, scale, softcap, interpret)[0]
+  return _attention_fwd(q, k, v, aux, spec, blocks, scale, softcap, interpret,
+                        for_backward=False)[0]
 
 
-def _attention_fwd(q, k, v, aux, spec, blocks, scale, softcap, interpret):
-  o, lse = forward(q, k, v, aux, spec=spec, blocks=blocks, scale=scale, softcap=softcap,
-                   interpret=interpret)
-  return (o, lse), (q, k, v, aux, o, lse)
+def _attention_fwd(q, k, v, aux, spec, blocks, scale, softcap, interpret, *,
+                   for_backward=True):
+  # The backward's delta = rowsum(dO ∘ O) wants O before rounding (see `forward`).
+  outputs = forward_kernel.forward(q, k, v, aux, spec=spec, blocks=blocks, scale=scale,
+                                   softcap=softcap, interpret=interpret,
+                                   float32_output=for_backward and q.dtype != jnp.float32)
+  o, m, log2_l, *o32 = outputs
+  lse = forward_kernel.lse(m, log2_l, scale=scale, softcap=softcap)
+  return (o, lse), (q, k, v, aux, o32[0] if o32 else o, m, log2_l)
 
 
 def _attention_bwd(spec, blocks, scale, softcap, interpret, res, cotangents):
-  q, k, v, aux, o, lse = res
+  q, k, v, aux, o, m, log2_l = res
   do, _ = cotangents  # the public lse is under stop_gradient, as in jax.nn
-  dq, dk, dv = backward(q, k, v, o, lse, do, aux, spec=spec, blocks=blocks, scale=scale,
-                        softcap=softcap, interpret=interpret)
+  dq, dk, dv = backward(q, k, v, o, m, log2_l, do, aux, spec=spec, blocks=blocks,
+                        scale=scale, softcap=softcap, interpret=interpret)
   return dq, dk, dv, jax.tree.map(lambda _: None, aux)
 
 

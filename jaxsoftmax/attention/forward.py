@@ -3,15 +3,18 @@
 One program per (query block, batch row, query head). It keeps its query tile in
 registers and walks the key/value blocks that its masks allow (`masks.key_block_ranges`),
 merging each block into the online state (m, l) and the unnormalized output
-acc = sum_j exp(s_j - m) v_j:
+acc = sum_j exp(s_j - m) v_j, with s = x · factor the logits (`logits.Logits`):
 
-    s = q kᵀ · scale  [· softcap: cap · tanh(s / cap)]
-    m' = max(m, rowmax(s));  α = exp(m - m');  p = exp(s - m')
+    m' = max(m, rowmax(x));  α = exp(s(m) - s(m'));  p = exp(s - s(m'))
     l' = α l + rowsum(p);    acc' = α acc + p v
 
-At the end o = acc / l and lse = m + log(l), float32, saved for the backward pass. A row
-with no allowed key has l = 0: it gets o = 0 and lse = -inf. FLOPs: 4·B·N·T·S·H, halved
-(about) by causal masking since those blocks are skipped.
+At the end o = acc / l. The log-sum-exp lse = s(m) + log(l) is saved as its two parts,
+m (in x's units) and log2(l), both float32: a float32 lse near 100 is rounded by 1e-5,
+which would cost float32 inputs' gradients that much, while x - m is exact near the
+maximum. A row with no allowed key has l = 0: it gets o = 0, m = -inf (lse = -inf). FLOPs: 4·B·N·T·S·H,
+about halved by causal masking since those blocks are skipped. Under causal masking the
+query blocks run last-first, so that the longest programs start first and the short
+ones fill the tail of the launch.
 """
 
 from __future__ import annotations
@@ -24,31 +27,21 @@ from jax import lax
 
 from jaxsoftmax import _backend
 from jaxsoftmax._backend import pl
+from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import MaskSpec, element_mask, key_block_ranges
-from jaxsoftmax.attention.tiling import Aux, BlockSizes, Dims, load_scalar
-from jaxsoftmax.rowwise import exp_for
+from jaxsoftmax.attention.tiling import Aux, BlockSizes, Dims, block_rows, load_scalar
 from jaxsoftmax.state import safe_shift
 
 
-def scores(q, k, *, scale: float, softcap: float | None):
-  """s = q kᵀ · scale in float32, soft-capped; also tanh(s_raw / cap) for the backward."""
-  s = _backend.dot(q, k, trans_b=True) * scale
-  if softcap is None:
-    return s, None
-  t = jnp.tanh(s / softcap)
-  return softcap * t, t
-
-
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
-                    blocks: BlockSizes, aux: Aux, scale: float, softcap: float | None,
-                    exp):
-  aux_refs, (o_ref, lse_ref) = refs[:aux.count], refs[aux.count:]
+                    blocks: BlockSizes, aux: Aux, logits: Logits, q_block, exp2):
+  aux_refs, out_refs = refs[:aux.count], refs[aux.count:]
+  o_ref, m_ref, log2_l_ref, *o32_ref = out_refs
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux.unpack(aux_refs)
   bq, bk = blocks.block_q, blocks.block_k
-  q0 = pl.program_id(0) * bq
-  q_idx = q0 + jnp.arange(bq, dtype=jnp.int32)
-  q_ok = q_idx < dims.T if dims.T % bq else None
-  h_ok = jnp.arange(dims.H_pad, dtype=jnp.int32) < dims.H if dims.H_pad != dims.H else None
+  q0 = q_block(pl.program_id(0)) * bq
+  q_idx, q_ok = block_rows(q0, bq, dims.T)
+  h_ok = dims.head_ok()
   q_tile_mask = dims.tile_mask(q_ok, h_ok, bq)
   q = _backend.load(q_ref, mask=q_tile_mask, other=0)
   q_length, kv_length = load_scalar(q_len_ref), load_scalar(kv_len_ref)
@@ -57,22 +50,23 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
   def step(j, carry, *, masked: bool):
     m, l, acc = carry
     k0 = j * bk
-    k_idx = k0 + jnp.arange(bk, dtype=jnp.int32)
+    k_idx, kv_ok = block_rows(k0, bk, dims.S)
     # Only boundary blocks can reach past S (full blocks end before it).
-    kv_ok = (k_idx < dims.S) if masked and dims.S % bk else None
-    kv_mask = dims.tile_mask(kv_ok, h_ok, bk)
+    kv_mask = dims.tile_mask(kv_ok if masked else None, h_ok, bk)
     k = _backend.load(k_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
-    s, _ = scores(q, k, scale=scale, softcap=softcap)
+    x, _ = logits.scores(q, k)
     if masked:
       k_seg = None
       if kv_seg_ref is not None:
         k_seg = _backend.load(kv_seg_ref.at[pl.ds(k0, bk)], mask=k_idx < dims.S, other=-2)
-      allowed = element_mask(spec, q_idx[:, None], k_idx[None, :], kv_length, q_seg, k_seg)
-      s = jnp.where(allowed, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      allowed = element_mask(spec, q_idx[:, None], k_idx[None, :], kv_length,
+                             None if q_seg is None else q_seg[:, None],
+                             None if k_seg is None else k_seg[None, :])
+      x = jnp.where(allowed, x, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(x, axis=1))
     shift = safe_shift(m_new)
-    p = exp(s - shift[:, None])
-    alpha = exp(m - shift)
+    p = exp2(logits.exponent(x, shift[:, None]))
+    alpha = exp2(logits.exponent(m, shift))
     v = _backend.load(v_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
     acc = acc * alpha[:, None] + _backend.dot(p.astype(v.dtype), v)
     return m_new, l * alpha + jnp.sum(p, axis=1), acc
@@ -87,33 +81,60 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
   some = l > 0  # rows with at least one allowed key
   if q_length is not None:
     some = some & (q_idx < q_length)
-  o = jnp.where(some[:, None], acc / jnp.where(some, l, 1.0)[:, None], 0.0)
-  lse = jnp.where(some, safe_shift(m) + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
+  l_safe = jnp.where(some, l, 1.0)
+  o = jnp.where(some[:, None], acc / l_safe[:, None], 0.0)
   _backend.store(o_ref, o.astype(o_ref.dtype), mask=q_tile_mask)
-  _backend.store(lse_ref, lse, mask=q_ok)
+  if o32_ref:
+    _backend.store(o32_ref[0], o, mask=q_tile_mask)
+  _backend.store(m_ref, jnp.where(some, m, -jnp.inf), mask=q_ok)
+  _backend.store(log2_l_ref, jnp.log2(l_safe), mask=q_ok)
+
+
+def query_block_order(spec: MaskSpec, n_q_blocks: int):
+  """Program index -> query block: last-first under causal masking (see the docstring)."""
+  if spec.is_causal:
+    return lambda i: n_q_blocks - 1 - i
+  return lambda i: i
 
 
 def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: float,
-            softcap: float | None, interpret: bool):
-  """(o (B, T, N, H), lse (B, N, T) float32) for q (B, T, N, H), k and v (B, S, K, H)."""
+            softcap: float | None, interpret: bool, float32_output: bool = False):
+  """(o (B, T, N, H), m (B, N, T), log2_l (B, N, T)) for q (B, T, N, H), k and v
+  (B, S, K, H); `lse` combines the last two. With ``float32_output`` (16-bit inputs,
+  for the backward) also o in float32: delta = rowsum(dO ∘ O) from the rounded o loses
+  the cancellation in dP - delta when attention is nearly one-hot (large logits), which
+  made bfloat16 dQ 3x less accurate than XLA's."""
   dims = Dims.of(q, k)
   aux, aux_arrays = Aux.of(aux_arrays)
   bq, bk = blocks.block_q, blocks.block_k
   group = dims.N // dims.K
   n_q_blocks = pl.cdiv(dims.T, bq)
+  q_block = query_block_order(spec, n_q_blocks)
   kv_rows = pl.cdiv(dims.S, bk) * bk  # a whole number of key blocks, for interpret mode
-  q_spec = pl.BlockSpec((None, bq, None, dims.H_pad), lambda i, b, n: (b, i, n, 0))
+  q_spec = pl.BlockSpec((None, bq, None, dims.H_pad), lambda i, b, n: (b, q_block(i), n, 0))
   kv_spec = pl.BlockSpec((None, kv_rows, None, dims.H_pad),
                          lambda i, b, n: (b, 0, n // group, 0))
+  stat_spec = pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, q_block(i)))
+  stat_shape = jax.ShapeDtypeStruct((dims.B, dims.N, dims.T), jnp.float32)
+  logits = Logits(scale, softcap, fused=q.dtype != jnp.float32)
   kernel = functools.partial(_forward_kernel, dims=dims, spec=spec, blocks=blocks, aux=aux,
-                             scale=scale, softcap=softcap, exp=exp_for(interpret))
+                             logits=logits, q_block=q_block,
+                             exp2=_backend.exp2(interpret))
   return _backend.pallas_call(
       kernel, name="attention_forward", grid=(n_q_blocks, dims.B, dims.N),
       in_specs=[q_spec, kv_spec, kv_spec,
-                *aux.specs(q_rows=bq, q_index=lambda i, b, n: (b, i), kv_rows=kv_rows,
-                           kv_index=lambda i, b, n: (b, 0), batch_index=lambda i, b, n: b)],
-      out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((dims.B, dims.N, dims.T), jnp.float32)],
+                *aux.specs(q_rows=bq, q_index=lambda i, b, n: (b, q_block(i)),
+                           kv_rows=kv_rows, kv_index=lambda i, b, n: (b, 0),
+                           batch_index=lambda i, b, n: b)],
+      out_specs=[q_spec, stat_spec, stat_spec] + [q_spec] * float32_output,
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), stat_shape, stat_shape]
+      + [jax.ShapeDtypeStruct(q.shape, jnp.float32)] * float32_output,
       num_warps=blocks.num_warps, num_stages=blocks.num_stages, interpret=interpret,
   )(q, k, v, *aux_arrays)
+
+
+def lse(m, log2_l, *, scale: float, softcap: float | None):
+  """The natural log-sum-exp of the logits from the forward's (m, log2_l); -inf for rows
+  with no allowed key."""
+  logits = Logits(scale, softcap, fused=False)
+  return jnp.where(m == -jnp.inf, -jnp.inf, logits.lse(m, log2_l))

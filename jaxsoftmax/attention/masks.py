@@ -85,27 +85,42 @@ def key_block_ranges(spec: MaskSpec, q0, block_q: int, block_k: int, kv_length, 
 
 def query_block_ranges(spec: MaskSpec, k0, block_q: int, block_k: int, kv_length,
                        q_length, n_q_blocks: int):
-  """(lo, hi): query blocks that may attend to some key of [k0, k0 + block_k); for the
-  dK/dV kernel. Element masks are applied on every visited block there."""
+  """(lo, full_lo, full_hi, hi): query blocks [lo, hi) may attend to some key of
+  [k0, k0 + block_k); the dK/dV kernel. Those in [full_lo, full_hi) need no element mask.
+
+  Lengths need no element mask there: queries past their length have lse = -inf, so
+  their probabilities are 0, and the kernel zeroes the gradients of keys past theirs.
+  """
   k_last = k0 + block_k - 1
   lo = jnp.int32(0)
   hi = jnp.int32(n_q_blocks)
+  full_lo = jnp.int32(0)
+  full_hi = jnp.int32(n_q_blocks)
   if spec.is_causal:  # queries i >= j
     lo = jnp.maximum(lo, _floor_div(k0, block_q))
+    full_lo = jnp.maximum(full_lo, _cdiv(k_last, block_q))
   if spec.window_left is not None:  # i <= j + left
     hi = jnp.minimum(hi, _cdiv(k_last + spec.window_left + 1, block_q))
+    full_hi = jnp.minimum(full_hi, _floor_div(k0 + spec.window_left + 1, block_q))
   if spec.window_right is not None:  # i >= j - right
     lo = jnp.maximum(lo, _floor_div(jnp.maximum(k0 - spec.window_right, 0), block_q))
+    full_lo = jnp.maximum(full_lo, _cdiv(jnp.maximum(k_last - spec.window_right, 0), block_q))
+  if spec.has_segments:
+    full_hi = full_lo  # every block compares segment ids
   if kv_length is not None:  # the whole key block past the length: nothing to do
     hi = jnp.where(k0 < kv_length, hi, lo)
   if q_length is not None:
     hi = jnp.minimum(hi, _cdiv(q_length, block_q))
-  return lo, jnp.maximum(hi, lo)
+  hi = jnp.maximum(hi, lo)
+  full_lo = jnp.clip(full_lo, lo, hi)
+  full_hi = jnp.clip(full_hi, full_lo, hi)
+  return lo, full_lo, full_hi, hi
 
 
 def element_mask(spec: MaskSpec, q_idx: jax.Array, k_idx: jax.Array, kv_length,
                  q_segments, k_segments) -> jax.Array:
-  """The (block_q, block_k) mask of allowed pairs; q_idx (block_q, 1), k_idx (1, block_k)."""
+  """The mask of allowed (query, key) pairs, broadcast from q_idx and k_idx (and the
+  segment ids, shaped like them): (block_q, 1) and (1, block_k), or transposed."""
   allowed = k_idx < spec.kv_len
   if spec.is_causal:
     allowed = allowed & (k_idx <= q_idx)
@@ -116,5 +131,5 @@ def element_mask(spec: MaskSpec, q_idx: jax.Array, k_idx: jax.Array, kv_length,
   if kv_length is not None:
     allowed = allowed & (k_idx < kv_length)
   if q_segments is not None:
-    allowed = allowed & (q_segments[:, None] == k_segments[None, :])
+    allowed = allowed & (q_segments == k_segments)
   return allowed

@@ -25,42 +25,62 @@ class BlockSizes:
   """Tiles of the attention kernels; `BlockSizes.default` picks them from the shape.
 
   Attributes:
-    block_q, block_k: query rows and key rows per tile of the forward kernel.
-    block_q_bwd, block_k_bwd: the same for the two backward kernels.
-    num_warps, num_warps_bwd: warps per program, forward and backward.
-    num_stages: Triton's software-pipelining depth of the key/value (or query) loops.
+    block_q, block_k: query rows and key rows per tile of the forward kernel, which keeps
+      its query tile and walks the key blocks.
+    block_q_dkv, block_k_dkv: the dK/dV kernel's tiles; it keeps a key block and walks
+      the query blocks, so block_k_dkv is the resident one.
+    block_q_dq, block_k_dq: the dQ kernel's tiles; it keeps a query block.
+    num_warps, num_stages: warps per program and Triton's software-pipelining depth of
+      the block loops, forward.
+    num_warps_bwd, num_stages_bwd: the same for the two backward kernels.
   """
 
   block_q: int = 128
-  block_k: int = 64
-  block_q_bwd: int = 64
-  block_k_bwd: int = 64
+  block_k: int = 128
+  block_q_dkv: int = 64
+  block_k_dkv: int = 128
+  block_q_dq: int = 128
+  block_k_dq: int = 64
   num_warps: int = 8
-  num_warps_bwd: int = 8
   num_stages: int = 2
+  num_warps_bwd: int = 8
+  num_stages_bwd: int = 2
+
+  _BLOCKS = ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")
 
   def __post_init__(self):
-    for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+    for name in self._BLOCKS:
       _check_block(name, getattr(self, name))
     for name in ("num_warps", "num_warps_bwd"):
       value = getattr(self, name)
       if value not in (1, 2, 4, 8, 16):
         raise ValueError(f"BlockSizes.{name} must be 1, 2, 4, 8 or 16, got {value!r}")
-    if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
-      raise ValueError(f"BlockSizes.num_stages must be a positive int, got {self.num_stages!r}")
+    for name in ("num_stages", "num_stages_bwd"):
+      value = getattr(self, name)
+      if not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
 
   @classmethod
   def default(cls, T: int, S: int, head_dim: int, dtype) -> "BlockSizes":
-    """Tiles that fit the registers for the head dim, no larger than the sequences."""
+    """Tiles that fit the registers for the head dim, no larger than the sequences.
+
+    The 16-bit, head dim <= 128 values come from `benchmarks/tune_attention.py` on an
+    H200; wider tiles (float32, head dim 256) halve the resident dimension.
+    """
     h = pad_head_dim(head_dim)
-    wide = jnp.dtype(dtype).itemsize == 4 or h > 128  # fewer rows where tiles are heavy
-    block_q, block_k = (64, 32) if wide else (128, 64)
-    block_q_bwd, block_k_bwd = (32, 32) if wide else (64, 64)
+    wide = jnp.dtype(dtype).itemsize == 4 or h > 128
+    if wide:
+      tiles = dict(block_q=64, block_k=64, block_q_dkv=32, block_k_dkv=64,
+                   block_q_dq=64, block_k_dq=32)
+    else:
+      tiles = dict(block_q=128, block_k=128 if h <= 64 else 64, block_q_dkv=64,
+                   block_k_dkv=128, block_q_dq=128, block_k_dq=64)
     fit_q = max(MIN_BLOCK, pl.next_power_of_2(T))
     fit_k = max(MIN_BLOCK, pl.next_power_of_2(S))
-    return cls(min(block_q, fit_q), min(block_k, fit_k), min(block_q_bwd, fit_q),
-               min(block_k_bwd, fit_k), num_warps=4 if h <= 64 else 8,
-               num_warps_bwd=4 if h <= 64 else 8)
+    for name in tiles:
+      tiles[name] = min(tiles[name], fit_q if name.startswith("block_q") else fit_k)
+    warps = 4 if h <= 64 else 8
+    return cls(**tiles, num_warps=warps, num_warps_bwd=warps)
 
 
 def pad_head_dim(head_dim: int) -> int:
@@ -84,6 +104,12 @@ class Dims:
   def of(cls, q, k) -> "Dims":
     B, T, N, H = q.shape
     return cls(B, T, k.shape[1], N, k.shape[2], H, pad_head_dim(H))
+
+  def head_ok(self):
+    """Which of the padded head dims are real (None when none is padding)."""
+    if self.H_pad == self.H:
+      return None
+    return jnp.arange(self.H_pad, dtype=jnp.int32) < self.H
 
   def tile_mask(self, row_ok, h_ok, rows: int):
     """The (rows, H_pad) load/store mask from its row and head-dim parts (None: none)."""
@@ -130,3 +156,10 @@ class Aux:
 def load_scalar(ref):
   """A per-batch-row scalar (a length) from its (1,) block, or None without a ref."""
   return None if ref is None else jnp.max(_backend.load(ref))
+
+
+def block_rows(start, rows: int, total: int):
+  """Indices start + [0, rows) of a block of a sequence of length ``total``, and which
+  are inside it (None when every block fits exactly)."""
+  idx = start + jnp.arange(rows, dtype=jnp.int32)
+  return idx, (idx < total if total % rows else None)
