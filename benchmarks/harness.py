@@ -202,14 +202,27 @@ class Row:
   ceiling: str
   timer: str
   note: str = ""
+  tflops: float | None = None
+  peak_mib: float | None = None
+
+
+def peak_memory_mib(fn, *args) -> float:
+  """Device memory one call of ``fn`` needs besides its inputs: XLA's buffer assignment
+  (temporaries + outputs) of the compiled program, in MiB."""
+  stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+  return (stats.temp_size_in_bytes + stats.output_size_in_bytes) / 2**20
 
 
 class Report:
   """Collects rows, prints progress, and writes JSON and Markdown after every row (a
-  run cut short keeps what it measured) and a PNG plot at the end."""
+  run cut short keeps what it measured) and a PNG plot at the end.
 
-  def __init__(self, name: str, total: int, out_dir: str):
-    self.name, self.total, self.rows = name, total, []
+  ``unit``: "GB/s" (memory-bound ops: rows give the bytes that must move) or "TFLOP/s"
+  (attention: rows give the FLOPs, and the peak memory of each call is recorded)."""
+
+  def __init__(self, name: str, total: int, out_dir: str, unit: str = "GB/s"):
+    assert unit in ("GB/s", "TFLOP/s"), unit
+    self.name, self.total, self.rows, self.unit = name, total, [], unit
     os.makedirs(out_dir, exist_ok=True)
     self.path = os.path.join(out_dir, name)
     self.started = time.time()
@@ -217,34 +230,57 @@ class Report:
                      backend=jax.default_backend(),
                      date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 
+  def rate(self, row: Row) -> float | None:
+    return row.gbps if self.unit == "GB/s" else row.tflops
+
   def add(self, row: Row):
     self.rows.append(row)
-    speed = (f"{row.median_us:9.1f} us {row.gbps:7.0f} GB/s {row.pct_ceiling:5.1f}%"
-             if row.median_us is not None else f"not measured: {row.note}")
+    if row.median_us is None:
+      speed = f"not measured: {row.note}"
+    elif self.unit == "GB/s":
+      speed = f"{row.median_us:9.1f} us {row.gbps:7.0f} GB/s {row.pct_ceiling:5.1f}%"
+    else:
+      speed = f"{row.median_us:9.1f} us {row.tflops:6.0f} TFLOP/s {row.peak_mib:8.0f} MiB"
     err = f"err {row.max_abs_err:.1e}" if row.max_abs_err is not None else ""
     print(f"[{len(self.rows):3d}/{self.total} {time.time() - self.started:5.0f}s] "
           f"{row.op:12s} {row.mode:7s} {row.impl:22s} {row.shape:16s} {row.dtype:8s} "
           f"{speed} {err}", flush=True)
     self._write_tables()
 
-  def measure(self, *, op, impl, shape, dtype, mode, fn, arg_sets, nbytes, truth=None,
-              ceiling_gbps=None, ceiling="copy"):
+  def measure(self, *, op, impl, shape, dtype, mode, fn, arg_sets, nbytes=None,
+              flops=None, truth=None, compare=None, ceiling_gbps=None, ceiling="copy"):
     """Times ``fn`` on ``arg_sets`` and adds its row; ``nbytes`` is the minimum traffic
-    of one call. A failure becomes a row that says why."""
+    of one call (GB/s reports), ``flops`` its FLOPs (TFLOP/s reports). Errors are of
+    ``compare(output)`` (default: the output) against ``truth``. A failure becomes a
+    row that says why. Returns the rate, or None."""
     shape_s = "x".join(map(str, shape))
     try:
       out = jax.block_until_ready(jax.jit(fn)(*arg_sets[0]))
-      err = errors(out, truth) if truth is not None else (None, None)
+      if truth is not None:
+        err = errors(compare(out) if compare else out, truth)
+      else:
+        err = (None, None)
+      del out
+      peak = peak_memory_mib(fn, *arg_sets[0]) if flops is not None else None
       device_us, wall_us, timer = time_call(fn, arg_sets)
     except Exception as e:  # noqa: BLE001 - a peer that fails is a result, not a crash
       self.add(Row(op, impl, shape_s, dtype, mode, None, None, None, None, None, None,
                    ceiling, "", note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
       return None
+    if flops is not None:
+      self.add(Row(op, impl, shape_s, dtype, mode, err[0], err[1], device_us, wall_us,
+                   None, None, "", timer, tflops=flops / device_us / 1e6, peak_mib=peak))
+      return self.rows[-1].tflops
     gbps = nbytes / device_us / 1e3
     pct = 100 * gbps / ceiling_gbps if ceiling_gbps else 100.0
     self.add(Row(op, impl, shape_s, dtype, mode, err[0], err[1], device_us, wall_us, gbps,
                  pct, ceiling, timer))
     return gbps
+
+  def skip(self, *, op, impl, shape, dtype, mode, note):
+    """A row for a measurement that was not attempted, saying why."""
+    self.add(Row(op, impl, "x".join(map(str, shape)), dtype, mode, None, None, None, None,
+                 None, None, "", "", note=note))
 
   def _write_tables(self):
     with open(self.path + ".json", "w") as f:
@@ -259,43 +295,50 @@ class Report:
 
   def markdown(self) -> str:
     m = self.meta
-    lines = [f"# {self.name}", "",
-             f"{m['device']}, JAX {m['jax']}, {m['date']}. Device time: median over "
-             f"{ITERATIONS} iterations of the kernels' summed durations; GB/s over the "
-             "minimum traffic; % of the ceiling (copy or read) measured in the same run.",
-             "",
-             "| op | mode | impl | shape | dtype | max abs err | max rel err | median us "
-             "| wall us | GB/s | % of ceiling | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f: "" if v is None else format(v, f)
+    header = (f"{m['device']}, JAX {m['jax']}, {m['date']}. Device time: median over "
+              f"{ITERATIONS} iterations of the kernels' summed durations; ")
+    if self.unit == "GB/s":
+      header += ("GB/s over the minimum traffic; % of the ceiling (copy or read) measured "
+                 "in the same run.")
+      columns = "GB/s | % of ceiling"
+      extra = lambda r: (f"{fmt(r.gbps, '.0f')} | "
+                         + ("" if r.pct_ceiling is None else f"{r.pct_ceiling:.1f}% {r.ceiling}"))
+    else:
+      header += ("TFLOP/s over 4·B·N·T·S·H (halved when causal; 3.5x for forward + "
+                 "backward); peak MiB: temporaries + outputs of the compiled call.")
+      columns = "TFLOP/s | peak MiB"
+      extra = lambda r: f"{fmt(r.tflops, '.0f')} | {fmt(r.peak_mib, '.0f')}"
+    lines = [f"# {self.name}", "", header, "",
+             "| op | mode | impl | shape | dtype | max abs err | max rel err | median us "
+             f"| wall us | {columns} | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in self.rows:
-      pct = "" if r.pct_ceiling is None else f"{r.pct_ceiling:.1f}% {r.ceiling}"
       lines.append(
           f"| {r.op} | {r.mode} | {r.impl} | {r.shape} | {r.dtype} | "
           f"{fmt(r.max_abs_err, '.1e')} | {fmt(r.max_rel_err, '.1e')} | "
-          f"{fmt(r.median_us, '.1f')} | {fmt(r.wall_us, '.1f')} | {fmt(r.gbps, '.0f')} | "
-          f"{pct} | {r.note} |")
+          f"{fmt(r.median_us, '.1f')} | {fmt(r.wall_us, '.1f')} | {extra(r)} | {r.note} |")
     return "\n".join(lines) + "\n"
 
   def plot(self, path: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    groups = sorted({(r.op, r.mode) for r in self.rows if r.gbps is not None})
+    groups = sorted({(r.op, r.mode) for r in self.rows if self.rate(r) is not None})
     if not groups:
       return
     fig, axes = plt.subplots(len(groups), 1, figsize=(12, 3.2 * len(groups)), squeeze=False)
     for ax, (op, mode) in zip(axes[:, 0], groups):
-      rows = [r for r in self.rows if (r.op, r.mode) == (op, mode) and r.gbps is not None]
+      rows = [r for r in self.rows if (r.op, r.mode) == (op, mode) and self.rate(r) is not None]
       shapes = list(dict.fromkeys(f"{r.shape} {r.dtype}" for r in rows))
       impls = list(dict.fromkeys(r.impl for r in rows))
       width = 0.8 / len(impls)
       for k, impl in enumerate(impls):
-        vals = {f"{r.shape} {r.dtype}": r.gbps for r in rows if r.impl == impl}
+        vals = {f"{r.shape} {r.dtype}": self.rate(r) for r in rows if r.impl == impl}
         ax.bar([i + k * width for i in range(len(shapes))],
                [vals.get(s, 0) for s in shapes], width, label=impl)
       ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], shapes, fontsize=7)
-      ax.set_ylabel("GB/s")
+      ax.set_ylabel(self.unit)
       ax.set_title(f"{op} {mode}")
       ax.legend(fontsize=7, ncol=4)
     fig.tight_layout()
@@ -314,7 +357,8 @@ def measure_ceilings(report: Report, x_sets, *, shape, dtype) -> tuple[float, fl
   return copy, read
 
 
-def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape):
+def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
+        unit: str = "GB/s"):
   """The command line every benchmark script shares: ``--out``, ``--smoke``.
 
   ``bench_shape(report, shape, dtype)`` adds the rows of one shape. Benchmarks time
@@ -324,12 +368,17 @@ def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape):
   parser = argparse.ArgumentParser(description=doc.splitlines()[0])
   parser.add_argument("--out", default="benchmarks/results")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, any backend")
+  parser.add_argument("--only", default=None,
+                      help="comma-separated indices of the shapes to run (default: all)")
+  parser.add_argument("--name", default=name, help="file name of the results")
   args = parser.parse_args()
   if jax.default_backend() != "gpu" and not args.smoke:
     sys.exit("benchmarks time compiled kernels: run them on a GPU (or pass --smoke)")
   shapes = smoke_shapes if args.smoke else shapes
+  if args.only is not None:
+    shapes = [shapes[int(i)] for i in args.only.split(",")]
   total = sum(rows_per_shape(shape, dtype) for shape, dtype in shapes)
-  report = Report(name, total=total, out_dir=args.out)
+  report = Report(args.name, total=total, out_dir=args.out, unit=unit)
   for shape, dtype in shapes:
     bench_shape(report, shape, dtype)
   report.finish()

@@ -5,11 +5,20 @@
 #   STAGES="tests tune bench" bash benchmarks/run_gpu.sh
 #
 # Stages: tests (pytest -m gpu), tune (tune_rows.py), bench (bench_softmax.py and
-# bench_cross_entropy.py). Each is bounded by a timeout so that one hung stage still
-# leaves the others' results. Everything is also packed into $OUT/run.tgz, since only a
-# few files come back from the machine.
+# bench_cross_entropy.py), attn-tests (pytest -m gpu tests/test_attention.py), attn-tune
+# (tune_attention.py), attn-bench (bench_attention.py; ATTN_ONLY="0,1" picks shapes and
+# ATTN_NAME names the results), example (the transformer example at GPU size, with its
+# profiler trace). Each is bounded by a timeout so that one hung stage still leaves the
+# others' results. Everything is also packed into $OUT/run.tgz, since only a few files
+# come back from the machine.
+#
+# The attention peers FA3 and tokamax come as wheels in .peers (../shared/peers/
+# fetch-wheels.sh; carry it to the machine); they are installed under /tmp for the run.
 set -uo pipefail
-out=${OUT:-benchmarks/results/run}
+# Only a few files come back from the machine: the logs and results go to $OUT/run and
+# come back packed in $OUT/run.tgz, with the one-line-per-stage summary beside it.
+top=${OUT:-benchmarks/results/run}
+out=$top/run
 mkdir -p "$out"
 python=${PYTHON:-python3}
 export PYTHONPATH=$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
@@ -21,7 +30,13 @@ export PYTHONUNBUFFERED=1
   $python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
 } 2>&1 | tee "$out/env.log"
 
-pack() { tar -czf "$out/run.tgz" -C "$out" --exclude run.tgz . ; }
+if ls .peers/*.whl >/dev/null 2>&1; then
+  $python -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers \
+    .peers/*.whl > "$out/peers.log" 2>&1 || echo "peer wheels did not install" | tee -a "$out/env.log"
+  export PYTHONPATH=$PYTHONPATH:$PWD/.peers/stubs:/tmp/peers
+fi
+
+pack() { tar -czf "$top/run.tgz" -C "$out" . && cp "$out/summary.log" "$top/"; }
 
 for stage in ${STAGES:-tests tune bench}; do
   echo "=== $stage $(date -u +%T)" | tee -a "$out/summary.log"
@@ -39,6 +54,20 @@ for stage in ${STAGES:-tests tune bench}; do
       timeout 120 $python benchmarks/bench_cross_entropy.py --out "$out" 2>&1 \
         | tee -a "$out/bench.log"
       tail -n 2 "$out/bench.log" | tee -a "$out/summary.log" ;;
+    attn-tests)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout 240 $python -m pytest -m gpu -q -n 4 \
+        -p no:cacheprovider -rfE tests/test_attention.py 2>&1 | tee "$out/attn_tests.log" \
+        | tail -n 25 | tee -a "$out/summary.log" ;;
+    attn-tune)
+      timeout 300 $python benchmarks/tune_attention.py --out "$out" 2>&1 \
+        | tee "$out/attn_tune.log" | tail -n 3 | tee -a "$out/summary.log" ;;
+    attn-bench)
+      timeout 540 $python benchmarks/bench_attention.py --out "$out" \
+        ${ATTN_ONLY:+--only "$ATTN_ONLY"} --name "${ATTN_NAME:-attention}" 2>&1 \
+        | tee -a "$out/attn_bench.log" | tail -n 2 | tee -a "$out/summary.log" ;;
+    example)
+      timeout 240 $python examples/train_transformer.py --trace "$out/trace" 2>&1 \
+        | tee "$out/example.log" | tail -n 8 | tee -a "$out/summary.log" ;;
     *) echo "unknown stage $stage" | tee -a "$out/summary.log" ;;
   esac
   pack

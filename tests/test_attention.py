@@ -178,11 +178,12 @@ def test_unbatched_jit_and_vmap(key):
 
 
 def test_default_block_sizes():
-  assert BlockSizes.default(4096, 4096, 128, jnp.bfloat16).block_q == 128
+  assert BlockSizes.default(4096, 4096, 128, jnp.bfloat16).block_k_dkv == 128
   small = BlockSizes.default(7, 9, 20, jnp.bfloat16)
   assert (small.block_q, small.block_k) == (16, 16)
   wide = BlockSizes.default(4096, 4096, 256, jnp.bfloat16)
-  assert (wide.block_q, wide.block_k, wide.block_k_dkv) == (64, 64, 64)
+  assert (wide.block_q, wide.block_k, wide.block_k_dkv) == (128, 64, 64)
+  assert BlockSizes.default(4096, 4096, 128, jnp.float32).block_q_dkv == 32
 
 
 def test_bad_input_names_the_argument():

@@ -64,23 +64,29 @@ class BlockSizes:
   def default(cls, T: int, S: int, head_dim: int, dtype) -> "BlockSizes":
     """Tiles that fit the registers for the head dim, no larger than the sequences.
 
-    The 16-bit, head dim <= 128 values come from `benchmarks/tune_attention.py` on an
-    H200; wider tiles (float32, head dim 256) halve the resident dimension.
+    The 16-bit values are the best of `benchmarks/tune_attention.py` on an H200
+    (benchmarks/results/tune_attention.md); float32 tiles are halved, as their operands
+    take twice the registers and shared memory.
     """
     h = pad_head_dim(head_dim)
-    wide = jnp.dtype(dtype).itemsize == 4 or h > 128
-    if wide:
-      tiles = dict(block_q=64, block_k=64, block_q_dkv=32, block_k_dkv=64,
-                   block_q_dq=64, block_k_dq=32)
+    if jnp.dtype(dtype).itemsize == 4:
+      warps = 4 if h <= 64 else 8
+      blocks = cls(64, 64, 32, 64, 64, 32, num_warps=warps, num_stages=2,
+                   num_warps_bwd=warps, num_stages_bwd=2)
+    elif h <= 64:
+      blocks = cls(64, 64, 32, 128, 128, 32, num_warps=4, num_stages=3, num_warps_bwd=4,
+                   num_stages_bwd=3)
+    elif h <= 128:
+      blocks = cls(64, 64, 64, 128, 128, 64, num_warps=4, num_stages=3, num_warps_bwd=8,
+                   num_stages_bwd=3)
     else:
-      tiles = dict(block_q=128, block_k=128 if h <= 64 else 64, block_q_dkv=64,
-                   block_k_dkv=128, block_q_dq=128, block_k_dq=64)
+      blocks = cls(128, 64, 64, 64, 64, 64, num_warps=8, num_stages=2, num_warps_bwd=8,
+                   num_stages_bwd=2)
     fit_q = max(MIN_BLOCK, pl.next_power_of_2(T))
     fit_k = max(MIN_BLOCK, pl.next_power_of_2(S))
-    for name in tiles:
-      tiles[name] = min(tiles[name], fit_q if name.startswith("block_q") else fit_k)
-    warps = 4 if h <= 64 else 8
-    return cls(**tiles, num_warps=warps, num_warps_bwd=warps)
+    return dataclasses.replace(blocks, **{
+        name: min(getattr(blocks, name), fit_q if name.startswith("block_q") else fit_k)
+        for name in cls._BLOCKS})
 
 
 def pad_head_dim(head_dim: int) -> int:

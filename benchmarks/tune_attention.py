@@ -1,0 +1,81 @@
+"""Sweeps the attention kernels' BlockSizes on the GPU, to set `BlockSizes.default`.
+
+    PYTHONPATH=. python3 benchmarks/tune_attention.py --out benchmarks/results
+
+bfloat16, head dims 64, 128 and 256. Forward tilings are timed on the forward alone;
+backward tilings on forward + backward with the forward's default tiles, so the rows of
+one shape differ only in the backward kernels. The impl column names the tiling:
+forward "q128 k64 w8 s2" (block_q, block_k, num_warps, num_stages); backward
+"dkv q64 k128 / dq q128 k64 w8 s2".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import harness
+import jaxsoftmax as js
+from bench_attention import _fwd_bwd
+from jaxsoftmax.attention import BlockSizes
+
+SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
+          ((4, 4096, 16, 16, 128, True), jnp.bfloat16),
+          ((8, 2048, 16, 16, 64, False), jnp.bfloat16),
+          ((2, 8192, 16, 16, 256, False), jnp.bfloat16)]
+SMOKE_SHAPES = [((1, 64, 2, 2, 64, True), jnp.bfloat16)]
+
+# (block_q, block_k, num_warps, num_stages)
+FORWARD = {64: [(128, 64, 4, 2), (128, 128, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2),
+                (64, 64, 4, 3), (128, 32, 4, 3)],
+           128: [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3),
+                 (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 2)],
+           256: [(64, 64, 8, 2), (64, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2)]}
+# (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, num_warps_bwd, num_stages_bwd)
+BACKWARD = {64: [(64, 128, 128, 64, 4, 2), (32, 128, 128, 32, 4, 3),
+                 (64, 64, 64, 64, 4, 2), (64, 128, 128, 64, 8, 2),
+                 (32, 64, 64, 32, 4, 3), (128, 128, 128, 128, 8, 2)],
+            128: [(64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 8, 2),
+                  (64, 64, 64, 64, 8, 2), (64, 128, 128, 64, 8, 3),
+                  (32, 128, 128, 32, 4, 3), (64, 128, 128, 64, 4, 2),
+                  (32, 64, 64, 32, 4, 3), (128, 128, 128, 128, 8, 2),
+                  (64, 128, 64, 128, 8, 2), (32, 128, 128, 64, 8, 2)],
+            256: [(32, 64, 64, 32, 8, 2), (16, 64, 64, 16, 8, 2), (32, 32, 32, 32, 4, 2),
+                  (64, 64, 64, 64, 8, 2)]}
+
+
+def bench_shape(report: harness.Report, case, dtype):
+  B, T, N, K, H, causal = case
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q = jax.random.normal(keys[0], (B, T, N, H), dtype)
+  k = jax.random.normal(keys[1], (B, T, K, H), dtype)
+  v = jax.random.normal(keys[2], (B, T, K, H), dtype)
+  do = jax.random.normal(keys[3], (B, T, N, H), dtype)
+  flops = 4 * B * N * T * T * H / (2 if causal else 1)
+  common = dict(op="attention" + (" causal" if causal else ""), shape=(B, T, N, K, H),
+                dtype=jnp.dtype(dtype).name)
+  default = BlockSizes.default(T, T, H, dtype)
+  for bq, bk, warps, stages in FORWARD[H]:
+    blocks = dataclasses.replace(default, block_q=bq, block_k=bk, num_warps=warps,
+                                 num_stages=stages)
+    fn = lambda q, k, v, blocks=blocks: js.dot_product_attention(
+        q, k, v, is_causal=causal, block_sizes=blocks)
+    report.measure(mode="fwd", impl=f"q{bq} k{bk} w{warps} s{stages}", fn=fn,
+                   arg_sets=[(q, k, v)], flops=flops, **common)
+  for dkv_q, dkv_k, dq_q, dq_k, warps, stages in BACKWARD[H]:
+    blocks = dataclasses.replace(default, block_q_dkv=dkv_q, block_k_dkv=dkv_k,
+                                 block_q_dq=dq_q, block_k_dq=dq_k, num_warps_bwd=warps,
+                                 num_stages_bwd=stages)
+    fn = _fwd_bwd(lambda q, k, v, blocks=blocks: js.dot_product_attention(
+        q, k, v, is_causal=causal, block_sizes=blocks))
+    report.measure(mode="fwd+bwd",
+                   impl=f"dkv q{dkv_q} k{dkv_k} / dq q{dq_q} k{dq_k} w{warps} s{stages}",
+                   fn=fn, arg_sets=[(q, k, v, do)], flops=3.5 * flops, **common)
+
+
+if __name__ == "__main__":
+  harness.run("tune_attention", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
+              lambda case, dtype: len(FORWARD[case[4]]) + len(BACKWARD[case[4]]),
+              unit="TFLOP/s")
