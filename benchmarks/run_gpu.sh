@@ -6,7 +6,7 @@
 #
 # Stages: tests (pytest -m gpu), tune (tune_rows.py), bench (bench_softmax.py and
 # bench_cross_entropy.py), attn-tests (pytest -m gpu tests/test_attention.py), attn-tune
-# (tune_attention.py), attn-bench (bench_attention.py; ATTN_ONLY="0,1" picks shapes and
+# (tune_attention.py; TUNE_ONLY="4,5" picks shapes), attn-bench (bench_attention.py; ATTN_ONLY="0,1" picks shapes and
 # ATTN_NAME names the results), example (the transformer example at GPU size, with its
 # profiler trace). Each is bounded by a timeout so that one hung stage still leaves the
 # others' results. Everything is also packed into $OUT/run.tgz, since only a few files
@@ -59,7 +59,8 @@ for stage in ${STAGES:-tests tune bench}; do
         -p no:cacheprovider -rfE tests/test_attention.py 2>&1 | tee "$out/attn_tests.log" \
         | tail -n 25 | tee -a "$out/summary.log" ;;
     attn-tune)
-      timeout 300 $python benchmarks/tune_attention.py --out "$out" 2>&1 \
+      timeout 300 $python benchmarks/tune_attention.py --out "$out" \
+        ${TUNE_ONLY:+--only "$TUNE_ONLY"} 2>&1 \
         | tee "$out/attn_tune.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     attn-bench)
       timeout 540 $python benchmarks/bench_attention.py --out "$out" \

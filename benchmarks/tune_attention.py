@@ -24,7 +24,10 @@ from jaxsoftmax.attention import BlockSizes
 SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
           ((4, 4096, 16, 16, 128, True), jnp.bfloat16),
           ((8, 2048, 16, 16, 64, False), jnp.bfloat16),
-          ((2, 8192, 16, 16, 256, False), jnp.bfloat16)]
+          ((2, 8192, 16, 16, 256, False), jnp.bfloat16),
+          ((1, 16384, 16, 16, 128, False), jnp.bfloat16),
+          ((1, 16384, 16, 16, 128, True), jnp.bfloat16),
+          ((1, 32768, 16, 16, 128, True), jnp.bfloat16)]
 SMOKE_SHAPES = [((1, 64, 2, 2, 64, True), jnp.bfloat16)]
 
 # (block_q, block_k, num_warps, num_stages)
@@ -46,6 +49,19 @@ BACKWARD = {64: [(64, 128, 128, 64, 4, 2), (32, 128, 128, 32, 4, 3),
                   (64, 64, 64, 64, 8, 2)]}
 
 
+# Long sequences (T >= LONG): the head dim 128 forward tilings that lead at T = 4096,
+# and the backward's two best.
+LONG = 16384
+LONG_FORWARD = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
+LONG_BACKWARD = [(64, 128, 128, 64, 8, 3), (32, 64, 64, 32, 4, 3)]
+
+
+def tilings(case):
+  """(forward tilings, backward tilings) swept for a case."""
+  T, H = case[1], case[4]
+  return (LONG_FORWARD, LONG_BACKWARD) if T >= LONG else (FORWARD[H], BACKWARD[H])
+
+
 def bench_shape(report: harness.Report, case, dtype):
   B, T, N, K, H, causal = case
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -57,14 +73,15 @@ def bench_shape(report: harness.Report, case, dtype):
   common = dict(op="attention" + (" causal" if causal else ""), shape=(B, T, N, K, H),
                 dtype=jnp.dtype(dtype).name)
   default = BlockSizes.default(T, T, H, dtype)
-  for bq, bk, warps, stages in FORWARD[H]:
+  forward, backward = tilings(case)
+  for bq, bk, warps, stages in forward:
     blocks = dataclasses.replace(default, block_q=bq, block_k=bk, num_warps=warps,
                                  num_stages=stages)
     fn = lambda q, k, v, blocks=blocks: js.dot_product_attention(
         q, k, v, is_causal=causal, block_sizes=blocks)
     report.measure(mode="fwd", impl=f"q{bq} k{bk} w{warps} s{stages}", fn=fn,
                    arg_sets=[(q, k, v)], flops=flops, **common)
-  for dkv_q, dkv_k, dq_q, dq_k, warps, stages in BACKWARD[H]:
+  for dkv_q, dkv_k, dq_q, dq_k, warps, stages in backward:
     blocks = dataclasses.replace(default, block_q_dkv=dkv_q, block_k_dkv=dkv_k,
                                  block_q_dq=dq_q, block_k_dq=dq_k, num_warps_bwd=warps,
                                  num_stages_bwd=stages)
@@ -77,5 +94,5 @@ def bench_shape(report: harness.Report, case, dtype):
 
 if __name__ == "__main__":
   harness.run("tune_attention", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda case, dtype: len(FORWARD[case[4]]) + len(BACKWARD[case[4]]),
+              lambda case, dtype: sum(map(len, tilings(case))),
               unit="TFLOP/s")

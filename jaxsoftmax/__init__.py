@@ -5,7 +5,7 @@ dot_product_attention and for optax's integer-label softmax cross-entropy, with 
 VJPs whose backward passes recompute from the saved row statistics. See README.md and DESIGN notes for the numerics contract.
 """
 
-from jaxsoftmax.attention import dot_product_attention
+from jaxsoftmax.attention import BlockSizes, dot_product_attention, flax_attention
 from jaxsoftmax.cross_entropy import cross_entropy
 from jaxsoftmax.rowwise import RowTiling
 from jaxsoftmax.softmax import log_softmax, logsumexp, softmax
@@ -18,6 +18,8 @@ __all__ = [
     "logsumexp",
     "cross_entropy",
     "dot_product_attention",
+    "flax_attention",
+    "BlockSizes",
     "merge_states",
     "reduce_states",
     "state_lse",

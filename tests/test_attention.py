@@ -209,7 +209,29 @@ def test_bad_input_names_the_argument():
     attention(q, kv, kv, logits_soft_cap=0.0)
   with pytest.raises(ValueError, match="segment_ids must be integer arrays"):
     attention(q, kv, kv, segment_ids=jnp.zeros((2, 5), jnp.int32))
+  with pytest.raises(TypeError, match="mask must be boolean"):
+    attention(q, kv, kv, mask=jnp.ones((8, 8)))
   with pytest.raises(ValueError, match="implementation must be one of"):
     attention(q, kv, kv, implementation="cudnn")
   with pytest.raises(ValueError, match="block_q must be a power of two >= 16"):
     BlockSizes(block_q=24)
+
+
+def test_flax_nnx_multi_head_attention(key):
+  nnx = pytest.importorskip("flax.nnx")
+  x = jax.random.normal(key, (2, 24, 32))
+
+  def layer(attention_fn):
+    return nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32,
+                                  decode=False, rngs=nnx.Rngs(0), attention_fn=attention_fn)
+
+  ours = functools.partial(js.flax_attention, interpret=True)
+  np.testing.assert_allclose(layer(ours)(x), layer(nnx.dot_product_attention)(x),
+                             rtol=2e-5, atol=2e-6)
+  mask = nnx.make_causal_mask(jnp.ones((2, 24)))  # 0/1 floats, as Flax makes them
+  np.testing.assert_allclose(layer(ours)(x, mask=mask),
+                             layer(nnx.dot_product_attention)(x, mask=mask),
+                             rtol=2e-5, atol=2e-6)
+  with pytest.raises(NotImplementedError, match="dropout"):
+    js.flax_attention(x.reshape(2, 24, 4, 8), x.reshape(2, 24, 4, 8), x.reshape(2, 24, 4, 8),
+                      dropout_rate=0.1, deterministic=False)

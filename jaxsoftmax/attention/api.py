@@ -160,6 +160,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"dot_product_attention: logits_soft_cap must be > 0, got "
                      f"{logits_soft_cap!r}")
+  if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+    raise TypeError(f"dot_product_attention: mask must be boolean (True: attend), got "
+                    f"{jnp.asarray(mask).dtype}")
   window = _window(local_window_size)
   q_len = _lengths(query_seq_lengths, B, "query_seq_lengths")
   kv_len = _lengths(key_value_seq_lengths, B, "key_value_seq_lengths")
