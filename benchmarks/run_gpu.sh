@@ -55,7 +55,8 @@ for stage in ${STAGES:-tests tune bench}; do
         | tee -a "$out/bench.log"
       tail -n 2 "$out/bench.log" | tee -a "$out/summary.log" ;;
     attn-tests)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout 240 $python -m pytest -m gpu -q -n 4 \
+      # Compiling dominates these tests: eight workers, an eighth of the memory each.
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.11 timeout 240 $python -m pytest -m gpu -q -n 8 \
         -p no:cacheprovider -rfE tests/test_attention.py 2>&1 | tee "$out/attn_tests.log" \
         | tail -n 25 | tee -a "$out/summary.log" ;;
     attn-tune)
@@ -67,7 +68,7 @@ for stage in ${STAGES:-tests tune bench}; do
         ${ATTN_ONLY:+--only "$ATTN_ONLY"} --name "${ATTN_NAME:-attention}" 2>&1 \
         | tee -a "$out/attn_bench.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     example)
-      timeout 240 $python examples/train_transformer.py --trace "$out/trace" 2>&1 \
+      timeout 120 $python examples/train_transformer.py --trace "$out/trace" 2>&1 \
         | tee "$out/example.log" | tail -n 8 | tee -a "$out/summary.log" ;;
     *) echo "unknown stage $stage" | tee -a "$out/summary.log" ;;
   esac

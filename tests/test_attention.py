@@ -179,6 +179,8 @@ def test_unbatched_jit_and_vmap(key):
 
 def test_default_block_sizes():
   assert BlockSizes.default(4096, 4096, 128, jnp.bfloat16).block_k_dkv == 128
+  long = BlockSizes.default(32768, 32768, 128, jnp.bfloat16, is_causal=True)
+  assert (long.block_q, long.block_k, long.num_warps) == (128, 64, 8)
   small = BlockSizes.default(7, 9, 20, jnp.bfloat16)
   assert (small.block_q, small.block_k) == (16, 16)
   wide = BlockSizes.default(4096, 4096, 256, jnp.bfloat16)

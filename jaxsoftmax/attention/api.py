@@ -179,7 +179,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   else:
     spec = MaskSpec(T, S, bool(is_causal), *(window or (None, None)),
                     has_segments=q_seg is not None)
-    blocks = block_sizes or BlockSizes.default(T, S, H, query.dtype)
+    blocks = block_sizes or BlockSizes.default(T, S, H, query.dtype, bool(is_causal))
     out, lse = _attention_jit(query, key, value, (q_len, kv_len, q_seg, kv_seg), spec,
                               blocks, scale, logits_soft_cap,
                               _backend.resolve_interpret(interpret))

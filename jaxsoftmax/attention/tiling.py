@@ -61,7 +61,8 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
 
   @classmethod
-  def default(cls, T: int, S: int, head_dim: int, dtype) -> "BlockSizes":
+  def default(cls, T: int, S: int, head_dim: int, dtype,
+              is_causal: bool = False) -> "BlockSizes":
     """Tiles that fit the registers for the head dim, no larger than the sequences.
 
     The 16-bit values are the best of `benchmarks/tune_attention.py` on an H200
@@ -77,8 +78,11 @@ class BlockSizes:
       blocks = cls(64, 64, 32, 128, 128, 32, num_warps=4, num_stages=3, num_warps_bwd=4,
                    num_stages_bwd=3)
     elif h <= 128:
-      blocks = cls(64, 64, 64, 128, 128, 64, num_warps=4, num_stages=3, num_warps_bwd=8,
-                   num_stages_bwd=3)
+      # Long sequences amortize bigger forward tiles (a causal one keeps block_k 64, so
+      # that fewer keys fall in its masked diagonal blocks).
+      fwd = (64, 64, 4) if T < LONG else (128, 64 if is_causal else 128, 8)
+      blocks = cls(fwd[0], fwd[1], 64, 128, 128, 64, num_warps=fwd[2], num_stages=3,
+                   num_warps_bwd=8, num_stages_bwd=3)
     else:
       blocks = cls(128, 64, 64, 64, 64, 64, num_warps=8, num_stages=2, num_warps_bwd=8,
                    num_stages_bwd=2)
@@ -87,6 +91,10 @@ class BlockSizes:
     return dataclasses.replace(blocks, **{
         name: min(getattr(blocks, name), fit_q if name.startswith("block_q") else fit_k)
         for name in cls._BLOCKS})
+
+
+# Sequences from this length on take the long-sequence forward tiles (head dims 65-128).
+LONG = 16384
 
 
 def pad_head_dim(head_dim: int) -> int:
