@@ -1,0 +1,41 @@
+"""Merges benchmark reports of runs split by the device's time limit into one.
+
+    python benchmarks/merge_reports.py OUT_DIR NAME first.json second.json ...
+
+Rows are keyed by (op, impl, shape, dtype, mode); a later file's row replaces an earlier
+one's, so re-measured shapes win. Writes NAME.json/.md/.png; the header lists the runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import harness
+
+
+def main(out_dir: str, name: str, paths: list[str]):
+  rows, metas = {}, []
+  for path in paths:
+    with open(path) as f:
+      report = json.load(f)
+    metas.append(report["meta"])
+    for row in report["rows"]:
+      row = harness.Row(**row)
+      rows[(row.op, row.impl, row.shape, row.dtype, row.mode)] = row
+  units = {"TFLOP/s" if r.tflops is not None else "GB/s"
+           for r in rows.values() if r.median_us is not None}
+  if len(units) != 1:
+    sys.exit(f"cannot merge reports with units {units}")
+  merged = harness.Report(name, total=len(rows), out_dir=out_dir, unit=units.pop())
+  merged.meta = dict(metas[-1], date=" + ".join(m["date"] for m in metas))
+  merged.rows = list(rows.values())
+  merged._write_tables()
+  merged.finish()
+  print(f"{len(merged.rows)} rows from {len(paths)} runs", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  if len(sys.argv) < 4:
+    sys.exit(__doc__)
+  main(sys.argv[1], sys.argv[2], sys.argv[3:])
