@@ -1,0 +1,31 @@
+"""The attention benchmark and the report merge run end to end (--smoke: tiny shapes,
+interpreted kernels), so that the scripts the GPU run depends on do not rot off-GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, cwd=ROOT):
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "benchmarks")]))
+  return subprocess.run([sys.executable, *args], cwd=cwd, env=env, check=True,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_bench_attention_smoke_and_merge(tmp_path):
+  _run("benchmarks/bench_attention.py", "--smoke", "--out", str(tmp_path))
+  with open(tmp_path / "attention.json") as f:
+    rows = json.load(f)["rows"]
+  ours = [r for r in rows if r["impl"] == "jaxsoftmax"]
+  assert {r["mode"] for r in ours} == {"fwd", "fwd+bwd"}
+  assert all(r["median_us"] > 0 and r["max_rel_err"] < 0.05 for r in ours)
+  # Peers that cannot run here are rows that say why, not crashes.
+  assert all(r["note"] for r in rows if r["median_us"] is None)
+
+  _run("benchmarks/merge_reports.py", str(tmp_path / "merged"), "both",
+       str(tmp_path / "attention.json"), str(tmp_path / "attention.json"))
+  with open(tmp_path / "merged" / "both.json") as f:
+    assert len(json.load(f)["rows"]) == len(rows)  # same keys: replaced, not repeated
