@@ -136,6 +136,15 @@ def test_matches_truth_gpu(key, B, T, S, N, K, H, options, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_long_sequence_tiles_gpu(key, is_causal):
+  # T >= 16384 takes the long-sequence forward tiles (BlockSizes.default); one head keeps
+  # the float64 truth's T x T logits at 2 GB.
+  _check(*_inputs(key, 1, 16390, 16390, 1, 1, 128, jnp.bfloat16), interpret=False,
+         is_causal=is_causal)
+
+
+@pytest.mark.gpu
 def test_segments_gpu(key):
   B, T = 2, 700
   q, k, v, do = _inputs(key, B, T, T, 4, 2, 64, jnp.bfloat16)
