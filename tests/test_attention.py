@@ -186,6 +186,34 @@ def test_unbatched_jit_and_vmap(key):
   np.testing.assert_allclose(jax.vmap(f)(q, k, v), ref, rtol=2e-5, atol=2e-6)
 
 
+def _pallas_calls(jaxpr):
+  """(kernel name, number of outputs) of every pallas_call in a jaxpr, nested ones too."""
+  from jax.extend import core
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      # The kernel's name is param "name" in newer JAX, "name_and_src_info" in 0.11.
+      name = eqn.params.get("name", eqn.params.get("name_and_src_info"))
+      found.append((getattr(name, "name", name), len(eqn.outvars)))
+    for sub in core.jaxprs_in_params(eqn.params):
+      found += _pallas_calls(sub)
+  return found
+
+
+def test_kernels_per_step(key):
+  # A training step runs each kernel once: the backward recomputes from the residuals
+  # and never re-runs the forward. Only under differentiation does the forward write the
+  # extra float32 O (4 outputs instead of 3) that delta needs.
+  q, k, v, _ = _inputs(key, 1, 20, 20, 2, 1, 16, jnp.bfloat16)
+  loss = lambda q, k, v: js.dot_product_attention(q, k, v, interpret=True).astype(
+      jnp.float32).sum()
+  step = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+  assert sorted(_pallas_calls(step)) == [("attention_backward_dkdv", 2),
+                                         ("attention_backward_dq", 1),
+                                         ("attention_forward", 4)]
+  assert _pallas_calls(jax.make_jaxpr(loss)(q, k, v).jaxpr) == [("attention_forward", 3)]
+
+
 def test_default_block_sizes():
   assert BlockSizes.default(4096, 4096, 128, jnp.bfloat16).block_k_dkv == 128
   long = BlockSizes.default(32768, 32768, 128, jnp.bfloat16, is_causal=True)
