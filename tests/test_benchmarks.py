@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -16,6 +18,7 @@ def _run(*args, cwd=ROOT):
 
 
 def test_bench_attention_smoke_and_merge(tmp_path):
+  pytest.importorskip("matplotlib")  # the reports' plots; in the "test" extra
   _run("benchmarks/bench_attention.py", "--smoke", "--out", str(tmp_path))
   with open(tmp_path / "attention.json") as f:
     rows = json.load(f)["rows"]
