@@ -32,9 +32,11 @@ from jaxsoftmax import _backend
 from jaxsoftmax._backend import pl
 from jaxsoftmax.attention.forward import query_block_order
 from jaxsoftmax.attention.logits import Logits
-from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
-                                        query_block_ranges)
-from jaxsoftmax.attention.tiling import Aux, BlockSizes, Dims, block_rows, load_scalar
+from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_allowed,
+                                        key_block_ranges, query_block_ranges,
+                                        walk_block_ranges)
+from jaxsoftmax.attention.tiling import (Aux, BlockSizes, Dims, block_rows, key_block,
+                                         load_scalar, query_block)
 
 
 def _max_or_inf(m):
@@ -90,14 +92,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     dk = dk + _backend.dot(ds_t.astype(q.dtype), q)
     return dk, dv
 
-  lo, full_lo, full_hi, hi = query_block_ranges(spec, k0, bq, bk, kv_length, q_length,
-                                                pl.cdiv(dims.T, bq))
+  ranges = query_block_ranges(spec, k0, bq, bk, kv_length, q_length, pl.cdiv(dims.T, bq))
 
   def head(g, carry):
-    carry = lax.fori_loop(lo, full_lo, functools.partial(step, g=g, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, g=g, masked=False),
-                          carry)
-    return lax.fori_loop(full_hi, hi, functools.partial(step, g=g, masked=True), carry)
+    return walk_block_ranges(ranges, functools.partial(step, g=g), carry)
 
   zeros = jnp.zeros((bk, dims.H_pad), jnp.float32)
   dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
@@ -114,50 +112,37 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux.unpack(aux_refs)
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   q0 = q_block(pl.program_id(0)) * bq
-  q_idx, q_ok = block_rows(q0, bq, dims.T)
-  h_ok = dims.head_ok()
-  q_mask = dims.tile_mask(q_ok, h_ok, bq)
-  q = _backend.load(q_ref, mask=q_mask, other=0)
+  q_idx, q_ok, h_ok, q_mask, q, q_length, kv_length, q_seg = query_block(
+      q_ref, q_len_ref, kv_len_ref, q_seg_ref, q0=q0, block_q=bq, dims=dims)
   do = _backend.load(do_ref, mask=q_mask, other=0)
   m = _max_or_inf(_backend.load(m_ref, mask=q_ok, other=-jnp.inf))
   log2_l = _backend.load(log2_l_ref, mask=q_ok, other=0)
   delta = _backend.load(delta_ref, mask=q_ok, other=0)
-  q_length, kv_length = load_scalar(q_len_ref), load_scalar(kv_len_ref)
-  q_seg = None if q_seg_ref is None else _backend.load(q_seg_ref, mask=q_ok, other=-1)
 
   def step(j, dq, *, masked: bool):
     k0 = j * bk
-    k_idx, kv_ok = block_rows(k0, bk, dims.S)
-    # Only boundary blocks can reach past S (full blocks end before it).
-    kv_mask = dims.tile_mask(kv_ok if masked else None, h_ok, bk)
+    k_idx, kv_mask = key_block(k0, bk, dims, h_ok, masked=masked)
     k = _backend.load(k_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
     v = _backend.load(v_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
     x, tanh = logits.scores(q, k)
     p = exp2(logits.exponent_from_stats(x, m[:, None], log2_l[:, None]))
     if masked:
-      k_seg = None
-      if kv_seg_ref is not None:
-        k_seg = _backend.load(kv_seg_ref.at[pl.ds(k0, bk)], mask=k_idx < dims.S, other=-2)
-      allowed = element_mask(spec, q_idx[:, None], k_idx[None, :], kv_length,
-                             None if q_seg is None else q_seg[:, None],
-                             None if k_seg is None else k_seg[None, :])
+      allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
+                                  q_idx=q_idx, q_segments=q_seg, kv_length=kv_length)
       p = jnp.where(allowed, p, 0.0)
     dp = _backend.dot(do, v, trans_b=True)
     ds = _score_grad(p, dp, delta[:, None], tanh)
     return dq + _backend.dot(ds.astype(k.dtype), k)
 
-  lo, full_lo, full_hi, hi = key_block_ranges(spec, q0, bq, bk, kv_length, q_length)
-  dq = jnp.zeros((bq, dims.H_pad), jnp.float32)
-  dq = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), dq)
-  dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
-  dq = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), dq)
+  dq = walk_block_ranges(key_block_ranges(spec, q0, bq, bk, kv_length, q_length), step,
+                         jnp.zeros((bq, dims.H_pad), jnp.float32))
   _backend.store(dq_ref, (dq * logits.scale).astype(dq_ref.dtype), mask=q_mask)
 
 
 def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes,
              scale: float, softcap: float | None, interpret: bool):
-  """(dq, dk, dv) for the forward's inputs, its output o (float32 where it has one), its row statistics m and
-  log2_l (B, N, T)."""
+  """(dq, dk, dv) for the forward's inputs, its output o (float32 where it has one) and
+  its row statistics m and log2_l (B, N, T)."""
   dims = Dims.of(q, k)
   aux, aux_arrays = Aux.of(aux_arrays)
   group = dims.N // dims.K

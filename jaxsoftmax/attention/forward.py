@@ -23,13 +23,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxsoftmax import _backend
 from jaxsoftmax._backend import pl
 from jaxsoftmax.attention.logits import Logits
-from jaxsoftmax.attention.masks import MaskSpec, element_mask, key_block_ranges
-from jaxsoftmax.attention.tiling import Aux, BlockSizes, Dims, block_rows, load_scalar
+from jaxsoftmax.attention.masks import (MaskSpec, key_block_allowed, key_block_ranges,
+                                        walk_block_ranges)
+from jaxsoftmax.attention.tiling import Aux, BlockSizes, Dims, key_block, query_block
 from jaxsoftmax.state import safe_shift
 
 
@@ -40,28 +40,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux.unpack(aux_refs)
   bq, bk = blocks.block_q, blocks.block_k
   q0 = q_block(pl.program_id(0)) * bq
-  q_idx, q_ok = block_rows(q0, bq, dims.T)
-  h_ok = dims.head_ok()
-  q_tile_mask = dims.tile_mask(q_ok, h_ok, bq)
-  q = _backend.load(q_ref, mask=q_tile_mask, other=0)
-  q_length, kv_length = load_scalar(q_len_ref), load_scalar(kv_len_ref)
-  q_seg = None if q_seg_ref is None else _backend.load(q_seg_ref, mask=q_ok, other=-1)
+  q_idx, q_ok, h_ok, q_tile_mask, q, q_length, kv_length, q_seg = query_block(
+      q_ref, q_len_ref, kv_len_ref, q_seg_ref, q0=q0, block_q=bq, dims=dims)
 
   def step(j, carry, *, masked: bool):
     m, l, acc = carry
     k0 = j * bk
-    k_idx, kv_ok = block_rows(k0, bk, dims.S)
-    # Only boundary blocks can reach past S (full blocks end before it).
-    kv_mask = dims.tile_mask(kv_ok if masked else None, h_ok, bk)
+    k_idx, kv_mask = key_block(k0, bk, dims, h_ok, masked=masked)
     k = _backend.load(k_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
     x, _ = logits.scores(q, k)
     if masked:
-      k_seg = None
-      if kv_seg_ref is not None:
-        k_seg = _backend.load(kv_seg_ref.at[pl.ds(k0, bk)], mask=k_idx < dims.S, other=-2)
-      allowed = element_mask(spec, q_idx[:, None], k_idx[None, :], kv_length,
-                             None if q_seg is None else q_seg[:, None],
-                             None if k_seg is None else k_seg[None, :])
+      allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
+                                  q_idx=q_idx, q_segments=q_seg, kv_length=kv_length)
       x = jnp.where(allowed, x, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(x, axis=1))
     shift = safe_shift(m_new)
@@ -71,12 +61,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
     acc = acc * alpha[:, None] + _backend.dot(p.astype(v.dtype), v)
     return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-  lo, full_lo, full_hi, hi = key_block_ranges(spec, q0, bq, bk, kv_length, q_length)
+  ranges = key_block_ranges(spec, q0, bq, bk, kv_length, q_length)
   carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
            jnp.zeros((bq, dims.H_pad), jnp.float32))
-  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-  m, l, acc = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+  m, l, acc = walk_block_ranges(ranges, step, carry)
 
   some = l > 0  # rows with at least one allowed key
   if q_length is not None:

@@ -20,10 +20,14 @@ and blocks that are entirely masked are not visited at all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxsoftmax import _backend
+from jaxsoftmax._backend import pl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,3 +137,26 @@ def element_mask(spec: MaskSpec, q_idx: jax.Array, k_idx: jax.Array, kv_length,
   if q_segments is not None:
     allowed = allowed & (q_segments == k_segments)
   return allowed
+
+
+def walk_block_ranges(ranges, body, carry):
+  """Runs ``body(j, carry, masked=...)`` over the blocks j of the ranges (lo, full_lo,
+  full_hi, hi): with element masks on [lo, full_lo) and [full_hi, hi), without on the
+  interior [full_lo, full_hi)."""
+  lo, full_lo, full_hi, hi = ranges
+  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+
+
+def key_block_allowed(spec: MaskSpec, kv_seg_ref, *, k0, k_idx, block_k: int, q_idx,
+                      q_segments, kv_length) -> jax.Array:
+  """The (block_q, block_k) element mask of the key block at k0 for a query block (the
+  forward's and the dQ kernel's boundary blocks), loading the keys' segment ids."""
+  k_segments = None
+  if kv_seg_ref is not None:
+    k_segments = _backend.load(kv_seg_ref.at[pl.ds(k0, block_k)], mask=k_idx < spec.kv_len,
+                               other=-2)
+  return element_mask(spec, q_idx[:, None], k_idx[None, :], kv_length,
+                      None if q_segments is None else q_segments[:, None],
+                      None if k_segments is None else k_segments[None, :])

@@ -177,3 +177,24 @@ def block_rows(start, rows: int, total: int):
   are inside it (None when every block fits exactly)."""
   idx = start + jnp.arange(rows, dtype=jnp.int32)
   return idx, (idx < total if total % rows else None)
+
+
+def query_block(q_ref, q_len_ref, kv_len_ref, q_seg_ref, *, q0, block_q: int, dims: Dims):
+  """The prologue of a program that keeps the query block [q0, q0 + block_q) (the
+  forward's and the dQ kernel's): (row indices, rows inside T, real head dims, the tile
+  mask, the query tile, the batch row's query and key lengths, the rows' segment ids);
+  the masks, lengths and segment ids are None where not needed or not given."""
+  q_idx, q_ok = block_rows(q0, block_q, dims.T)
+  h_ok = dims.head_ok()
+  q_mask = dims.tile_mask(q_ok, h_ok, block_q)
+  q = _backend.load(q_ref, mask=q_mask, other=0)
+  q_length, kv_length = load_scalar(q_len_ref), load_scalar(kv_len_ref)
+  q_seg = None if q_seg_ref is None else _backend.load(q_seg_ref, mask=q_ok, other=-1)
+  return q_idx, q_ok, h_ok, q_mask, q, q_length, kv_length, q_seg
+
+
+def key_block(k0, block_k: int, dims: Dims, h_ok, *, masked: bool):
+  """(key indices, load mask of the (block_k, H_pad) K/V tiles) of the key block at k0.
+  Only boundary (masked) blocks can reach past S: interior blocks end before it."""
+  k_idx, kv_ok = block_rows(k0, block_k, dims.S)
+  return k_idx, dims.tile_mask(kv_ok if masked else None, h_ok, block_k)
