@@ -95,18 +95,23 @@ def _fwd_bwd(attention):
   return run
 
 
-def bench_shape(report: harness.Report, case, dtype):
+def case_inputs(case, dtype):
+  """(q, k, v, dO) of a case, the report fields naming it, and its forward FLOPs."""
   B, T, N, K, H, causal = case
-  group = N // K
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
   q = jax.random.normal(keys[0], (B, T, N, H), dtype)
   k = jax.random.normal(keys[1], (B, T, K, H), dtype)
   v = jax.random.normal(keys[2], (B, T, K, H), dtype)
   do = jax.random.normal(keys[3], (B, T, N, H), dtype)
-  shape = (B, T, N, K, H)
-  common = dict(op="attention" + (" causal" if causal else ""), shape=shape,
+  common = dict(op="attention" + (" causal" if causal else ""), shape=(B, T, N, K, H),
                 dtype=jnp.dtype(dtype).name)
-  flops = 4 * B * N * T * T * H / (2 if causal else 1)
+  return (q, k, v, do), common, 4 * B * N * T * T * H / (2 if causal else 1)
+
+
+def bench_shape(report: harness.Report, case, dtype):
+  B, T, N, K, H, causal = case
+  group = N // K
+  (q, k, v, do), common, flops = case_inputs(case, dtype)
 
   # The truth on batch row 0 and the query heads of K/V head 0.
   part_q = lambda a: a[:1, :, :group]

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 import harness
 import jaxsoftmax as js
-from bench_attention import _fwd_bwd
+from bench_attention import _fwd_bwd, case_inputs
 from jaxsoftmax.attention import BlockSizes
 
 SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
@@ -64,14 +63,7 @@ def tilings(case):
 
 def bench_shape(report: harness.Report, case, dtype):
   B, T, N, K, H, causal = case
-  keys = jax.random.split(jax.random.PRNGKey(0), 4)
-  q = jax.random.normal(keys[0], (B, T, N, H), dtype)
-  k = jax.random.normal(keys[1], (B, T, K, H), dtype)
-  v = jax.random.normal(keys[2], (B, T, K, H), dtype)
-  do = jax.random.normal(keys[3], (B, T, N, H), dtype)
-  flops = 4 * B * N * T * T * H / (2 if causal else 1)
-  common = dict(op="attention" + (" causal" if causal else ""), shape=(B, T, N, K, H),
-                dtype=jnp.dtype(dtype).name)
+  (q, k, v, do), common, flops = case_inputs(case, dtype)
   default = BlockSizes.default(T, T, H, dtype)
   forward, backward = tilings(case)
   for bq, bk, warps, stages in forward:
