@@ -19,6 +19,7 @@ import harness
 import jaxsoftmax as js
 from bench_attention import _fwd_bwd, case_inputs
 from jaxsoftmax.attention import BlockSizes
+from jaxsoftmax.attention.tiling import LONG
 
 SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
           ((4, 4096, 16, 16, 128, True), jnp.bfloat16),
@@ -49,9 +50,10 @@ BACKWARD = {64: [(64, 128, 128, 64, 4, 2), (32, 128, 128, 32, 4, 3),
 
 
 # Long sequences (T >= LONG): the head dim 128 forward tilings that lead at T = 4096,
-# and the backward's two best.
-LONG = 16384
-LONG_FORWARD = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
+# deeper pipelines of them, 256-row query tiles on 16 warps, and the backward's two best.
+LONG_FORWARD = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+                (128, 64, 8, 4), (64, 128, 4, 3), (64, 64, 4, 4), (128, 32, 4, 3),
+                (128, 64, 4, 3), (256, 64, 16, 3), (256, 32, 16, 3)]
 LONG_BACKWARD = [(64, 128, 128, 64, 8, 3), (32, 64, 64, 32, 4, 3)]
 
 

@@ -145,6 +145,15 @@ def test_long_sequence_tiles_gpu(key, is_causal):
 
 
 @pytest.mark.gpu
+def test_causal_very_long_sequence_tiles_gpu(key):
+  # The causal tiles of T >= 32768 (256-row query blocks on 16 warps), at a T whose float64
+  # truth fits; 3001 is a multiple of no block.
+  blocks = BlockSizes.default(32768, 32768, 128, jnp.bfloat16, is_causal=True)
+  _check(*_inputs(key, 1, 3001, 3001, 4, 2, 128, jnp.bfloat16), blocks=blocks,
+         interpret=False, is_causal=True)
+
+
+@pytest.mark.gpu
 def test_segments_gpu(key):
   B, T = 2, 700
   q, k, v, do = _inputs(key, B, T, T, 4, 2, 64, jnp.bfloat16)
@@ -217,6 +226,8 @@ def test_kernels_per_step(key):
 def test_default_block_sizes():
   assert BlockSizes.default(4096, 4096, 128, jnp.bfloat16).block_k_dkv == 128
   long = BlockSizes.default(32768, 32768, 128, jnp.bfloat16, is_causal=True)
+  assert (long.block_q, long.block_k, long.num_warps) == (256, 64, 16)
+  long = BlockSizes.default(16384, 16384, 128, jnp.bfloat16, is_causal=True)
   assert (long.block_q, long.block_k, long.num_warps) == (128, 64, 8)
   small = BlockSizes.default(7, 9, 20, jnp.bfloat16)
   assert (small.block_q, small.block_k) == (16, 16)

@@ -79,8 +79,16 @@ class BlockSizes:
                    num_stages_bwd=3)
     elif h <= 128:
       # Long sequences amortize bigger forward tiles (a causal one keeps block_k 64, so
-      # that fewer keys fall in its masked diagonal blocks).
-      fwd = (64, 64, 4) if T < LONG else (128, 64 if is_causal else 128, 8)
+      # that fewer keys fall in its masked diagonal blocks). From 2 · LONG a causal
+      # forward takes 256-row query tiles on 16 warps, which halve the key/value reads
+      # per query: 491 against 477 TFLOP/s at T = 32768, but 436 against 476 at 16384
+      # (benchmarks/results/tune_attention_long.md).
+      if T < LONG:
+        fwd = (64, 64, 4)
+      elif is_causal and T >= 2 * LONG:
+        fwd = (256, 64, 16)
+      else:
+        fwd = (128, 64 if is_causal else 128, 8)
       blocks = cls(fwd[0], fwd[1], 64, 128, 128, 64, num_warps=fwd[2], num_stages=3,
                    num_warps_bwd=8, num_stages_bwd=3)
     else:
