@@ -66,7 +66,8 @@ class BlockSizes:
     """Tiles that fit the registers for the head dim, no larger than the sequences.
 
     The 16-bit values are the best of `benchmarks/tune_attention.py` on an H200
-    (benchmarks/results/tune_attention.md); float32 tiles are halved, as their operands
+    (benchmarks/results/tune_attention.log, tune_attention_long.md,
+    tune_attention_h256.md); float32 tiles are halved, as their operands
     take twice the registers and shared memory.
     """
     h = pad_head_dim(head_dim)
