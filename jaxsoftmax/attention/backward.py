@@ -30,13 +30,12 @@ from jax import lax
 
 from jaxsoftmax import _backend
 from jaxsoftmax._backend import pl
-from jaxsoftmax.attention.forward import query_block_order
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_allowed,
                                         key_block_ranges, query_block_ranges,
                                         walk_block_ranges)
 from jaxsoftmax.attention.tiling import (Aux, BlockSizes, Dims, block_rows, key_block,
-                                         load_scalar, query_block)
+                                         load_scalar, query_block, query_block_launch)
 
 
 def _max_or_inf(m):
@@ -174,21 +173,14 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
   )(q, k, v, do, m, log2_l, delta, *aux_arrays)
 
   # dQ: grid (query block, batch, query head), walking the key blocks.
-  bq, bk = blocks.block_q_dq, blocks.block_k_dq
-  n_q_blocks = pl.cdiv(dims.T, bq)
-  q_block = query_block_order(spec, n_q_blocks)
-  kv_rows = pl.cdiv(dims.S, bk) * bk
-  q_tile = pl.BlockSpec((None, bq, None, dims.H_pad), lambda i, b, n: (b, q_block(i), n, 0))
-  kv_all = pl.BlockSpec((None, kv_rows, None, dims.H_pad),
-                        lambda i, b, n: (b, 0, n // group, 0))
-  stat_tile = pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, q_block(i)))
+  launch = query_block_launch(dims, aux, block_q=blocks.block_q_dq,
+                              block_k=blocks.block_k_dq, last_first=spec.is_causal)
+  q_tile, stat_tile = launch.q_tile, launch.stat_tile
   dq = _backend.pallas_call(
-      functools.partial(_dq_kernel, q_block=q_block, **statics),
-      name="attention_backward_dq", grid=(n_q_blocks, dims.B, dims.N),
-      in_specs=[q_tile, kv_all, kv_all, q_tile, stat_tile, stat_tile, stat_tile,
-                *aux.specs(q_rows=bq, q_index=lambda i, b, n: (b, q_block(i)),
-                           kv_rows=kv_rows, kv_index=lambda i, b, n: (b, 0),
-                           batch_index=lambda i, b, n: b)],
+      functools.partial(_dq_kernel, q_block=launch.q_block, **statics),
+      name="attention_backward_dq", grid=launch.grid,
+      in_specs=[q_tile, launch.kv_all, launch.kv_all, q_tile, stat_tile, stat_tile,
+                stat_tile, *launch.aux_specs],
       out_specs=q_tile,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       **common,

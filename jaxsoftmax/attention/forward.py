@@ -13,8 +13,7 @@ m (in x's units) and log2(l), both float32: a float32 lse near 100 is rounded by
 which would cost float32 inputs' gradients that much, while x - m is exact near the
 maximum. A row with no allowed key has l = 0: it gets o = 0, m = -inf (lse = -inf). FLOPs: 4·B·N·T·S·H,
 about halved by causal masking since those blocks are skipped. Under causal masking the
-query blocks run last-first, so that the longest programs start first and the short
-ones fill the tail of the launch.
+query blocks run last-first (`tiling.query_block_launch`).
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ from jaxsoftmax._backend import pl
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import (MaskSpec, key_block_allowed, key_block_ranges,
                                         walk_block_ranges)
-from jaxsoftmax.attention.tiling import Aux, BlockSizes, Dims, key_block, query_block
+from jaxsoftmax.attention.tiling import (Aux, BlockSizes, Dims, key_block, query_block,
+                                         query_block_launch)
 from jaxsoftmax.state import safe_shift
 
 
@@ -78,13 +78,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
   _backend.store(log2_l_ref, jnp.log2(l_safe), mask=q_ok)
 
 
-def query_block_order(spec: MaskSpec, n_q_blocks: int):
-  """Program index -> query block: last-first under causal masking (see the docstring)."""
-  if spec.is_causal:
-    return lambda i: n_q_blocks - 1 - i
-  return lambda i: i
-
-
 def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: float,
             softcap: float | None, interpret: bool, float32_output: bool = False):
   """(o (B, T, N, H), m (B, N, T), log2_l (B, N, T)) for q (B, T, N, H), k and v
@@ -94,27 +87,18 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: f
   made bfloat16 dQ 3x less accurate than XLA's."""
   dims = Dims.of(q, k)
   aux, aux_arrays = Aux.of(aux_arrays)
-  bq, bk = blocks.block_q, blocks.block_k
-  group = dims.N // dims.K
-  n_q_blocks = pl.cdiv(dims.T, bq)
-  q_block = query_block_order(spec, n_q_blocks)
-  kv_rows = pl.cdiv(dims.S, bk) * bk  # a whole number of key blocks, for interpret mode
-  q_spec = pl.BlockSpec((None, bq, None, dims.H_pad), lambda i, b, n: (b, q_block(i), n, 0))
-  kv_spec = pl.BlockSpec((None, kv_rows, None, dims.H_pad),
-                         lambda i, b, n: (b, 0, n // group, 0))
-  stat_spec = pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, q_block(i)))
+  launch = query_block_launch(dims, aux, block_q=blocks.block_q, block_k=blocks.block_k,
+                              last_first=spec.is_causal)
   stat_shape = jax.ShapeDtypeStruct((dims.B, dims.N, dims.T), jnp.float32)
   logits = Logits(scale, softcap, fused=q.dtype != jnp.float32)
   kernel = functools.partial(_forward_kernel, dims=dims, spec=spec, blocks=blocks, aux=aux,
-                             logits=logits, q_block=q_block,
+                             logits=logits, q_block=launch.q_block,
                              exp2=_backend.exp2(interpret))
+  q_tile, stat_tile = launch.q_tile, launch.stat_tile
   return _backend.pallas_call(
-      kernel, name="attention_forward", grid=(n_q_blocks, dims.B, dims.N),
-      in_specs=[q_spec, kv_spec, kv_spec,
-                *aux.specs(q_rows=bq, q_index=lambda i, b, n: (b, q_block(i)),
-                           kv_rows=kv_rows, kv_index=lambda i, b, n: (b, 0),
-                           batch_index=lambda i, b, n: b)],
-      out_specs=[q_spec, stat_spec, stat_spec] + [q_spec] * float32_output,
+      kernel, name="attention_forward", grid=launch.grid,
+      in_specs=[q_tile, launch.kv_all, launch.kv_all, *launch.aux_specs],
+      out_specs=[q_tile, stat_tile, stat_tile] + [q_tile] * float32_output,
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), stat_shape, stat_shape]
       + [jax.ShapeDtypeStruct(q.shape, jnp.float32)] * float32_output,
       num_warps=blocks.num_warps, num_stages=blocks.num_stages, interpret=interpret,

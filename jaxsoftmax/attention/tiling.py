@@ -4,6 +4,8 @@ per-batch-row inputs (lengths, segment ids) that travel with the kernels."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -174,6 +176,41 @@ class Aux:
     candidates = (length, length, pl.BlockSpec((None, q_rows), q_index),
                   pl.BlockSpec((None, kv_rows), kv_index))
     return [spec for spec, here in zip(candidates, self.present) if here]
+
+
+class QueryBlockLaunch(NamedTuple):
+  """How a kernel with one program per (query block, batch row, query head) that walks the
+  key blocks (the forward and the dQ kernel) is launched; see `query_block_launch`."""
+
+  q_block: Callable[[Any], Any]  # program index -> query block
+  grid: tuple[int, int, int]
+  q_tile: Any  # BlockSpec of a (block_q, H_pad) tile of q, o, dO or dQ
+  kv_all: Any  # BlockSpec of all key rows of the K/V head of the program's query head
+  stat_tile: Any  # BlockSpec of a block_q slice of a (B, N, T) row statistic
+  aux_specs: list  # BlockSpecs of the given lengths and segment ids
+
+
+def query_block_launch(dims: Dims, aux: Aux, *, block_q: int, block_k: int,
+                       last_first: bool) -> QueryBlockLaunch:
+  """The grid (query blocks, B, N) and BlockSpecs of a query-block kernel. With
+  ``last_first`` (causal masking, where a later query block walks more key blocks) the
+  query blocks run last-first, so that the longest programs start first and the short
+  ones fill the tail of the launch."""
+  n_q_blocks = pl.cdiv(dims.T, block_q)
+  q_block = (lambda i: n_q_blocks - 1 - i) if last_first else (lambda i: i)
+  group = dims.N // dims.K
+  kv_rows = pl.cdiv(dims.S, block_k) * block_k  # whole key blocks, for interpret mode
+  return QueryBlockLaunch(
+      q_block=q_block,
+      grid=(n_q_blocks, dims.B, dims.N),
+      q_tile=pl.BlockSpec((None, block_q, None, dims.H_pad),
+                          lambda i, b, n: (b, q_block(i), n, 0)),
+      kv_all=pl.BlockSpec((None, kv_rows, None, dims.H_pad),
+                          lambda i, b, n: (b, 0, n // group, 0)),
+      stat_tile=pl.BlockSpec((None, None, block_q), lambda i, b, n: (b, n, q_block(i))),
+      aux_specs=aux.specs(q_rows=block_q, q_index=lambda i, b, n: (b, q_block(i)),
+                          kv_rows=kv_rows, kv_index=lambda i, b, n: (b, 0),
+                          batch_index=lambda i, b, n: b))
 
 
 def load_scalar(ref):
