@@ -19,7 +19,7 @@ import harness
 import jaxsoftmax as js
 from bench_attention import _fwd_bwd, case_inputs
 from jaxsoftmax.attention import BlockSizes
-from jaxsoftmax.attention.tiling import LONG
+from jaxsoftmax.attention.triton.tiling import LONG
 
 SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
           ((4, 4096, 16, 16, 128, True), jnp.bfloat16),

@@ -5,7 +5,8 @@ dot_product_attention and for optax's integer-label softmax cross-entropy, with 
 VJPs whose backward passes recompute from the saved row statistics. See README.md and DESIGN notes for the numerics contract.
 """
 
-from jaxsoftmax.attention import BlockSizes, dot_product_attention, flax_attention
+from jaxsoftmax.attention import (BlockSizes, HopperBlockSizes, dot_product_attention,
+                                  flax_attention)
 from jaxsoftmax.cross_entropy import cross_entropy
 from jaxsoftmax.rowwise import RowTiling
 from jaxsoftmax.softmax import log_softmax, logsumexp, softmax
@@ -20,6 +21,7 @@ __all__ = [
     "dot_product_attention",
     "flax_attention",
     "BlockSizes",
+    "HopperBlockSizes",
     "merge_states",
     "reduce_states",
     "state_lse",

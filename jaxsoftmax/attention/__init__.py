@@ -1,7 +1,10 @@
 """FlashAttention forward and backward as Pallas kernels: `dot_product_attention`, and
-`flax_attention` for Flax's ``attention_fn``."""
+`flax_attention` for Flax's ``attention_fn``. Backends: `triton` (portable) and
+`mosaic_gpu` (Hopper); `api` chooses between them."""
 
-from jaxsoftmax.attention.api import BlockSizes, dot_product_attention
+from jaxsoftmax.attention.api import (BlockSizes, HopperBlockSizes, dot_product_attention,
+                                      select_backend)
 from jaxsoftmax.attention.flax_adapter import flax_attention
 
-__all__ = ["dot_product_attention", "flax_attention", "BlockSizes"]
+__all__ = ["dot_product_attention", "flax_attention", "BlockSizes", "HopperBlockSizes",
+           "select_backend"]

@@ -1,61 +1,92 @@
 """`dot_product_attention`: jax.nn.dot_product_attention's signature on FlashAttention
 kernels, with a custom VJP that saves (q, k, v, o) and the log-sum-exp (as its parts m
-and log2 l, see `forward`), and nothing of size T x S.
+and log2 l, see `triton.forward`), and nothing of size T x S.
 
 Layout B T N H (or T N H, unbatched); K/V heads K dividing N (GQA, MQA). Beyond jax.nn:
 ``logits_soft_cap``, ``segment_ids`` for packed sequences, and ``block_sizes``. A query
 row with no allowed key gets output 0, lse -inf and zero gradients (jax.nn averages the
 values instead). ``bias`` and ``mask`` take the pure-jnp path of `reference`, slower and
 O(T·S) in memory, with exact values and gradients (dbias included).
+
+Backends: each kernel backend (a folder beside this module) declares what it can run
+(``unsupported(call)`` gives the reason it cannot) and runs the forward (``fwd``); the
+Triton backward (``bwd``) differentiates every forward, since all of them save the same
+residuals.
+``implementation=None`` takes the first of `BACKENDS` that can run the call.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxsoftmax import _backend, reference
-from jaxsoftmax.attention.backward import backward
-from jaxsoftmax.attention import forward as forward_kernel
+from jaxsoftmax.attention import logits, mosaic_gpu, triton
+from jaxsoftmax.attention.call import Call
 from jaxsoftmax.attention.masks import MaskSpec
-from jaxsoftmax.attention.tiling import BlockSizes
+from jaxsoftmax.attention.mosaic_gpu import HopperBlockSizes
+from jaxsoftmax.attention.triton import BlockSizes
 
-__all__ = ["dot_product_attention", "BlockSizes"]
+__all__ = ["dot_product_attention", "select_backend", "BACKENDS", "BlockSizes",
+           "HopperBlockSizes"]
 
-_IMPLEMENTATIONS = (None, "pallas", "xla")
+# Kernel backends in order of preference (fastest first, where each can run a call).
+BACKENDS: tuple[ModuleType, ...] = (mosaic_gpu, triton)
+_BY_NAME = {backend.NAME: backend for backend in BACKENDS}
+IMPLEMENTATIONS = (None, *_BY_NAME, "xla")
+# The one backward; it takes any forward's residuals (o, m, log2 l).
+_BACKWARD = triton
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attention(q, k, v, aux, spec, blocks, scale, softcap, interpret):
-  return _attention_fwd(q, k, v, aux, spec, blocks, scale, softcap, interpret,
-                        for_backward=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, aux, call: Call, backend: str):
+  return _attention_fwd(q, k, v, aux, call, backend, for_backward=False)[0]
 
 
-def _attention_fwd(q, k, v, aux, spec, blocks, scale, softcap, interpret, *,
-                   for_backward=True):
-  # The backward's delta = rowsum(dO ∘ O) wants O before rounding (see `forward`).
-  outputs = forward_kernel.forward(q, k, v, aux, spec=spec, blocks=blocks, scale=scale,
-                                   softcap=softcap, interpret=interpret,
-                                   float32_output=for_backward and q.dtype != jnp.float32)
+def _attention_fwd(q, k, v, aux, call: Call, backend: str, *, for_backward=True):
+  # The backward's delta = rowsum(dO ∘ O) wants O before rounding (see `triton.forward`).
+  outputs = _BY_NAME[backend].fwd(
+      q, k, v, aux, call, float32_output=for_backward and q.dtype != jnp.float32)
   o, m, log2_l, *o32 = outputs
-  lse = forward_kernel.lse(m, log2_l, scale=scale, softcap=softcap)
+  lse = logits.lse(m, log2_l, scale=call.scale, softcap=call.softcap)
   return (o, lse), (q, k, v, aux, o32[0] if o32 else o, m, log2_l)
 
 
-def _attention_bwd(spec, blocks, scale, softcap, interpret, res, cotangents):
+def _attention_bwd(call: Call, backend: str, res, cotangents):
+  del backend
   q, k, v, aux, o, m, log2_l = res
   do, _ = cotangents  # the public lse is under stop_gradient, as in jax.nn
-  dq, dk, dv = backward(q, k, v, o, m, log2_l, do, aux, spec=spec, blocks=blocks,
-                        scale=scale, softcap=softcap, interpret=interpret)
+  dq, dk, dv = _BACKWARD.bwd(q, k, v, o, m, log2_l, do, aux, call)
   return dq, dk, dv, jax.tree.map(lambda _: None, aux)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
-_attention_jit = jax.jit(_attention, static_argnums=(4, 5, 6, 7, 8))
+_attention_jit = jax.jit(_attention, static_argnums=(4, 5))
+
+
+def select_backend(implementation: str | None, call: Call) -> ModuleType:
+  """The kernel backend that runs ``call``: the named one, or the first of `BACKENDS`
+  that can; a ValueError says why when none can."""
+  if implementation is not None:
+    backend = _BY_NAME[implementation]
+    why = backend.unsupported(call)
+    if why is not None:
+      raise ValueError(f"dot_product_attention: implementation={implementation!r} cannot "
+                       f"run this call: {why}")
+    return backend
+  reasons = []
+  for backend in BACKENDS:
+    why = backend.unsupported(call)
+    if why is None:
+      return backend
+    reasons.append(f"{backend.NAME}: {why}")
+  raise ValueError("dot_product_attention: no kernel backend can run this call ("
+                   + "; ".join(reasons) + "); implementation='xla' takes the reference path")
 
 
 def _window(local_window_size) -> tuple[int, int] | None:
@@ -124,7 +155,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           key_value_seq_lengths=None, local_window_size=None,
                           implementation=None, return_residual=False,
                           logits_soft_cap=None, segment_ids=None,
-                          block_sizes: BlockSizes | None = None,
+                          block_sizes: BlockSizes | HopperBlockSizes | None = None,
                           interpret: bool | None = None):
   """Scaled dot-product attention, as jax.nn.dot_product_attention.
 
@@ -136,13 +167,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     is_causal: key j is visible to query i when j <= i (top-left aligned when T != S).
     query_seq_lengths, key_value_seq_lengths: optional (B,) int lengths.
     local_window_size: int or (left, right): query i sees keys i - left ... i + right.
-    implementation: None or "pallas" for the kernels, "xla" for the reference path.
+    implementation: None for the fastest kernel backend that can run the call,
+      "mosaic_gpu" (Hopper GPUs, 16-bit inputs) or "triton" to name one, "xla" for the
+      reference path. A named backend that cannot run the call raises a ValueError
+      that says why.
     return_residual: also return the float32 log-sum-exp of the logits, (B, T, N).
     logits_soft_cap: cap c > 0: logits become c·tanh(logits / c) before masking.
     segment_ids: (B, T) ints when T == S, or a (query (B, T), key (B, S)) pair: a query
       sees only keys of its segment (packed sequences).
-    block_sizes: optional `BlockSizes` for tuning; default chosen from the shape.
-    interpret: run the kernels in Pallas interpret mode (see `jaxsoftmax.softmax`).
+    block_sizes: optional tiles for tuning: a `BlockSizes` (Triton backend) or a
+      `HopperBlockSizes` (Mosaic GPU backend; its backward runs on the Triton defaults).
+      With ``implementation=None`` the type picks the backend.
+    interpret: run the kernels in Pallas interpret mode (see `jaxsoftmax.softmax`);
+      only the Triton backend has one.
 
   Returns:
     The output, shaped and typed like ``query``, and with ``return_residual`` the lse.
@@ -154,35 +191,43 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   _check_inputs(query, key, value)
   B, T, N, H = query.shape
   S = key.shape[1]
-  if implementation not in _IMPLEMENTATIONS:
+  if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"dot_product_attention: implementation must be one of "
-                     f"{_IMPLEMENTATIONS}, got {implementation!r}")
+                     f"{IMPLEMENTATIONS}, got {implementation!r}")
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"dot_product_attention: logits_soft_cap must be > 0, got "
                      f"{logits_soft_cap!r}")
   if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
     raise TypeError(f"dot_product_attention: mask must be boolean (True: attend), got "
                     f"{jnp.asarray(mask).dtype}")
+  if block_sizes is not None and not isinstance(block_sizes, (BlockSizes, HopperBlockSizes)):
+    raise TypeError("dot_product_attention: block_sizes must be a BlockSizes or a "
+                    f"HopperBlockSizes, got {block_sizes!r}")
   window = _window(local_window_size)
   q_len = _lengths(query_seq_lengths, B, "query_seq_lengths")
   kv_len = _lengths(key_value_seq_lengths, B, "key_value_seq_lengths")
   q_seg, kv_seg = _segments(segment_ids, B, T, S)
   scale = float(1 / np.sqrt(H) if scale is None else scale)
 
-  if (bias is not None or mask is not None or implementation == "xla"
-      or query.dtype == jnp.float64):
+  reference_path = (bias is not None or mask is not None or query.dtype == jnp.float64)
+  if reference_path and implementation not in (None, "xla"):
+    raise ValueError(f"dot_product_attention: implementation={implementation!r} cannot run "
+                     "this call: bias, mask and float64 inputs take the reference path "
+                     "(implementation=None or 'xla')")
+  if reference_path or implementation == "xla":
     out, lse = reference.dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=q_len, key_value_seq_lengths=kv_len, local_window_size=window,
         logits_soft_cap=logits_soft_cap, q_segments=q_seg, kv_segments=kv_seg)
     lse = jax.lax.stop_gradient(lse)
   else:
-    spec = MaskSpec(T, S, bool(is_causal), *(window or (None, None)),
-                    has_segments=q_seg is not None)
-    blocks = block_sizes or BlockSizes.default(T, S, H, query.dtype, bool(is_causal))
-    out, lse = _attention_jit(query, key, value, (q_len, kv_len, q_seg, kv_seg), spec,
-                              blocks, scale, logits_soft_cap,
-                              _backend.resolve_interpret(interpret))
+    call = Call(B, T, S, N, key.shape[2], H, jnp.dtype(query.dtype).name,
+                MaskSpec(T, S, bool(is_causal), *(window or (None, None)),
+                         has_segments=q_seg is not None),
+                scale, logits_soft_cap, block_sizes, _backend.resolve_interpret(interpret))
+    backend = select_backend(implementation, call)
+    out, lse = _attention_jit(query, key, value, (q_len, kv_len, q_seg, kv_seg), call,
+                              backend.NAME)
     lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)))  # (B, N, T) -> (B, T, N)
   if unbatched:
     out, lse = out[0], lse[0]

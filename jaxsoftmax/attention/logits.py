@@ -1,4 +1,4 @@
-"""Logits and their exponentials inside the attention kernels.
+"""Logits and their exponentials inside the attention kernels, for every backend.
 
 The kernels keep x = q kᵀ unscaled (or soft-capped: x = cap · tanh(q kᵀ · scale / cap)) and
 fold the logits' scale into the base-2 exponent, so that a probability costs one fused
@@ -19,8 +19,6 @@ import math
 
 import jax.numpy as jnp
 
-from jaxsoftmax import _backend
-
 LOG2E = math.log2(math.e)
 
 
@@ -38,12 +36,12 @@ class Logits:
     """logits = x · factor."""
     return 1.0 if self.softcap is not None else self.scale
 
-  def scores(self, q, k, *, trans_b: bool = True):
-    """x for the tiles q, k (float32), and tanh(q kᵀ · scale / cap) for the backward."""
-    x = _backend.dot(q, k, trans_b=trans_b)
+  def cap(self, qk):
+    """x for the float32 products qk = q kᵀ of a tile, and tanh(qk · scale / cap) (for
+    the backward; None without a soft cap)."""
     if self.softcap is None:
-      return x, None
-    t = jnp.tanh(x * (self.scale / self.softcap))
+      return qk, None
+    t = jnp.tanh(qk * (self.scale / self.softcap))
     return self.softcap * t, t
 
   def exponent(self, x, m):
@@ -60,3 +58,10 @@ class Logits:
   def lse(self, m, log2_l):
     """lse = m · factor + log(l) in natural units, from a finite m."""
     return m * self.factor + log2_l / LOG2E
+
+
+def lse(m, log2_l, *, scale: float, softcap: float | None):
+  """The natural log-sum-exp of the logits from a forward's row statistics (m, log2 l);
+  -inf for rows with no allowed key."""
+  logits = Logits(scale, softcap, fused=False)
+  return jnp.where(m == -jnp.inf, -jnp.inf, logits.lse(m, log2_l))

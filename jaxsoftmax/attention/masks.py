@@ -1,4 +1,4 @@
-"""Which (query, key) pairs attention may use, per element and per block.
+"""Which (query, key) pairs attention may use, per element and per block (every backend).
 
 Query i may attend to key j when all the masks in use allow it:
 
@@ -25,9 +25,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-from jaxsoftmax import _backend
-from jaxsoftmax._backend import pl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,16 +144,3 @@ def walk_block_ranges(ranges, body, carry):
   carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
   carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
   return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
-
-
-def key_block_allowed(spec: MaskSpec, kv_seg_ref, *, k0, k_idx, block_k: int, q_idx,
-                      q_segments, kv_length) -> jax.Array:
-  """The (block_q, block_k) element mask of the key block at k0 for a query block (the
-  forward's and the dQ kernel's boundary blocks), loading the keys' segment ids."""
-  k_segments = None
-  if kv_seg_ref is not None:
-    k_segments = _backend.load(kv_seg_ref.at[pl.ds(k0, block_k)], mask=k_idx < spec.kv_len,
-                               other=-2)
-  return element_mask(spec, q_idx[:, None], k_idx[None, :], kv_length,
-                      None if q_segments is None else q_segments[:, None],
-                      None if k_segments is None else k_segments[None, :])

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 from jaxsoftmax import _backend
 from jaxsoftmax._backend import pl
 from jaxsoftmax.attention.logits import Logits
-from jaxsoftmax.attention.masks import (MaskSpec, key_block_allowed, key_block_ranges,
-                                        walk_block_ranges)
-from jaxsoftmax.attention.tiling import (Aux, BlockSizes, Dims, key_block, query_block,
-                                         query_block_launch)
+from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
+from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, key_block,
+                                                key_block_allowed, query_block,
+                                                query_block_launch, scores)
 from jaxsoftmax.state import safe_shift
 
 
@@ -48,7 +48,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
     k0 = j * bk
     k_idx, kv_mask = key_block(k0, bk, dims, h_ok, masked=masked)
     k = _backend.load(k_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
-    x, _ = logits.scores(q, k)
+    x, _ = scores(logits, q, k)
     if masked:
       allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
                                   q_idx=q_idx, q_segments=q_seg, kv_length=kv_length)
@@ -81,7 +81,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
 def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: float,
             softcap: float | None, interpret: bool, float32_output: bool = False):
   """(o (B, T, N, H), m (B, N, T), log2_l (B, N, T)) for q (B, T, N, H), k and v
-  (B, S, K, H); `lse` combines the last two. With ``float32_output`` (16-bit inputs,
+  (B, S, K, H); `logits.lse` combines the last two. With ``float32_output`` (16-bit inputs,
   for the backward) also o in float32: delta = rowsum(dO ∘ O) from the rounded o loses
   the cancellation in dP - delta when attention is nearly one-hot (large logits), which
   made bfloat16 dQ 3x less accurate than XLA's."""
@@ -103,10 +103,3 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: f
       + [jax.ShapeDtypeStruct(q.shape, jnp.float32)] * float32_output,
       num_warps=blocks.num_warps, num_stages=blocks.num_stages, interpret=interpret,
   )(q, k, v, *aux_arrays)
-
-
-def lse(m, log2_l, *, scale: float, softcap: float | None):
-  """The natural log-sum-exp of the logits from the forward's (m, log2_l); -inf for rows
-  with no allowed key."""
-  logits = Logits(scale, softcap, fused=False)
-  return jnp.where(m == -jnp.inf, -jnp.inf, logits.lse(m, log2_l))

@@ -1,5 +1,6 @@
-"""Block sizes of the attention kernels, the problem's dimensions, and the optional
-per-batch-row inputs (lengths, segment ids) that travel with the kernels."""
+"""The Triton attention kernels' block sizes, the problem's dimensions, the optional
+per-batch-row inputs (lengths, segment ids) that travel with the kernels, and the
+in-kernel helpers the forward and backward kernels share."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import jax.numpy as jnp
 
 from jaxsoftmax import _backend
 from jaxsoftmax._backend import pl
+from jaxsoftmax.attention.logits import Logits
+from jaxsoftmax.attention.masks import MaskSpec, element_mask
 
 # Triton's tensor-core dots need every dimension of a tile to be at least 16.
 MIN_BLOCK = 16
@@ -244,3 +247,21 @@ def key_block(k0, block_k: int, dims: Dims, h_ok, *, masked: bool):
   Only boundary (masked) blocks can reach past S: interior blocks end before it."""
   k_idx, kv_ok = block_rows(k0, block_k, dims.S)
   return k_idx, dims.tile_mask(kv_ok if masked else None, h_ok, block_k)
+
+
+def scores(logits: Logits, a, b):
+  """x for the tiles a, b (a bᵀ, float32, soft-capped), and the tanh the backward needs."""
+  return logits.cap(_backend.dot(a, b, trans_b=True))
+
+
+def key_block_allowed(spec: MaskSpec, kv_seg_ref, *, k0, k_idx, block_k: int, q_idx,
+                      q_segments, kv_length) -> jax.Array:
+  """The (block_q, block_k) element mask of the key block at k0 for a query block (the
+  forward's and the dQ kernel's boundary blocks), loading the keys' segment ids."""
+  k_segments = None
+  if kv_seg_ref is not None:
+    k_segments = _backend.load(kv_seg_ref.at[pl.ds(k0, block_k)], mask=k_idx < spec.kv_len,
+                               other=-2)
+  return element_mask(spec, q_idx[:, None], k_idx[None, :], kv_length,
+                      None if q_segments is None else q_segments[:, None],
+                      None if k_segments is None else k_segments[None, :])

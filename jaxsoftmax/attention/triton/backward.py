@@ -31,11 +31,11 @@ from jax import lax
 from jaxsoftmax import _backend
 from jaxsoftmax._backend import pl
 from jaxsoftmax.attention.logits import Logits
-from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_allowed,
-                                        key_block_ranges, query_block_ranges,
-                                        walk_block_ranges)
-from jaxsoftmax.attention.tiling import (Aux, BlockSizes, Dims, block_rows, key_block,
-                                         load_scalar, query_block, query_block_launch)
+from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
+                                        query_block_ranges, walk_block_ranges)
+from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, block_rows,
+                                                key_block, key_block_allowed, load_scalar,
+                                                query_block, query_block_launch, scores)
 
 
 def _max_or_inf(m):
@@ -75,7 +75,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     m = _max_or_inf(_backend.load(m_ref.at[g, rows], mask=q_ok, other=-jnp.inf))
     log2_l = _backend.load(log2_l_ref.at[g, rows], mask=q_ok, other=0)
     delta = _backend.load(delta_ref.at[g, rows], mask=q_ok, other=0)
-    x_t, tanh_t = logits.scores(k, q)  # (bk, bq)
+    x_t, tanh_t = scores(logits, k, q)  # (bk, bq)
     p_t = exp2(logits.exponent_from_stats(x_t, m[None, :], log2_l[None, :]))
     if masked:
       q_seg = None
@@ -123,7 +123,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
     k_idx, kv_mask = key_block(k0, bk, dims, h_ok, masked=masked)
     k = _backend.load(k_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
     v = _backend.load(v_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
-    x, tanh = logits.scores(q, k)
+    x, tanh = scores(logits, q, k)
     p = exp2(logits.exponent_from_stats(x, m[:, None], log2_l[:, None]))
     if masked:
       allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,

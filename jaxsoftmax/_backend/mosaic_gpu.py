@@ -1,0 +1,39 @@
+"""Pallas' Mosaic GPU backend, for the Hopper kernels (compute capability 9.x).
+
+The one module that imports it. Its kernels compile only for an sm_90a GPU: Pallas'
+CPU interpreter for Mosaic GPU (``jax._src.pallas.mosaic_gpu.interpret``, JAX 0.12)
+runs neither ``pl.run_state`` over wgmma accumulators nor wgmma with a register operand,
+which FlashAttention's P V product needs, so these kernels have no interpret mode; the
+module still imports everywhere, so that the package does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["pl", "plgpu", "hopper_device", "device_description"]
+
+
+@functools.cache
+def _default_device():
+  return jax.devices()[0]
+
+
+def device_description() -> str:
+  """The default device, as an error message names it."""
+  device = _default_device()
+  capability = getattr(device, "compute_capability", None)
+  kind = getattr(device, "device_kind", device.platform)
+  return f"{kind}" + (f" (compute capability {capability})" if capability else "")
+
+
+def hopper_device() -> bool:
+  """Whether JAX's default device is a Hopper GPU (compute capability 9.x)."""
+  device = _default_device()
+  if device.platform != "gpu":
+    return False
+  return str(getattr(device, "compute_capability", "")).startswith("9")

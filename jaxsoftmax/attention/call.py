@@ -1,0 +1,45 @@
+"""`Call`: one attention call as the backends see it, every static choice and no arrays.
+
+`api.dot_product_attention` builds it after checking the inputs; each backend
+(`attention.triton`, `attention.mosaic_gpu`) says from it whether it can run the call
+(``unsupported``), and runs it (``fwd``, and ``bwd`` where it has one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxsoftmax.attention.masks import MaskSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """B, T, N, H: the queries' shape (B T N H); S, K: the keys' length and heads.
+
+  Attributes:
+    dtype: the inputs' dtype name.
+    spec: the static masks (causal, window, whether segment ids are given).
+    scale: the logits' scale; softcap: the soft cap, or None.
+    block_sizes: the caller's tiles for a backend, or None for its defaults.
+    interpret: run the kernels in Pallas interpret mode.
+  """
+
+  B: int
+  T: int
+  S: int
+  N: int
+  K: int
+  H: int
+  dtype: str
+  spec: MaskSpec
+  scale: float
+  softcap: float | None
+  block_sizes: Any
+  interpret: bool
+
+  @property
+  def itemsize(self) -> int:
+    return jnp.dtype(self.dtype).itemsize

@@ -1,0 +1,56 @@
+"""The Hopper backend: FlashAttention-3's forward schedule (TMA, wgmma, warp
+specialization) in Pallas Mosaic GPU, for compute capability 9.x (H100, H200).
+
+Forward only, for bfloat16 and float16 inputs and head dims up to 256 (padded to a
+multiple of 64). Its residuals are the Triton forward's, so the Triton backward
+differentiates it. It has no interpret mode (see `jaxsoftmax._backend.mosaic_gpu`).
+"""
+
+from __future__ import annotations
+
+from jaxsoftmax._backend import mosaic_gpu as _device
+from jaxsoftmax.attention.call import Call
+from jaxsoftmax.attention.mosaic_gpu import forward as _forward
+from jaxsoftmax.attention.mosaic_gpu.forward import SMEM_BYTES, HopperBlockSizes, pad_head_dim
+
+NAME = "mosaic_gpu"
+MAX_HEAD_DIM = 256
+DTYPES = ("bfloat16", "float16")
+
+
+def unsupported(call: Call) -> str | None:
+  """Why this backend cannot run ``call``, or None when it can."""
+  if not _device.hopper_device():
+    return ("it needs a Hopper GPU (compute capability 9.x); the default device is "
+            f"{_device.device_description()}")
+  if call.interpret:
+    return "it has no interpret mode (interpret=True, or JAXSOFTMAX_INTERPRET=1)"
+  if call.dtype not in DTYPES:
+    return f"it takes bfloat16 or float16 inputs, got {call.dtype}"
+  if call.H > MAX_HEAD_DIM:
+    return f"head dims up to {MAX_HEAD_DIM}, got {call.H}"
+  if call.block_sizes is not None and not isinstance(call.block_sizes, HopperBlockSizes):
+    return (f"block_sizes is a {type(call.block_sizes).__name__}; the Mosaic GPU kernel "
+            "takes jaxsoftmax.HopperBlockSizes")
+  needed = blocks(call).smem_bytes(pad_head_dim(call.H), call.itemsize)
+  if needed > SMEM_BYTES:
+    return (f"{blocks(call)} need {needed} bytes of shared memory at head dim {call.H}, "
+            f"more than the {SMEM_BYTES} a block may use")
+  return None
+
+
+def blocks(call: Call) -> HopperBlockSizes:
+  """The caller's Hopper tiles, else the defaults for the call's head dim."""
+  if isinstance(call.block_sizes, HopperBlockSizes):
+    return call.block_sizes
+  return HopperBlockSizes.default(call.H)
+
+
+def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):
+  """(o, m, log2_l[, o in float32]): see `mosaic_gpu.forward.forward`."""
+  return _forward.forward(q, k, v, aux_arrays, spec=call.spec, blocks=blocks(call),
+                          scale=call.scale, softcap=call.softcap,
+                          float32_output=float32_output)
+
+
+__all__ = ["NAME", "HopperBlockSizes", "unsupported", "fwd"]

@@ -1,0 +1,349 @@
+"""FlashAttention forward for Hopper GPUs (FlashAttention-3's schedule) in Pallas Mosaic GPU.
+
+One CTA per (query tile of 2 · block_q rows, query head, batch row), three warpgroups:
+
+- the producer (warpgroup 2) streams the K and V blocks that the CTA's masks allow
+  (`masks.key_block_ranges`) by TMA into a ring of ``num_stages`` shared-memory slots;
+  each slot has a "loaded" barrier that the copy completes and a "free" barrier that
+  both consumers arrive on once they are done with it;
+- two consumers (warpgroups 0 and 1) each own block_q query rows. Per key block:
+  x = q kᵀ by wgmma into float32 registers, the online-softmax update with the scale
+  folded into one FMA before ex2 (`logits.Logits`), then acc += p v by wgmma with p
+  from registers. A shared "schedule" barrier alternates the two consumers, so that
+  one's softmax runs while the other's matrix products occupy the tensor cores
+  (FlashAttention-3, section 3.1: ping-pong scheduling).
+
+Both consumers walk the same key blocks (those of the CTA's 2 · block_q rows), in the
+three ranges of `masks.walk_block_ranges`: element masks only on the boundary blocks.
+With block_kv = 2 · block_q, a causal diagonal is one key block, shared by both. Rows
+past T, and keys past S, are outside the tensors: TMA reads them as zeros and never
+writes them, and the key padding is masked like any other key.
+
+Outputs: o (B, T, N, H) in the input dtype through shared memory and TMA; the row
+statistics m (in x's units) and log2(l) as the Triton forward writes them, (B, N, T)
+float32, so that either backward can consume them; with ``float32_output`` also o in
+float32 (for the backward's delta, see `triton.forward`), stored from registers.
+
+FLOPs: 4·B·N·T·S·H, about halved by causal masking (the skipped blocks are not loaded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsoftmax._backend.mosaic_gpu import pl, plgpu
+from jaxsoftmax.attention.logits import LOG2E, Logits
+from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
+                                        walk_block_ranges)
+
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per query row of a consumer's tile
+_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per key of a block
+_CONSUMERS = 2
+# Registers per thread: the consumers take 232 and the producer 40, which fills the
+# 64K registers of an SM: 2 · 128 · 232 + 128 · 40 = 64512.
+_CONSUMER_REGISTERS = 232
+_PRODUCER_REGISTERS = 40
+# Shared memory an H100/H200 block may use, in bytes.
+SMEM_BYTES = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperBlockSizes:
+  """Tiles of the Hopper (Mosaic GPU) attention forward.
+
+  Attributes:
+    block_q: query rows of each of the two consumer warpgroups (a CTA holds 2 · block_q).
+    block_kv: keys per K/V block streamed through shared memory.
+    num_stages: K/V blocks in flight (slots of the shared-memory ring).
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv"):
+      value = getattr(self, name)
+      if not (isinstance(value, int) and value > 0 and value % 64 == 0):
+        raise ValueError(f"HopperBlockSizes.{name} must be a positive multiple of 64, "
+                         f"got {value!r}")
+    if not (isinstance(self.num_stages, int) and self.num_stages >= 2):
+      raise ValueError(f"HopperBlockSizes.num_stages must be an int >= 2, got "
+                       f"{self.num_stages!r}")
+
+  @classmethod
+  def default(cls, head_dim: int) -> "HopperBlockSizes":
+    """Key blocks twice the query tile (one causal diagonal block per CTA), halved at
+    head dim 256 so that two stages of K and V fit shared memory beside Q."""
+    return cls(64, 128 if head_dim <= 128 else 64, 2)
+
+  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    """Shared memory the forward needs at this head dim (padded to 64): the two query
+    tiles (reused for the output), the K and V ring, the row statistics, and 1 KiB for
+    the barriers and alignment."""
+    tiles = (_CONSUMERS * self.block_q + 2 * self.num_stages * self.block_kv) * head_dim
+    return tiles * itemsize + 2 * _CONSUMERS * self.block_q * 4 + 1024
+
+
+def pad_head_dim(head_dim: int) -> int:
+  """wgmma takes 64-element (128-byte swizzled) slices of the head dim."""
+  return -(-head_dim // 64) * 64
+
+
+def _iota(shape, dimension: int):
+  return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
+
+
+def _rows(x, shape):
+  """A per-row vector broadcast along the columns of a (rows, columns) tile."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, logits: Logits,
+            group: int, n_q_tiles: int, float32_output: bool):
+  n_aux = sum(aux_present)
+  aux_refs, refs = refs[:n_aux], refs[n_aux:]
+  aux_iter = iter(aux_refs)
+  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = (
+      next(aux_iter) if here else None for here in aux_present)
+  o_ref, m_ref, log2_l_ref, *refs = refs
+  o32_ref = refs.pop(0) if float32_output else None
+  (q_smem, k_smem, v_smem, stat_smem, q_loaded, k_loaded, v_loaded, k_free, v_free,
+   schedule) = refs
+
+  bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
+  b = lax.axis_index("batch")
+  n = lax.axis_index("heads")
+  tile = lax.axis_index("q_tiles")
+  if spec.is_causal:  # later tiles walk more key blocks: start them first
+    tile = n_q_tiles - 1 - tile
+  q0 = tile * (_CONSUMERS * bq)
+  q_length = None if q_len_ref is None else q_len_ref[b]
+  kv_length = None if kv_len_ref is None else kv_len_ref[b]
+  # Producer and consumers agree on the key blocks of the CTA's query rows.
+  lo, full_lo, full_hi, hi = key_block_ranges(spec, q0, _CONSUMERS * bq, bkv, kv_length,
+                                              q_length)
+  wg = lax.axis_index("wg")
+
+  def slot(j):
+    return lax.rem(j - lo, stages)
+
+  def schedule_turn():
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    row0 = q0 + wg * bq
+    q_tile = q_smem.at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), n], q_tile, q_loaded.at[wg])
+    q_seg = None
+    if q_seg_ref is not None:
+      q_seg = plgpu.load(q_seg_ref.at[b, pl.ds(row0, bq)], layout=_ROW, optimized=False)
+    plgpu.barrier_wait(q_loaded.at[wg])
+
+    head_dim = q_tile.shape[-1]
+    shape = (bq, bkv)
+    c = logits.factor * LOG2E
+
+    def exponent(x, shift):
+      """log2 of exp(logits - shift · factor), for x a tile or a row vector."""
+      if x.ndim == 2:
+        return x * c - _rows(shift * c, x.shape) if logits.fused else (
+            x - _rows(shift, x.shape)) * c
+      return x * c - shift * c if logits.fused else (x - shift) * c
+
+    def masked_logits(x, j, masked: bool):
+      x, _ = logits.cap(x)
+      if not masked:
+        return x
+      k_seg = None
+      if kv_seg_ref is not None:
+        k_seg = plgpu.load(kv_seg_ref.at[b, pl.ds(j * bkv, bkv)], layout=_COL,
+                           optimized=False)
+        k_seg = lax.broadcast_in_dim(k_seg, shape, [1])
+      allowed = element_mask(spec, row0 + _iota(shape, 0), j * bkv + _iota(shape, 1),
+                             kv_length, None if q_seg is None else _rows(q_seg, shape),
+                             k_seg)
+      return jnp.where(allowed, x, -jnp.inf)
+
+    def softmax(x, m, l, masked: bool):
+      """The online-softmax update by the block's logits x: (m', l', p, alpha)."""
+      m_new = jnp.maximum(m, x.max(axis=1))
+      # A row with no allowed key so far keeps m = -inf; shifting it by 0 keeps its p
+      # and alpha at exp2(-inf) = 0 instead of NaN. Unmasked blocks always hold one.
+      shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+      alpha = jnp.exp2(exponent(m, shift))
+      p = jnp.exp2(exponent(x, shift))
+      return m_new, l * alpha + p.sum(axis=1), p.astype(v_smem.dtype), alpha
+
+    m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), _ROW)
+    l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _ROW)
+    acc = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+
+    @pl.when(hi > lo)
+    def _():
+      plgpu.barrier_wait(k_loaded.at[0])
+
+    # Consumer 0 takes the tensor cores first; consumer 1 waits for its first turn.
+    pl.when(wg == 1)(schedule_turn)
+
+    def step(j, carry, *, masked: bool):
+      acc, m, l = carry
+      s = slot(j)
+
+      def scores(acc_ref):
+        plgpu.wgmma(acc_ref, q_tile, k_smem.at[s].T)
+        schedule_turn()  # let the other consumer's P V run while this product finishes
+        return acc_ref[...]
+
+      x = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+      plgpu.barrier_arrive(k_free.at[s])
+      x = masked_logits(x, j, masked)
+      m_new, l, p16, alpha = softmax(x, m, l, masked)
+      acc = acc * _rows(alpha, acc.shape)
+      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(v_loaded.at[s])
+      plgpu.barrier_wait(schedule)
+      # Computed outside run_state, which would turn closed-over constants into refs.
+      more, next_slot = j + 1 < hi, slot(j + 1)
+
+      def values(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_smem.at[s])
+
+        @pl.when(more)
+        def _():
+          plgpu.barrier_wait(k_loaded.at[next_slot])
+
+      acc = pl.run_state(values)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[s])
+      return acc, m_new, l
+
+    acc, m, l = walk_block_ranges((lo, full_lo, full_hi, hi), step, (acc, m, l))
+    pl.when(wg == 0)(schedule_turn)  # consumer 1's last turn
+
+    # Rows with no allowed key (l = 0), and rows past the query length, give 0.
+    some = l > 0
+    if q_length is not None:
+      some = some & (row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=_ROW)
+                     < q_length)
+    inv_l = jnp.where(some, 1.0 / jnp.where(some, l, 1.0), 0.0)
+    o = acc * _rows(inv_l, acc.shape)
+    q_tile[...] = o.astype(q_tile.dtype)  # the query tile is free: all products are done
+    m_smem, log2_l_smem = stat_smem.at[0, wg], stat_smem.at[1, wg]
+    m_smem[...] = jnp.where(some, m, -jnp.inf)
+    log2_l_smem[...] = jnp.log2(jnp.where(some, l, 1.0))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_tile, o_ref.at[b, pl.ds(row0, bq), n])
+    plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, n, pl.ds(row0, bq)])
+    plgpu.copy_smem_to_gmem(log2_l_smem, log2_l_ref.at[b, n, pl.ds(row0, bq)])
+    if o32_ref is not None:  # rows padded to whole tiles: a direct store stays inside
+      o32_ref.at[b, pl.ds(row0, bq), n][...] = o
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    kv_head = lax.div(n, group)
+
+    def load(j, s):
+      rows = (b, pl.ds(j * bkv, bkv), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[s], k_loaded.at[s])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[s], v_loaded.at[s])
+
+    for s in range(stages):  # the ring starts empty
+      pl.when(lo + s < hi)(functools.partial(load, lo + s, s))
+
+    @pl.loop(lo + stages, hi)
+    def _(j):
+      s = slot(j)
+      rows = (b, pl.ds(j * bkv, bkv), kv_head)
+      plgpu.barrier_wait(k_free.at[s])
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[s], k_loaded.at[s])
+      plgpu.barrier_wait(v_free.at[s])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[s], v_loaded.at[s])
+
+
+def _pad_to(x, axis: int, size: int, value=0):
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, scale: float,
+            softcap: float | None, float32_output: bool = False):
+  """(o (B, T, N, H), m (B, N, T), log2_l (B, N, T)[, o in float32]) for q (B, T, N, H)
+  and k, v (B, S, K, H) in bfloat16 or float16; ``aux_arrays`` are (query lengths,
+  key lengths, query segment ids, key segment ids), each None or an int32 array."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  H_pad = pad_head_dim(H)
+  # TMA moves the (8, 64) tiles of the shared-memory layout: sequences are padded to a
+  # multiple of 8 rows (a copy only for such lengths), the head dim to one of 64; the
+  # zeros change no product, and the padding keys are masked.
+  T8, S8 = -(-T // 8) * 8, -(-S // 8) * 8
+  q = _pad_to(_pad_to(q, 1, T8), 3, H_pad)
+  k, v = (_pad_to(_pad_to(x, 1, S8), 3, H_pad) for x in (k, v))
+  bq, bkv = blocks.block_q, blocks.block_kv
+  n_q_tiles = pl.cdiv(T, _CONSUMERS * bq)
+  T_pad = n_q_tiles * _CONSUMERS * bq
+  q_len, kv_len, q_seg, kv_seg = aux_arrays
+  # Vector loads from global memory have no bounds: segment ids are padded to whole
+  # tiles (the padding keys are masked by position anyway).
+  if q_seg is not None:
+    q_seg = _pad_to(q_seg, 1, T_pad, -1)
+    kv_seg = _pad_to(kv_seg, 1, pl.cdiv(S, bkv) * bkv, -2)
+  aux = (q_len, kv_len, q_seg, kv_seg)
+
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  stages = blocks.num_stages
+  scratch = [
+      plgpu.SMEM((_CONSUMERS, bq, H_pad), q.dtype, transforms=tiled),
+      plgpu.SMEM((stages, bkv, H_pad), k.dtype, transforms=tiled),
+      plgpu.SMEM((stages, bkv, H_pad), v.dtype, transforms=tiled),
+      plgpu.SMEM((2, _CONSUMERS, bq), jnp.float32),  # m and log2(l) on their way out
+      plgpu.Barrier(num_barriers=_CONSUMERS),  # query tile loaded
+      plgpu.Barrier(num_barriers=stages),  # K slot loaded
+      plgpu.Barrier(num_barriers=stages),  # V slot loaded
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # K slot free
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # V slot free
+      plgpu.Barrier(num_arrivals=_CONSUMERS),  # the consumers' turns on the tensor cores
+  ]
+  stat = jax.ShapeDtypeStruct((B, N, T_pad), jnp.float32)
+  out_type = [jax.ShapeDtypeStruct((B, T8, N, H_pad), q.dtype), stat, stat]
+  if float32_output:
+    out_type.append(jax.ShapeDtypeStruct((B, T_pad, N, H_pad), jnp.float32))
+  kernel = functools.partial(
+      _kernel, aux_present=tuple(a is not None for a in aux), spec=spec, blocks=blocks,
+      logits=Logits(scale, softcap, fused=softcap is None), group=N // K, n_q_tiles=n_q_tiles,
+      float32_output=float32_output)
+  outputs = plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(N, n_q_tiles, B),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=_CONSUMERS + 1,
+      thread_name="wg",
+      # No thread reads and writes one shared-memory region (the query tile is written
+      # only once the products that read it are done), so Pallas' automatic barriers
+      # are not needed; row reductions stay inside a warp, so no reduction scratch.
+      # tanh.approx costs soft-capped logits float32 accuracy (lse 10x the reference
+      # error on the H200), so soft caps keep the exact math.
+      compiler_params=plgpu.CompilerParams(approx_math=softcap is None,
+                                           unsafe_no_auto_barriers=True,
+                                           reduction_scratch_bytes=0),
+      kernel_name="attention_forward_mosaic_gpu",
+  )(q, k, v, *(a for a in aux if a is not None))
+  o, m, log2_l, *o32 = outputs
+  o, m, log2_l = o[:, :T, :, :H], m[..., :T], log2_l[..., :T]
+  return (o, m, log2_l, *(x[:, :T, :, :H] for x in o32))

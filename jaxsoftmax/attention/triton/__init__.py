@@ -1,0 +1,47 @@
+"""The portable backend: FlashAttention-2 forward and backward kernels through Pallas'
+Triton lowering. Runs on any recent NVIDIA GPU, and interpreted on any device; every
+feature of `dot_product_attention` except ``bias`` and ``mask`` (the reference path)."""
+
+from __future__ import annotations
+
+from jaxsoftmax.attention.call import Call
+from jaxsoftmax.attention.triton import backward as _backward
+from jaxsoftmax.attention.triton import forward as _forward
+from jaxsoftmax.attention.triton.tiling import BlockSizes
+
+NAME = "triton"
+MAX_HEAD_DIM = 256
+
+
+def unsupported(call: Call) -> str | None:
+  """Why this backend cannot run ``call``, or None when it can."""
+  if call.block_sizes is not None and not isinstance(call.block_sizes, BlockSizes):
+    return (f"block_sizes is a {type(call.block_sizes).__name__}; the Triton kernels "
+            "take jaxsoftmax.BlockSizes")
+  if call.H > MAX_HEAD_DIM:
+    return f"head dims up to {MAX_HEAD_DIM}, got {call.H}"
+  return None
+
+
+def blocks(call: Call) -> BlockSizes:
+  """The caller's Triton tiles, else the defaults for the call's shape."""
+  if isinstance(call.block_sizes, BlockSizes):
+    return call.block_sizes
+  return BlockSizes.default(call.T, call.S, call.H, call.dtype, call.spec.is_causal)
+
+
+def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):
+  """(o, m, log2_l[, o in float32]): see `triton.forward.forward`."""
+  return _forward.forward(q, k, v, aux_arrays, spec=call.spec, blocks=blocks(call),
+                          scale=call.scale, softcap=call.softcap,
+                          interpret=call.interpret, float32_output=float32_output)
+
+
+def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call):
+  """(dq, dk, dv) from any backend's forward residuals; see `triton.backward`."""
+  return _backward.backward(q, k, v, o, m, log2_l, do, aux_arrays, spec=call.spec,
+                            blocks=blocks(call), scale=call.scale, softcap=call.softcap,
+                            interpret=call.interpret)
+
+
+__all__ = ["NAME", "BlockSizes", "unsupported", "fwd", "bwd"]
