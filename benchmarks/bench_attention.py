@@ -1,18 +1,27 @@
-"""FlashAttention forward and forward + backward on the GPU beside XLA, cuDNN, Pallas'
-own `mha`, FlashAttention-3 and tokamax, in one run on the same inputs.
+"""FlashAttention forward and forward + backward on the GPU: our two backends beside cuDNN,
+Pallas' own `mha` and `attention_mgpu`, FlashAttention-3 and tokamax, in one run on the
+same inputs.
 
     PYTHONPATH=. python3 benchmarks/bench_attention.py --out benchmarks/results
 
-Shapes: DESIGN §8's, a GQA case (32 query heads on 8 K/V heads), and one long causal
-sequence (B1 T32768). bfloat16 inputs. FLOPs: 4·B·N·T·S·H, halved when causal; forward +
-backward counts 3.5x that. Errors are against the float64 truth on batch row 0 and the
-query heads of K/V head 0 (heads are independent, and the truth of a whole T32768 problem
-would not fit in memory): forward, the output; forward + backward, the largest of the
-dq, dk, dv errors for the cotangent dO ~ N(0, 1). Peak MiB: what XLA's buffer assignment
-gives the compiled call besides its inputs (the O(T·S) logits of XLA show there).
+Shapes: the ones our targets name (B,T,N,H = 4,4096,16,128 and 1,16384,16,128, full and
+causal; 8,2048,16,64; 2,8192,16,256), a GQA case (32 query heads on 8 K/V heads), a head
+dim that is no multiple of 64 (96: the Mosaic GPU kernel pads it), and one long causal
+sequence (B1 T32768). bfloat16 inputs; Pallas' `attention_mgpu` takes only float16, so
+float16 rows of it, ours and cuDNN stand beside them where it runs (no GQA, H a multiple
+of 64). FLOPs: 4·B·N·T·S·H, halved when causal; forward + backward counts 3.5x that.
+Errors are against the float64 truth on batch row 0 and the query heads of K/V head 0
+(heads are independent, and the truth of a whole T32768 problem would not fit in
+memory): forward, the output; forward + backward, the largest of the dq, dk, dv errors
+for the cotangent dO ~ N(0, 1). Peak MiB: what XLA's buffer assignment gives the compiled
+call besides its inputs. `--modes fwd` measures the forward alone.
+
+XLA's own attention (`implementation="xla"`, O(T·S) memory, 3-10x slower) is left out of
+this run to fit the device's time; `benchmarks/results/attention.md` of 2026-11-30 has it.
 
 A peer that is absent (FA3 and tokamax travel as wheels, see ../shared/peers) or fails on
-a shape gets a row saying so, never a crash.
+a shape gets a row saying so, never a crash. The table ends with each shape's ratio of
+ours to the fastest peer whose errors are finite (`vs_best_peer`).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import harness
 import jaxsoftmax as js
@@ -35,33 +45,31 @@ SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
           ((8, 2048, 16, 16, 64, False), jnp.bfloat16),
           ((2, 8192, 16, 16, 256, False), jnp.bfloat16),
           ((4, 4096, 32, 8, 128, True), jnp.bfloat16),
+          ((4, 4096, 16, 16, 96, False), jnp.bfloat16),
           ((1, 32768, 16, 16, 128, True), jnp.bfloat16)]
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
-
-# XLA's logits and probabilities are O(B·N·T·S); past this many elements it is not timed
-# (its peak memory is still recorded from the compiled program).
-XLA_MAX_LOGITS = 2**32
+OURS = "jaxsoftmax"  # the prefix of our rows' impl names
 
 
-def _peer_pallas():
+def _pallas_ops():
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from jax.experimental.pallas.ops.gpu import attention
-  return attention
+    from jax.experimental.pallas.ops.gpu import attention, attention_mgpu
+  return attention, attention_mgpu
 
 
 def implementations(N: int, K: int, H: int, causal: bool):
   """name -> (attention(q, k, v), None) or (None, why it is not measured)."""
   scale = H ** -0.5
+  ours = functools.partial(js.dot_product_attention, is_causal=causal)
   impls = {
-      "jaxsoftmax": (functools.partial(js.dot_product_attention, is_causal=causal), None),
-      "xla": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                                implementation="xla"), None),
+      f"{OURS} mosaic_gpu": (functools.partial(ours, implementation="mosaic_gpu"), None),
+      f"{OURS} triton": (functools.partial(ours, implementation="triton"), None),
       "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                   implementation="cudnn"), None),
   }
   try:
-    mha = _peer_pallas().mha
+    mha = _pallas_ops()[0].mha
 
     def pallas_mha(q, k, v):
       # Pallas' mha has no GQA: the user repeats the K/V heads (timed with it).
@@ -85,6 +93,23 @@ def implementations(N: int, K: int, H: int, causal: bool):
   except ImportError as e:
     impls["tokamax mosaic"] = (None, f"wheel absent: {e}")
   return impls
+
+
+def float16_implementations(N: int, K: int, H: int, causal: bool):
+  """The forward rows in float16, where Pallas' `attention_mgpu` (float16 only, no GQA,
+  head dims a multiple of 64) runs: it, ours, and cuDNN."""
+  if K != N or H % 64:
+    return {}
+  try:
+    attention_mgpu = _pallas_ops()[1]
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128 if H <= 128 else 64,
+                                         max_concurrent_steps=2, causal=causal)
+    mgpu = (functools.partial(attention_mgpu.attention, config=config), None)
+  except ImportError as e:
+    mgpu = (None, f"not importable: {e}")
+  impls = implementations(N, K, H, causal)
+  return {"pallas attention_mgpu": mgpu, f"{OURS} mosaic_gpu": impls[f"{OURS} mosaic_gpu"],
+          "cudnn": impls["cudnn"]}
 
 
 def _fwd_bwd(attention):
@@ -111,39 +136,65 @@ def case_inputs(case, dtype):
 def bench_shape(report: harness.Report, case, dtype):
   B, T, N, K, H, causal = case
   group = N // K
-  (q, k, v, do), common, flops = case_inputs(case, dtype)
-
   # The truth on batch row 0 and the query heads of K/V head 0.
   part_q = lambda a: a[:1, :, :group]
   part_kv = lambda a: a[:1, :, :1]
   ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal)[0]
-  truth_fwd = harness.float64_truth(ref, part_q(q), part_kv(k), part_kv(v))
-  truth_bwd = harness.float64_truth(_fwd_bwd(ref), part_q(q), part_kv(k), part_kv(v),
-                                    part_q(do))
   compare_bwd = lambda g: (part_q(g[0]), part_kv(g[1]), part_kv(g[2]))
 
-  too_big = B * N * T * T > XLA_MAX_LOGITS
-  for name, (attention, why) in implementations(N, K, H, causal).items():
-    for mode in ("fwd", "fwd+bwd"):
-      if attention is None:
-        report.skip(impl=name, mode=mode, note=why, **common)
-        continue
-      fn, args = (attention, (q, k, v)) if mode == "fwd" else (_fwd_bwd(attention),
-                                                                (q, k, v, do))
-      if name == "xla" and too_big:
-        try:
-          peak = f"{harness.peak_memory_mib(fn, *args):.0f} MiB"
-        except Exception as e:  # noqa: BLE001 - compiling may fail for lack of memory too
-          peak = f"{type(e).__name__}"
-        report.skip(impl=name, mode=mode, note=f"not timed: O(T·S) logits; compiled peak "
-                    f"{peak}", **common)
-        continue
-      report.measure(mode=mode, impl=name, fn=fn, arg_sets=[args],
-                     flops=flops * (1 if mode == "fwd" else 3.5),
-                     truth=truth_fwd if mode == "fwd" else truth_bwd,
-                     compare=part_q if mode == "fwd" else compare_bwd, **common)
+  runs = [(dtype, implementations(N, K, H, causal), report.modes)]
+  if "fwd" in report.modes:
+    runs.append((jnp.float16, float16_implementations(N, K, H, causal), ("fwd",)))
+  for run_dtype, impls, modes in runs:
+    if not impls:
+      continue
+    (q, k, v, do), common, flops = case_inputs(case, run_dtype)
+    truth = {}
+    if "fwd" in modes:
+      truth["fwd"] = harness.float64_truth(ref, part_q(q), part_kv(k), part_kv(v))
+    if "fwd+bwd" in modes:
+      truth["fwd+bwd"] = harness.float64_truth(_fwd_bwd(ref), part_q(q), part_kv(k),
+                                               part_kv(v), part_q(do))
+    for name, (attention, why) in impls.items():
+      for mode in modes:
+        if attention is None:
+          report.skip(impl=name, mode=mode, note=why, **common)
+          continue
+        fn, args = (attention, (q, k, v)) if mode == "fwd" else (_fwd_bwd(attention),
+                                                                  (q, k, v, do))
+        report.measure(mode=mode, impl=name, fn=fn, arg_sets=[args],
+                       flops=flops * (1 if mode == "fwd" else 3.5), truth=truth[mode],
+                       compare=part_q if mode == "fwd" else compare_bwd, **common)
+
+
+def vs_best_peer(rows) -> str:
+  """Markdown: for each shape, dtype and mode, our rows' TFLOP/s over the fastest peer's
+  whose errors are finite, by device time and end to end."""
+  groups = {}
+  for r in rows:
+    if r.tflops is not None:
+      groups.setdefault((r.op, r.shape, r.dtype, r.mode), []).append(r)
+  lines = ["", "## Ours against the fastest peer", "",
+           "Ratio of TFLOP/s (device | end to end) to the fastest peer measured in the same "
+           "run whose errors are finite (a peer with NaN errors is no bar).", "",
+           "| op | shape | dtype | mode | impl | TFLOP/s | best peer | its TFLOP/s | ratio | "
+           "e2e ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+  e2e = lambda r: r.tflops * r.median_us / r.wall_us
+  for (op, shape, dtype, mode), group in groups.items():
+    peers = [r for r in group if not r.impl.startswith(OURS)
+             and r.max_abs_err is not None and np.isfinite(r.max_abs_err)]
+    if not peers:
+      continue
+    best = max(peers, key=lambda r: r.tflops)
+    best_e2e = max(e2e(r) for r in peers)
+    for r in group:
+      if r.impl.startswith(OURS):
+        lines.append(f"| {op} | {shape} | {dtype} | {mode} | {r.impl} | {r.tflops:.0f} | "
+                     f"{best.impl} | {best.tflops:.0f} | {r.tflops / best.tflops:.2f}x | "
+                     f"{e2e(r) / best_e2e:.2f}x |")
+  return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
   harness.run("attention", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda case, dtype: 12, unit="TFLOP/s")
+              lambda case, dtype: 22, unit="TFLOP/s", summary=vs_best_peer)

@@ -4,7 +4,10 @@ Timing: every measurement is the median over iterations of the summed durations 
 GPU kernels one call launches, read with CUPTI (`jax.experimental.mosaic.gpu.profiler`)
 or, where CUPTI is unavailable, from a `jax.profiler` trace. Each iteration calls the
 function on several input sets in turn when one set fits in L2 (inputs are rotated past
-60 MB), after a warm-up that compiles. The wall-clock median per call is kept beside it.
+60 MB), after a warm-up that compiles. Beside it, the end-to-end time per call: wall
+clock over ITERATIONS calls issued back to back (pipelined, as a training step issues
+them), the median of three such runs, which counts the gaps between a call's kernels
+that summed durations leave out.
 
 Ceilings: a Pallas copy kernel (read + write) and a Pallas read kernel (read only), run
 in the same process on the same shapes, give the bandwidth the other rows are compared to.
@@ -81,8 +84,17 @@ def _trace_times(fn, arg_sets, iterations):
           for i in range(iterations)]
 
 
+def _pipelined_wall_us(jitted, arg_sets) -> float:
+  """Wall-clock time per call of ITERATIONS calls issued back to back (us)."""
+  start = time.perf_counter()
+  outs = [jitted(*arg_sets[i % len(arg_sets)]) for i in range(ITERATIONS)]
+  jax.block_until_ready(outs)
+  return (time.perf_counter() - start) * 1e6 / ITERATIONS
+
+
 def time_call(fn: Callable, arg_sets: Sequence[tuple]):
-  """Median device time (us) per call, median wall time (us), and the timer used.
+  """Median device time (us) per call, end-to-end (pipelined wall-clock) time (us) per
+  call, and the timer used.
 
   ``arg_sets``: input sets the iterations rotate through (see `rotations`). Without a
   GPU (a smoke run of the scripts) the device time is the wall time, timer "wall".
@@ -90,11 +102,7 @@ def time_call(fn: Callable, arg_sets: Sequence[tuple]):
   jitted = jax.jit(fn)
   for _ in range(WARMUP):
     jax.block_until_ready(jitted(*arg_sets[0]))
-  walls = []
-  for i in range(ITERATIONS):
-    start = time.perf_counter()
-    jax.block_until_ready(jitted(*arg_sets[i % len(arg_sets)]))
-    walls.append((time.perf_counter() - start) * 1e6)
+  walls = [_pipelined_wall_us(jitted, arg_sets) for _ in range(3)]
   if jax.default_backend() != "gpu":
     return statistics.median(walls), statistics.median(walls), "wall"
   try:
@@ -220,9 +228,14 @@ class Report:
   ``unit``: "GB/s" (memory-bound ops: rows give the bytes that must move) or "TFLOP/s"
   (attention: rows give the FLOPs, and the peak memory of each call is recorded)."""
 
-  def __init__(self, name: str, total: int, out_dir: str, unit: str = "GB/s"):
+  def __init__(self, name: str, total: int, out_dir: str, unit: str = "GB/s",
+               modes: Sequence[str] = ("fwd", "fwd+bwd"),
+               summary: Callable[[list[Row]], str] | None = None):
     assert unit in ("GB/s", "TFLOP/s"), unit
     self.name, self.total, self.rows, self.unit = name, total, [], unit
+    # The modes to measure (benchmarks that have several), and an optional function of
+    # the rows whose Markdown ends the table.
+    self.modes, self.summary = tuple(modes), summary
     os.makedirs(out_dir, exist_ok=True)
     self.path = os.path.join(out_dir, name)
     self.started = time.time()
@@ -306,19 +319,23 @@ class Report:
                          + ("" if r.pct_ceiling is None else f"{r.pct_ceiling:.1f}% {r.ceiling}"))
     else:
       header += ("TFLOP/s over 4·B·N·T·S·H (halved when causal; 3.5x for forward + "
-                 "backward); peak MiB: temporaries + outputs of the compiled call.")
-      columns = "TFLOP/s | peak MiB"
-      extra = lambda r: f"{fmt(r.tflops, '.0f')} | {fmt(r.peak_mib, '.0f')}"
-    lines = [f"# {self.name}", "", header, "",
-             "| op | mode | impl | shape | dtype | max abs err | max rel err | median us "
-             f"| wall us | {columns} | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "backward), from the device time and (e2e) from the end-to-end time; peak "
+                 "MiB: temporaries + outputs of the compiled call.")
+      columns = "TFLOP/s | e2e TFLOP/s | peak MiB"
+      e2e = lambda r: None if r.tflops is None else r.tflops * r.median_us / r.wall_us
+      extra = lambda r: (f"{fmt(r.tflops, '.0f')} | {fmt(e2e(r), '.0f')} | "
+                         f"{fmt(r.peak_mib, '.0f')}")
+    header += (" wall us: end to end per call, wall clock over pipelined calls "
+               "(`time_call`).")
+    titles = ("| op | mode | impl | shape | dtype | max abs err | max rel err | median us "
+              f"| wall us | {columns} | note |")
+    lines = [f"# {self.name}", "", header, "", titles, "|" + "---|" * (titles.count("|") - 1)]
     for r in self.rows:
       lines.append(
           f"| {r.op} | {r.mode} | {r.impl} | {r.shape} | {r.dtype} | "
           f"{fmt(r.max_abs_err, '.1e')} | {fmt(r.max_rel_err, '.1e')} | "
           f"{fmt(r.median_us, '.1f')} | {fmt(r.wall_us, '.1f')} | {extra(r)} | {r.note} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + (self.summary(self.rows) if self.summary else "")
 
   def plot(self, path: str):
     import matplotlib
@@ -358,8 +375,9 @@ def measure_ceilings(report: Report, x_sets, *, shape, dtype) -> tuple[float, fl
 
 
 def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
-        unit: str = "GB/s"):
-  """The command line every benchmark script shares: ``--out``, ``--smoke``.
+        unit: str = "GB/s", summary: Callable[[list[Row]], str] | None = None):
+  """The command line every benchmark script shares: ``--out``, ``--smoke``, ``--only``,
+  ``--name``, ``--modes``.
 
   ``bench_shape(report, shape, dtype)`` adds the rows of one shape. Benchmarks time
   compiled kernels; only a --smoke run (tiny shapes, interpreted kernels, wall-clock
@@ -371,6 +389,8 @@ def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
   parser.add_argument("--only", default=None,
                       help="comma-separated indices of the shapes to run (default: all)")
   parser.add_argument("--name", default=name, help="file name of the results")
+  parser.add_argument("--modes", default="fwd,fwd+bwd",
+                      help="comma-separated modes, for benchmarks that have several")
   args = parser.parse_args()
   if jax.default_backend() != "gpu" and not args.smoke:
     sys.exit("benchmarks time compiled kernels: run them on a GPU (or pass --smoke)")
@@ -378,7 +398,8 @@ def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
   if args.only is not None:
     shapes = [shapes[int(i)] for i in args.only.split(",")]
   total = sum(rows_per_shape(shape, dtype) for shape, dtype in shapes)
-  report = Report(args.name, total=total, out_dir=args.out, unit=unit)
+  report = Report(args.name, total=total, out_dir=args.out, unit=unit,
+                  modes=args.modes.split(","), summary=summary)
   for shape, dtype in shapes:
     bench_shape(report, shape, dtype)
   report.finish()

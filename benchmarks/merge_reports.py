@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
+import bench_attention
 import harness
 
 
@@ -27,7 +28,10 @@ def main(out_dir: str, name: str, paths: list[str]):
            for r in rows.values() if r.median_us is not None}
   if len(units) != 1:
     sys.exit(f"cannot merge reports with units {units}")
-  merged = harness.Report(name, total=len(rows), out_dir=out_dir, unit=units.pop())
+  unit = units.pop()
+  # The attention benchmark is the one TFLOP/s report; its table ends with the ratios.
+  summary = bench_attention.vs_best_peer if unit == "TFLOP/s" else None
+  merged = harness.Report(name, total=len(rows), out_dir=out_dir, unit=unit, summary=summary)
   merged.meta = dict(metas[-1], date=" + ".join(m["date"] for m in metas))
   merged.rows = list(rows.values())
   merged._write_tables()

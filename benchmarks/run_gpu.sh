@@ -6,8 +6,9 @@
 #
 # Stages: tests (pytest -m gpu), tune (tune_rows.py), bench (bench_softmax.py and
 # bench_cross_entropy.py), attn-tests (pytest -m gpu tests/test_attention.py), attn-tune
-# (tune_attention.py; TUNE_ONLY="4,5" picks shapes), attn-bench (bench_attention.py; ATTN_ONLY="0,1" picks shapes and
-# ATTN_NAME names the results), example (the transformer example at GPU size, with its
+# (tune_attention.py; TUNE_ONLY="4,5" picks shapes), attn-bench (bench_attention.py; ATTN_ONLY="0,1" picks shapes,
+# ATTN_NAME names the results, ATTN_MODES="fwd" measures the forward alone), attn-ncu
+# (Nsight Compute counters of one forward), example (the transformer example at GPU size, with its
 # profiler trace). Each is bounded by a timeout so that one hung stage still leaves the
 # others' results. Everything is also packed into $OUT/run.tgz, since only a few files
 # come back from the machine.
@@ -57,17 +58,33 @@ for stage in ${STAGES:-tests tune bench}; do
     attn-tests)
       # Four workers, a fifth of the memory each (eight at 11% left the driver too little
       # to instantiate CUDA graphs); compiling dominates, hence the long timeout.
+      # TEST_K="expr" selects tests (pytest -k).
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout 330 $python -m pytest -m gpu -q -n 4 \
-        -p no:cacheprovider -rfE tests/test_attention.py 2>&1 | tee "$out/attn_tests.log" \
-        | tail -n 25 | tee -a "$out/summary.log" ;;
+        -p no:cacheprovider -rfEs ${TEST_K:+-k "$TEST_K"} tests/test_attention.py 2>&1 \
+        | tee "$out/attn_tests.log" | tail -n 25 | tee -a "$out/summary.log" ;;
     attn-tune)
       timeout 300 $python benchmarks/tune_attention.py --out "$out" \
         ${TUNE_ONLY:+--only "$TUNE_ONLY"} 2>&1 \
         | tee "$out/attn_tune.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     attn-bench)
       timeout 540 $python benchmarks/bench_attention.py --out "$out" \
-        ${ATTN_ONLY:+--only "$ATTN_ONLY"} --name "${ATTN_NAME:-attention}" 2>&1 \
+        ${ATTN_ONLY:+--only "$ATTN_ONLY"} --name "${ATTN_NAME:-attention}" \
+        --modes "${ATTN_MODES:-fwd,fwd+bwd}" 2>&1 \
         | tee -a "$out/attn_bench.log" | tail -n 2 | tee -a "$out/summary.log" ;;
+    attn-ncu)
+      # Nsight Compute on one forward of each of PROFILE_IMPLS (default: ours on Hopper
+      # and cuDNN) at PROFILE_SHAPE: throughput, tensor-pipe use, stall reasons.
+      for impl in ${PROFILE_IMPLS:-mosaic_gpu cudnn}; do
+        timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 \
+          -k "regex:${PROFILE_KERNEL:-attention|fmha|flash|sm90}" \
+          --section SpeedOfLight --section ComputeWorkloadAnalysis \
+          --section WarpStateStats --section SchedulerStats --section Occupancy \
+          --section LaunchStats --section MemoryWorkloadAnalysis \
+          $python benchmarks/profile_attention.py --impl "$impl" \
+          --shape "${PROFILE_SHAPE:-4,4096,16,16,128,0}" > "$out/ncu_$impl.log" 2>&1
+        grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Issued Ipc|No Eligible|Stall|Tensor|Achieved Occupancy" \
+          "$out/ncu_$impl.log" | head -n 30 | sed "s/^/$impl: /" | tee -a "$out/summary.log"
+      done ;;
     example)
       timeout 120 $python examples/train_transformer.py --trace "$out/trace" 2>&1 \
         | tee "$out/example.log" | tail -n 8 | tee -a "$out/summary.log" ;;

@@ -1,6 +1,16 @@
-"""dot_product_attention: output, lse and all gradients against the float64 truth."""
+"""dot_product_attention: output, lse and all gradients against the float64 truth.
 
+The feature tests run once per kernel backend (`api.BACKENDS`). A backend that cannot run
+a case says why (its ``unsupported``), and the case is skipped with that reason, so a
+backend can miss a feature only by declaring it; `test_backend_declarations` pins what
+each one declares. The Mosaic GPU backend runs only compiled on a Hopper GPU: its cases
+carry the gpu mark.
+"""
+
+import dataclasses
 import functools
+import os
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -10,10 +20,46 @@ from jax.test_util import check_grads
 
 import jaxsoftmax as js
 from jaxsoftmax import reference
-from jaxsoftmax.attention import BlockSizes
+from jaxsoftmax._backend import mosaic_gpu as mosaic_device
+from jaxsoftmax.attention import BlockSizes, HopperBlockSizes, api
+from jaxsoftmax.attention.call import Call
+from jaxsoftmax.attention.masks import MaskSpec
 from tolerance import assert_2x, truth
 
 SMALL_BLOCKS = BlockSizes(16, 16, 16, 16, 16, 16, num_warps=4, num_warps_bwd=4)
+BACKENDS = [backend.NAME for backend in api.BACKENDS]
+# Backends that run only compiled, on a GPU: their cases carry the gpu mark.
+GPU_ONLY = {"mosaic_gpu"}
+
+
+@pytest.fixture
+def key(request):
+  """conftest's key, the same for every backend of a case (the id without the backend),
+  so that all backends see one input, the one the Triton tests had before backends."""
+  nodeid = request.node.nodeid
+  backend = getattr(request.node, "callspec", None) and request.node.callspec.params.get(
+      "backend")
+  if backend:
+    nodeid = nodeid.replace(f"[{backend}-", "[", 1).replace(f"[{backend}]", "")
+  seed = int(os.environ.get("JAXSOFTMAX_TEST_SEED", "0"))
+  return jax.random.PRNGKey(zlib.crc32(nodeid.encode()) ^ seed)
+
+
+def _per_backend(cases):
+  """``cases`` (pytest params) crossed with the backends, GPU-only ones marked gpu."""
+  return [pytest.param(backend, *case.values,
+                       id=f"{backend}-{case.id}" if case.id else backend,
+                       marks=[pytest.mark.gpu] * (backend in GPU_ONLY))
+          for backend in BACKENDS for case in cases]
+
+
+def _tiles(backend: str, interpret: bool):
+  """Small Triton tiles in interpret mode (many blocks on tiny shapes); else defaults."""
+  return SMALL_BLOCKS if backend == "triton" and interpret else None
+
+
+def _interpret(backend: str) -> bool:
+  return backend not in GPU_ONLY and jax.default_backend() != "gpu"
 
 
 def _inputs(key, B, T, S, N, K, H, dtype):
@@ -31,8 +77,10 @@ def _segments(key, B, T, S):
           jnp.sort(jax.random.randint(kk, (B, S), 0, 3), axis=1))
 
 
-def _check(q, k, v, do, *, blocks=None, interpret=True, segments=None, **options):
-  """Output, lse and (dq, dk, dv) of the kernels against the float64 truth (2x rule)."""
+def _check(q, k, v, do, *, backend=None, blocks=None, interpret=True, segments=None,
+           **options):
+  """Output, lse and (dq, dk, dv) of the kernels against the float64 truth (2x rule).
+  A backend that cannot run the call skips the test with its reason."""
   q_seg, kv_seg = segments if segments is not None else (None, None)
 
   def run(attention, q, k, v, do):
@@ -41,13 +89,19 @@ def _check(q, k, v, do, *, blocks=None, interpret=True, segments=None, **options
 
   def ours(q, k, v):
     return js.dot_product_attention(q, k, v, return_residual=True, block_sizes=blocks,
-                                    interpret=interpret, segment_ids=segments, **options)
+                                    interpret=interpret, segment_ids=segments,
+                                    implementation=backend, **options)
 
   def ref(q, k, v):
     return reference.dot_product_attention(q, k, v, q_segments=q_seg, kv_segments=kv_seg,
                                            **options)
 
-  got = jax.jit(functools.partial(run, ours))(q, k, v, do)
+  try:
+    got = jax.jit(functools.partial(run, ours))(q, k, v, do)
+  except ValueError as e:
+    if "cannot run this call" not in str(e):
+      raise
+    pytest.skip(str(e))
   in_dtype = jax.jit(functools.partial(run, ref))(q, k, v, do)
   exact = truth(functools.partial(run, ref), q, k, v, do)
   for what, a, b, c in zip(("output", "lse", "dq", "dk", "dv"), got, in_dtype, exact):
@@ -71,17 +125,25 @@ INTERPRET_CASES = [
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
                          ids=["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("B, T, S, N, K, H, options", INTERPRET_CASES)
-def test_matches_truth_interpret(key, B, T, S, N, K, H, options, dtype):
-  _check(*_inputs(key, B, T, S, N, K, H, dtype), blocks=SMALL_BLOCKS, **options)
+@pytest.mark.parametrize("backend, B, T, S, N, K, H, options", _per_backend(INTERPRET_CASES))
+def test_matches_truth_interpret(key, backend, B, T, S, N, K, H, options, dtype):
+  # Sizes a multiple of no block: the Triton backend interpreted (on a CPU) with 16 x 16
+  # tiles, the Mosaic GPU one compiled with its defaults.
+  interpret = _interpret(backend)
+  _check(*_inputs(key, B, T, S, N, K, H, dtype), backend=backend, interpret=interpret,
+         blocks=_tiles(backend, interpret), **options)
 
 
-def test_segments_and_fully_masked_rows(key):
+@pytest.mark.parametrize("backend", _per_backend([pytest.param(id="")]))
+def test_segments_and_fully_masked_rows(key, backend):
   B, T, S = 2, 34, 34
-  q, k, v, do = _inputs(key, B, T, S, 2, 1, 16, jnp.float32)
+  dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
+  q, k, v, do = _inputs(key, B, T, S, 2, 1, 16, dtype)
   q_seg, kv_seg = _segments(key, B, T, S)
   kv_seg = kv_seg.at[0].set(7)  # batch row 0: no key shares a query's segment
-  o, lse, dq, dk, dv = _check(q, k, v, do, blocks=SMALL_BLOCKS, segments=(q_seg, kv_seg),
+  interpret = _interpret(backend)
+  o, lse, dq, dk, dv = _check(q, k, v, do, backend=backend, interpret=interpret,
+                              blocks=_tiles(backend, interpret), segments=(q_seg, kv_seg),
                               is_causal=True)
   np.testing.assert_array_equal(o[0], 0.0)
   np.testing.assert_array_equal(lse[0], -np.inf)
@@ -101,19 +163,24 @@ MIXED_BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32
 def test_mixed_block_sizes(key, options):
   # float32: a block-range mistake shows as an O(1) error far above float32 rounding,
   # while bfloat16's rounding noise is the 16-bit cases' business above.
-  _check(*_inputs(key, 2, 75, 70, 2, 1, 16, jnp.float32), blocks=MIXED_BLOCKS, **options)
+  _check(*_inputs(key, 2, 75, 70, 2, 1, 16, jnp.float32), backend="triton",
+         blocks=MIXED_BLOCKS, **options)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
-def test_large_logits(key, dtype):
+@pytest.mark.parametrize("backend", _per_backend([pytest.param(id="")]))
+def test_large_logits(key, backend, dtype):
   # Logits in the hundreds: the exponent folding must not cost accuracy, and probabilities
   # that underflow must not turn into NaN.
   q, k, v, do = _inputs(key, 1, 50, 50, 2, 2, 32, jnp.float32)
+  interpret = _interpret(backend)
   _check((q * 40).astype(dtype), k.astype(dtype), v.astype(dtype), do.astype(dtype),
-         blocks=SMALL_BLOCKS, is_causal=True)
+         backend=backend, interpret=interpret, blocks=_tiles(backend, interpret),
+         is_causal=True)
 
 
-# Default block sizes, compiled, on shapes whose lengths are not multiples of a block.
+# Default block sizes, compiled, on shapes whose lengths are not multiples of a block
+# (1, 77, 1000, 4097), head dims 64 to 256, GQA, T != S under causal masking.
 GPU_CASES = [
     pytest.param(2, 1000, 1000, 8, 2, 128, dict(is_causal=True), id="causal-gqa-H128"),
     pytest.param(1, 700, 1300, 4, 4, 64, {}, id="T!=S-H64"),
@@ -124,24 +191,70 @@ GPU_CASES = [
                                              key_value_seq_lengths=jnp.array([77, 300])),
                  id="lengths-H96"),
     pytest.param(1, 257, 257, 2, 2, 192, {}, id="H192"),
+    pytest.param(2, 1, 77, 2, 1, 64, {}, id="T1-S77"),
+    pytest.param(1, 77, 1000, 4, 2, 128, dict(is_causal=True), id="causal-T77-S1000"),
+    pytest.param(1, 4097, 1000, 2, 1, 256, dict(is_causal=True), id="causal-T4097-S1000-H256"),
+    pytest.param(1, 1000, 4097, 2, 2, 64, dict(local_window_size=(300, 0)),
+                 id="window-T1000-S4097"),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32],
                          ids=["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("B, T, S, N, K, H, options", GPU_CASES)
-def test_matches_truth_gpu(key, B, T, S, N, K, H, options, dtype):
-  _check(*_inputs(key, B, T, S, N, K, H, dtype), interpret=False, **options)
+@pytest.mark.parametrize("backend, B, T, S, N, K, H, options", _per_backend(GPU_CASES))
+def test_matches_truth_gpu(key, backend, B, T, S, N, K, H, options, dtype):
+  _check(*_inputs(key, B, T, S, N, K, H, dtype), backend=backend, interpret=False,
+         **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_runs_bit_identical_gpu(key, backend):
+  q, k, v, do = _inputs(key, 2, 1000, 1000, 4, 2, 128, jnp.bfloat16)
+
+  @jax.jit
+  def step(q, k, v, do):
+    attention = functools.partial(js.dot_product_attention, is_causal=True,
+                                  implementation=backend)
+    o, vjp = jax.vjp(attention, q, k, v)
+    return (o, *vjp(do))
+
+  first, second = step(q, k, v, do), step(q, k, v, do)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", [HopperBlockSizes(64, 64, 2), HopperBlockSizes(64, 64, 4),
+                                    HopperBlockSizes(64, 128, 3)],
+                         ids=["kv64", "kv64-4stages", "kv128-3stages"])
+def test_hopper_block_sizes_gpu(key, blocks):
+  # Tiles other than the defaults: a causal diagonal across two key blocks, deeper rings.
+  _check(*_inputs(key, 2, 1000, 1000, 4, 2, 128, jnp.bfloat16), backend="mosaic_gpu",
+         blocks=blocks, interpret=False, is_causal=True,
+         key_value_seq_lengths=jnp.array([1000, 613]))
+
+
+@pytest.mark.gpu
+def test_default_dispatch_gpu():
+  # On a Hopper GPU, 16-bit calls take the Mosaic GPU kernel and float32 the Triton one.
+  def backend(dtype):
+    call = Call(1, 128, 128, 2, 2, 128, dtype, MaskSpec(128, 128), 0.1, None, None, False)
+    return api.select_backend(None, call).NAME
+
+  expected = "mosaic_gpu" if mosaic_device.hopper_device() else "triton"
+  assert (backend("bfloat16"), backend("float16")) == (expected, expected)
+  assert backend("float32") == "triton"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_long_sequence_tiles_gpu(key, is_causal):
-  # T >= 16384 takes the long-sequence forward tiles (BlockSizes.default); one head keeps
-  # the float64 truth's T x T logits at 2 GB.
-  _check(*_inputs(key, 1, 16390, 16390, 1, 1, 128, jnp.bfloat16), interpret=False,
-         is_causal=is_causal)
+  # T >= 16384 takes the Triton long-sequence forward tiles (BlockSizes.default); one
+  # head keeps the float64 truth's T x T logits at 2 GB.
+  _check(*_inputs(key, 1, 16390, 16390, 1, 1, 128, jnp.bfloat16), backend="triton",
+         interpret=False, is_causal=is_causal)
 
 
 @pytest.mark.gpu
@@ -149,15 +262,17 @@ def test_causal_very_long_sequence_tiles_gpu(key):
   # The causal tiles of T >= 32768 (256-row query blocks on 16 warps), at a T whose float64
   # truth fits; 3001 is a multiple of no block.
   blocks = BlockSizes.default(32768, 32768, 128, jnp.bfloat16, is_causal=True)
-  _check(*_inputs(key, 1, 3001, 3001, 4, 2, 128, jnp.bfloat16), blocks=blocks,
-         interpret=False, is_causal=True)
+  _check(*_inputs(key, 1, 3001, 3001, 4, 2, 128, jnp.bfloat16), backend="triton",
+         blocks=blocks, interpret=False, is_causal=True)
 
 
 @pytest.mark.gpu
-def test_segments_gpu(key):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_segments_gpu(key, backend):
   B, T = 2, 700
   q, k, v, do = _inputs(key, B, T, T, 4, 2, 64, jnp.bfloat16)
-  _check(q, k, v, do, interpret=False, segments=_segments(key, B, T, T), is_causal=True)
+  _check(q, k, v, do, backend=backend, interpret=False, segments=_segments(key, B, T, T),
+         is_causal=True)
 
 
 def test_matches_jax_nn(key):
@@ -265,6 +380,63 @@ def test_bad_input_names_the_argument():
     attention(q, kv, kv, implementation="cudnn")
   with pytest.raises(ValueError, match="block_q must be a power of two >= 16"):
     BlockSizes(block_q=24)
+  with pytest.raises(ValueError, match="block_kv must be a positive multiple of 64"):
+    HopperBlockSizes(block_kv=96)
+  with pytest.raises(TypeError, match="block_sizes must be a BlockSizes or a HopperBlock"):
+    attention(q, kv, kv, block_sizes=(64, 64))
+
+
+def _call(H=128, dtype="bfloat16", block_sizes=None, interpret=False, **spec):
+  return Call(2, 300, 500, 4, 2, H, dtype, MaskSpec(300, 500, **spec), 0.1, None,
+              block_sizes, interpret)
+
+
+# Every feature of the kernels, as the static call the backends judge.
+FEATURE_CALLS = {
+    "plain": _call(),
+    "causal": _call(is_causal=True),
+    "window": _call(window_left=30, window_right=5),
+    "segments": _call(has_segments=True),
+    "soft cap": dataclasses.replace(_call(), softcap=30.0),
+    "float16": _call(dtype="float16"),
+    "head dim 64": _call(H=64),
+    "head dim 80": _call(H=80),
+    "head dim 256": _call(H=256),
+}
+
+
+def test_backend_declarations(monkeypatch):
+  # What each backend declares it can run: a backend cannot drop a feature silently.
+  monkeypatch.setattr(mosaic_device, "hopper_device", lambda: True)
+  mosaic, triton = (api._BY_NAME[name] for name in ("mosaic_gpu", "triton"))
+  for name, call in FEATURE_CALLS.items():
+    assert mosaic.unsupported(call) is None, name
+    assert triton.unsupported(call) is None, name
+    assert api.select_backend(None, call) is mosaic, name
+  assert triton.unsupported(_call(dtype="float32")) is None
+  assert "bfloat16 or float16" in mosaic.unsupported(_call(dtype="float32"))
+  assert api.select_backend(None, _call(dtype="float32")) is triton
+  assert "no interpret mode" in mosaic.unsupported(_call(interpret=True))
+  assert "head dims up to 256" in mosaic.unsupported(_call(H=320))
+  assert "shared memory" in mosaic.unsupported(
+      _call(H=256, block_sizes=HopperBlockSizes(64, 128, 4)))
+  # A backend's tiles pick it; the other backend refuses them.
+  hopper_tiles = _call(block_sizes=HopperBlockSizes(64, 64, 3))
+  assert api.select_backend(None, hopper_tiles) is mosaic
+  assert "take jaxsoftmax.BlockSizes" in triton.unsupported(hopper_tiles)
+  assert api.select_backend(None, _call(block_sizes=SMALL_BLOCKS)) is triton
+
+
+@pytest.mark.skipif(mosaic_device.hopper_device(), reason="needs a device that is no Hopper")
+def test_named_backend_says_why_it_cannot_run():
+  q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="implementation='mosaic_gpu' cannot run this call: "
+                                       "it needs a Hopper GPU"):
+    js.dot_product_attention(q, q, q, implementation="mosaic_gpu")
+  with pytest.raises(ValueError, match="no kernel backend can run this call"):
+    js.dot_product_attention(q, q, q, block_sizes=HopperBlockSizes())
+  with pytest.raises(ValueError, match="bias, mask and float64 inputs take the reference"):
+    js.dot_product_attention(q, q, q, mask=jnp.ones((8, 8), bool), implementation="triton")
 
 
 def test_flax_nnx_multi_head_attention(key):

@@ -1,0 +1,39 @@
+"""One attention forward for Nsight Compute to read the counters of: compiles, runs twice
+(ncu then profiles the second launch, `--launch-skip 1 --launch-count 1`), and exits.
+
+    ncu --clock-control none -k regex:attention --launch-skip 1 --launch-count 1 \\
+        --section SpeedOfLight --section WarpStateStats \\
+        python3 benchmarks/profile_attention.py --impl mosaic_gpu --shape 4,4096,16,16,128,0
+
+--impl: a jaxsoftmax backend (mosaic_gpu, triton) or cudnn; --shape: B,T,N,K,H,causal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+
+import jaxsoftmax as js
+from bench_attention import case_inputs
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--impl", default="mosaic_gpu")
+  parser.add_argument("--shape", default="4,4096,16,16,128,0")
+  args = parser.parse_args()
+  B, T, N, K, H, causal = (int(x) for x in args.shape.split(","))
+  (q, k, v, _), _, _ = case_inputs((B, T, N, K, H, bool(causal)), jax.numpy.bfloat16)
+  if args.impl == "cudnn":
+    fn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
+  else:
+    fn = functools.partial(js.dot_product_attention, implementation=args.impl)
+  fn = jax.jit(functools.partial(fn, is_causal=bool(causal)))
+  for _ in range(2):
+    jax.block_until_ready(fn(q, k, v))
+
+
+if __name__ == "__main__":
+  main()
