@@ -11,8 +11,7 @@ O(T·S) in memory, with exact values and gradients (dbias included).
 Backends: each kernel backend (a folder beside this module) declares what it can run
 (``unsupported(call)`` gives the reason it cannot) and runs the forward (``fwd``); the
 Triton backward (``bwd``) differentiates every forward, since all of them save the same
-residuals.
-``implementation=None`` takes the first of `BACKENDS` that can run the call.
+residuals. ``implementation=None`` takes the first of `BACKENDS` that can run the call.
 """
 
 from __future__ import annotations

@@ -44,10 +44,11 @@ class Logits:
     t = jnp.tanh(qk * (self.scale / self.softcap))
     return self.softcap * t, t
 
-  def exponent(self, x, m):
-    """log2 of exp(logits - m · factor), for m a running max of x (broadcast to x)."""
+  def exponent(self, x, m, broadcast=lambda m: m):
+    """log2 of exp(logits - m · factor), for m a running max of x; ``broadcast`` takes
+    m (and m · c, computed before it, once per row) to x's shape."""
     c = self.factor * LOG2E
-    return x * c - m * c if self.fused else (x - m) * c
+    return x * c - broadcast(m * c) if self.fused else (x - broadcast(m)) * c
 
   def exponent_from_stats(self, x, m, log2_l):
     """log2 of exp(logits - lse), for lse given as the forward's m (in x's units) and

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax._backend.mosaic_gpu import pl, plgpu
-from jaxsoftmax.attention.logits import LOG2E, Logits
+from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
                                         walk_block_ranges)
 
@@ -152,15 +152,6 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
 
     head_dim = q_tile.shape[-1]
     shape = (bq, bkv)
-    c = logits.factor * LOG2E
-
-    def exponent(x, shift):
-      """log2 of exp(logits - shift · factor), for x a tile or a row vector."""
-      if x.ndim == 2:
-        return x * c - _rows(shift * c, x.shape) if logits.fused else (
-            x - _rows(shift, x.shape)) * c
-      return x * c - shift * c if logits.fused else (x - shift) * c
-
     def masked_logits(x, j, masked: bool):
       x, _ = logits.cap(x)
       if not masked:
@@ -181,8 +172,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
       # A row with no allowed key so far keeps m = -inf; shifting it by 0 keeps its p
       # and alpha at exp2(-inf) = 0 instead of NaN. Unmasked blocks always hold one.
       shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-      alpha = jnp.exp2(exponent(m, shift))
-      p = jnp.exp2(exponent(x, shift))
+      alpha = jnp.exp2(logits.exponent(m, shift))
+      p = jnp.exp2(logits.exponent(x, shift, functools.partial(_rows, shape=x.shape)))
       return m_new, l * alpha + p.sum(axis=1), p.astype(v_smem.dtype), alpha
 
     m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), _ROW)
