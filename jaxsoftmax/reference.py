@@ -26,7 +26,8 @@ def _state(x, axis, where):
   m carries no gradient (as in jax.nn): the results do not depend on it.
   """
   masked = x if where is None else jnp.where(where, x, -jnp.inf)
-  m = jnp.max(masked, axis=axis, keepdims=True)
+  # The initial value makes an empty axis an empty state, as in jax.nn.
+  m = jnp.max(masked, axis=axis, keepdims=True, initial=-jnp.inf)
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))
   return m, jnp.sum(jnp.exp(masked - m), axis=axis, keepdims=True)
 
@@ -149,7 +150,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     logits = logits + jnp.broadcast_to(bias, (B, N, T, S)).reshape(
         B, K, N // K, T, S).astype(acc)
   logits = jnp.where(allowed, logits, -jnp.inf)
-  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
   m = jnp.where(jnp.isfinite(m), m, 0)
   p = jnp.exp(logits - m)
   l = jnp.sum(p, axis=-1, keepdims=True)

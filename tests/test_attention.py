@@ -89,6 +89,7 @@ def _check(q, k, v, do, *, backend=None, blocks=None, interpret=True, segments=N
 
   def ours(q, k, v):
     return js.dot_product_attention(q, k, v, return_residual=True, block_sizes=blocks,
+                                    residual_dtype=jnp.float32,
                                     interpret=interpret, segment_ids=segments,
                                     implementation=backend, **options)
 
@@ -284,6 +285,37 @@ def test_matches_jax_nn(key):
                                rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=["float32", "bfloat16", "float16"])
+def test_residual_dtype_as_jax_nn(key, dtype):
+  # jax.nn returns the lse in the inputs' dtype, so a user's VJP may pass a cotangent of
+  # that dtype; residual_dtype=float32 keeps the kernels' statistics.
+  q, k, v, _ = _inputs(key, 2, 20, 20, 2, 2, 16, dtype)
+  attention = functools.partial(js.dot_product_attention, return_residual=True,
+                                is_causal=True)
+  (o, lse), vjp = jax.vjp(attention, q, k, v)
+  _, ref_lse = jax.nn.dot_product_attention(q, k, v, is_causal=True, return_residual=True)
+  assert lse.dtype == ref_lse.dtype == dtype
+  dq, dk, dv = vjp((jnp.ones_like(o), jnp.ones_like(lse)))
+  assert dq.dtype == dk.dtype == dv.dtype == dtype
+  _, lse32 = attention(q, k, v, residual_dtype=jnp.float32)
+  assert lse32.dtype == jnp.float32
+  np.testing.assert_array_equal(lse, lse32.astype(dtype))
+  with pytest.raises(TypeError, match="residual_dtype must be a floating dtype"):
+    attention(q, k, v, residual_dtype=jnp.int32)
+
+
+def test_empty_inputs_as_jax_nn():
+  # Empty sequences take the reference path: no key gives output 0 and lse -inf, as
+  # jax.nn; no query gives empty results.
+  q, kv = jnp.ones((1, 4, 2, 16)), jnp.ones((1, 0, 2, 16))
+  o, lse = js.dot_product_attention(q, kv, kv, return_residual=True)
+  ref_o, ref_lse = jax.nn.dot_product_attention(q, kv, kv, return_residual=True)
+  np.testing.assert_array_equal(o, ref_o)
+  np.testing.assert_array_equal(lse, ref_lse)
+  assert js.dot_product_attention(kv, q, q).shape == (1, 0, 2, 16)
+
+
 def test_bias_and_mask_take_the_reference_path(key):
   q, k, v, _ = _inputs(key, 2, 12, 12, 2, 2, 16, jnp.float32)
   bias = jax.random.normal(key, (1, 2, 12, 12))
@@ -435,7 +467,7 @@ def test_named_backend_says_why_it_cannot_run():
     js.dot_product_attention(q, q, q, implementation="mosaic_gpu")
   with pytest.raises(ValueError, match="no kernel backend can run this call"):
     js.dot_product_attention(q, q, q, block_sizes=HopperBlockSizes())
-  with pytest.raises(ValueError, match="bias, mask and float64 inputs take the reference"):
+  with pytest.raises(ValueError, match="bias, mask, float64 and empty inputs take the"):
     js.dot_product_attention(q, q, q, mask=jnp.ones((8, 8), bool), implementation="triton")
 
 

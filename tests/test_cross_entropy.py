@@ -168,6 +168,19 @@ def test_composes_with_vmap_and_jit(key):
       rtol=2e-6)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_rows(reduction):
+  # An empty batch takes the reference path: no losses, and a mean of 0 (the mean over
+  # no active row, as for an all-ignored batch).
+  logits, labels = jnp.zeros((0, 7)), jnp.zeros((0,), jnp.int32)
+  loss = js.cross_entropy(logits, labels, reduction=reduction)
+  assert loss.shape == ((0,) if reduction == "none" else ())
+  if reduction != "none":
+    assert float(loss) == 0.0
+  grad = jax.grad(lambda x: jnp.sum(js.cross_entropy(x, labels, reduction=reduction)))
+  assert grad(logits).shape == (0, 7)
+
+
 def test_float64_takes_reference_path(key):
   with jax.enable_x64(True):
     logits = jax.random.normal(key, (3, 9), jnp.float64)

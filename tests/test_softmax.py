@@ -236,6 +236,20 @@ def test_axes(key, axis):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("shape, axis", [((0,), -1), ((3, 0), -1), ((3, 0), 0), ((0, 4), -1),
+                                         ((2, 0, 3), (1, 2))])
+def test_empty_inputs_as_jax_nn(name, shape, axis):
+  # Empty arrays (an empty reduced axis, or no rows) take the reference path.
+  ours, theirs = OPS[name][0], getattr(jax.nn, name)
+  x = jnp.zeros(shape)
+  got, want = ours(x, axis=axis), theirs(x, axis=axis)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  np.testing.assert_array_equal(got, want)
+  grad = jax.grad(lambda x: jnp.sum(ours(x, axis=axis)))(x)
+  assert grad.shape == shape
+
+
 def test_float64_takes_reference_path(key):
   with jax.enable_x64(True):
     x = jax.random.normal(key, (3, 9), jnp.float64)

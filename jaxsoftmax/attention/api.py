@@ -155,7 +155,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           implementation=None, return_residual=False,
                           logits_soft_cap=None, segment_ids=None,
                           block_sizes: BlockSizes | HopperBlockSizes | None = None,
-                          interpret: bool | None = None):
+                          residual_dtype=None, interpret: bool | None = None):
   """Scaled dot-product attention, as jax.nn.dot_product_attention.
 
   Args:
@@ -170,13 +170,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       "mosaic_gpu" (Hopper GPUs, 16-bit inputs) or "triton" to name one, "xla" for the
       reference path. A named backend that cannot run the call raises a ValueError
       that says why.
-    return_residual: also return the float32 log-sum-exp of the logits, (B, T, N).
+    return_residual: also return the log-sum-exp of the logits, (B, T, N), in the
+      inputs' dtype as jax.nn (and, as there, without a gradient).
     logits_soft_cap: cap c > 0: logits become c·tanh(logits / c) before masking.
     segment_ids: (B, T) ints when T == S, or a (query (B, T), key (B, S)) pair: a query
       sees only keys of its segment (packed sequences).
     block_sizes: optional tiles for tuning: a `BlockSizes` (Triton backend) or a
       `HopperBlockSizes` (Mosaic GPU backend; its backward runs on the Triton defaults).
       With ``implementation=None`` the type picks the backend.
+    residual_dtype: the dtype of the returned log-sum-exp; None for the inputs' dtype.
+      ``jnp.float32`` keeps the kernels' float32 statistics, which merging partial
+      results (across devices, `jaxsoftmax.merge_attention_states`) wants.
     interpret: run the kernels in Pallas interpret mode (see `jaxsoftmax.softmax`);
       only the Triton backend has one.
 
@@ -199,6 +203,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
     raise TypeError(f"dot_product_attention: mask must be boolean (True: attend), got "
                     f"{jnp.asarray(mask).dtype}")
+  if residual_dtype is not None and not jnp.issubdtype(residual_dtype, jnp.floating):
+    raise TypeError("dot_product_attention: residual_dtype must be a floating dtype or "
+                    f"None, got {residual_dtype!r}")
   if block_sizes is not None and not isinstance(block_sizes, (BlockSizes, HopperBlockSizes)):
     raise TypeError("dot_product_attention: block_sizes must be a BlockSizes or a "
                     f"HopperBlockSizes, got {block_sizes!r}")
@@ -208,11 +215,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   q_seg, kv_seg = _segments(segment_ids, B, T, S)
   scale = float(1 / np.sqrt(H) if scale is None else scale)
 
-  reference_path = (bias is not None or mask is not None or query.dtype == jnp.float64)
+  reference_path = (bias is not None or mask is not None or query.dtype == jnp.float64
+                    or query.size == 0 or key.size == 0)
   if reference_path and implementation not in (None, "xla"):
     raise ValueError(f"dot_product_attention: implementation={implementation!r} cannot run "
-                     "this call: bias, mask and float64 inputs take the reference path "
-                     "(implementation=None or 'xla')")
+                     "this call: bias, mask, float64 and empty inputs take the reference "
+                     "path (implementation=None or 'xla')")
   if reference_path or implementation == "xla":
     out, lse = reference.dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
@@ -228,6 +236,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     out, lse = _attention_jit(query, key, value, (q_len, kv_len, q_seg, kv_seg), call,
                               backend.NAME)
     lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)))  # (B, N, T) -> (B, T, N)
+  lse = lse.astype(query.dtype if residual_dtype is None else residual_dtype)
   if unbatched:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out
