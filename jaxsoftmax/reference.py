@@ -100,8 +100,8 @@ def attention_mask(T: int, S: int, *, is_causal=False, local_window_size=None,
                    query_seq_lengths=None, key_value_seq_lengths=None, q_segments=None,
                    kv_segments=None, batch: int = 1):
   """The (B, 1, T, S) boolean mask of the (query, key) pairs attention may use."""
-  q = jnp.arange(T)[:, None]
-  k = jnp.arange(S)[None, :]
+  q = jnp.arange(T)[None, None, :, None]
+  k = jnp.arange(S)[None, None, None, :]
   allowed = jnp.ones((batch, 1, T, S), bool)
   if is_causal:
     allowed = allowed & (k <= q)

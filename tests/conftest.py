@@ -1,15 +1,24 @@
-"""Shared test set-up: the gpu marker, and a fresh-but-reproducible key per test.
+"""Shared test set-up: the gpu marker, a fresh-but-reproducible key per test, and strict
+rank promotion.
 
 Tests that need compiled kernels carry ``@pytest.mark.gpu``; they are skipped unless JAX's
 default backend is a GPU. Everything else runs the kernels in Pallas interpret mode, so
 the whole suite runs on a CPU. On the GPU machine run ``pytest -m gpu``.
+
+The suite runs with ``jax_numpy_rank_promotion="raise"`` (set here for this process and,
+through the environment, for the scripts the tests start), a setting many codebases use:
+library code must broadcast explicitly.
 """
 
 import os
 import zlib
 
-import jax
-import pytest
+os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
+
+import jax  # noqa: E402 - after the environment it reads
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 ON_GPU = jax.default_backend() == "gpu"
 
