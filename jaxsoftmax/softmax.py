@@ -186,17 +186,26 @@ def _logsumexp(x, where, *, view, keepdims, tiling, interpret):
   return view.from_row_values(lse, keepdims=keepdims).astype(x.dtype)
 
 
-def logsumexp(x, axis=None, *, keepdims: bool = False, where=None,
-              tiling: RowTiling | None = None, interpret: bool | None = None) -> jax.Array:
-  """log(sum(exp(x))) over ``axis`` (all axes when None), as jax.nn.logsumexp.
+def logsumexp(x, axis=None, b=None, keepdims: bool = False, return_sign: bool = False,
+              where=None, *, tiling: RowTiling | None = None,
+              interpret: bool | None = None):
+  """log(sum(b · exp(x))) over ``axis`` (all axes when None), as jax.nn.logsumexp.
 
-  Arguments as `softmax`, plus ``keepdims``. jax.nn.logsumexp's ``b`` and
-  ``return_sign`` are not supported. The result has the dtype of ``x`` (the kernels
+  Arguments as `softmax`, plus ``keepdims``, and jax.nn.logsumexp's ``b`` (weights,
+  broadcastable to ``x``) and ``return_sign`` (also return the sign of the sum, the
+  result being the log of its absolute value). With either of those two the call is
+  jax.nn.logsumexp's own (XLA; a negative sum gives NaN without ``return_sign``, as
+  there); without them, the kernels. The result has the dtype of ``x`` (the kernels
   accumulate in float32); an all -inf or fully masked row gives -inf, a +inf element +inf.
   """
   x = check_floating(x, "x", "logsumexp")
   view = RowView.of(x.shape, axis, fn="logsumexp")
   where = check_where(where, x.shape, "logsumexp")
+  if b is not None or return_sign:
+    if b is not None:  # explicitly: callers may run with rank promotion disallowed
+      b = jnp.broadcast_to(jnp.asarray(b), x.shape)
+    return jax.nn.logsumexp(x, axis=view.axes, b=b, keepdims=keepdims,
+                            return_sign=return_sign, where=where)
   if x.dtype == jnp.float64 or x.size == 0:
     return reference.logsumexp(x, view.axes, where, keepdims)
   return _logsumexp(x, where, view=view, keepdims=keepdims, tiling=tiling,

@@ -250,6 +250,26 @@ def test_empty_inputs_as_jax_nn(name, shape, axis):
   assert grad.shape == shape
 
 
+@pytest.mark.parametrize("axis", [-1, (0, 2), None])
+def test_logsumexp_b_and_return_sign_as_jax_nn(key, axis):
+  x = jax.random.normal(key, (3, 4, 5))
+  b = jax.random.normal(jax.random.fold_in(key, 1), (4, 5))  # signed weights, broadcast
+  where = jax.random.uniform(jax.random.fold_in(key, 2), (3, 4, 5)) > 0.2
+  for kwargs in (dict(b=jnp.abs(b)), dict(b=b), dict(b=b, return_sign=True),
+                 dict(return_sign=True), dict(b=b, where=where, keepdims=True)):
+    got = js.logsumexp(x, axis, **kwargs)  # broadcasts b itself
+    full = {k: jnp.broadcast_to(v, x.shape) if k == "b" else v for k, v in kwargs.items()}
+    want = jax.nn.logsumexp(x, axis, **full)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=1e-6)  # NaN where a sum is negative, as jax.nn
+  weights = jnp.broadcast_to(jnp.abs(b), x.shape)
+  grad = lambda f: jax.grad(lambda x: jnp.sum(f(x, axis, b=weights)))(x)
+  np.testing.assert_allclose(grad(js.logsumexp), grad(jax.nn.logsumexp), rtol=1e-6)
+  # jax.nn's positional order: (a, axis, b, keepdims).
+  np.testing.assert_allclose(js.logsumexp(x, -1, None, True),
+                             jax.nn.logsumexp(x, -1, None, True), rtol=1e-6)
+
+
 def test_float64_takes_reference_path(key):
   with jax.enable_x64(True):
     x = jax.random.normal(key, (3, 9), jnp.float64)
