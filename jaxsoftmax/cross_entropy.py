@@ -16,6 +16,8 @@ over the logits, from the saved (m, l), with p_j = exp(x_j - m) / l:
     dx_j = g·[(1 + 2z·lse)·p_j - (1 - a)·[j = y] - a / V] + g_lse·p_j
 
 where g is the loss's cotangent and g_lse the cotangent of the returned lse, if any.
+With optax's ``where``, (m, l) and p cover the logits it leaves in; the label's logit
+counts regardless. Class axes other than the last are moved there first (a transpose).
 Minimum memory traffic: forward R·V elements read, backward R·V read and R·V written.
 """
 
@@ -58,18 +60,19 @@ def _backward_op(label_smoothing: float, z_loss: float, n_classes: int) -> RowOp
   return RowOp("cross_entropy_bwd", apply=apply)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _rows(logits, labels, ignore_index, label_smoothing, z_loss, tiling, interpret):
-  return _rows_fwd(logits, labels, ignore_index, label_smoothing, z_loss, tiling,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _rows(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling, interpret):
+  return _rows_fwd(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling,
                    interpret)[0]
 
 
-def _rows_fwd(logits, labels, ignore_index, label_smoothing, z_loss, tiling, interpret):
+def _rows_fwd(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling,
+              interpret):
   n_classes = logits.shape[-1]
   first = logits[:, 0].astype(jnp.float32)
   _, (m, l, *relative_sum) = row_call(
       _forward_op(label_smoothing), (logits,), (first,) if label_smoothing else (),
-      tiling=tiling, interpret=interpret)
+      where=where, tiling=tiling, interpret=interpret)
   m, lse = safe_shift(m), state_lse(m, l)
   in_range = (labels >= 0) & (labels < n_classes)
   label_logit = jnp.take_along_axis(
@@ -80,45 +83,63 @@ def _rows_fwd(logits, labels, ignore_index, label_smoothing, z_loss, tiling, int
     loss = loss + label_smoothing * ((m - first) - relative_sum[0] / n_classes)
   if z_loss:
     loss = loss + z_loss * lse**2
-  active = labels != ignore_index
-  # An ignored row contributes nothing; a label out of range (only possible inside jit,
-  # where it cannot be checked) makes its row NaN rather than silently wrong.
+  # An ignored row contributes nothing, nor does a row that `where` masks entirely (as
+  # optax); a label out of range (only possible inside jit, where it cannot be checked)
+  # makes its row NaN rather than silently wrong.
+  active = _active(labels, where, ignore_index)
   loss = jnp.where(active, jnp.where(in_range, loss, jnp.nan), 0.0)
-  return (loss, lse), (logits, labels, m, l)
+  return (loss, lse), (logits, labels, where, m, l)
+
+
+def _active(labels, where, ignore_index: int):
+  """The rows that count: label not ignored, and some logit not masked."""
+  active = labels != ignore_index
+  return active if where is None else active & jnp.any(where, axis=-1)
 
 
 def _rows_bwd(ignore_index, label_smoothing, z_loss, tiling, interpret, res, cotangents):
-  logits, labels, m, l = res
+  logits, labels, where, m, l = res
   g, g_lse = cotangents
   del tiling  # the backward is a pure map, tiled on its own
   n_classes = logits.shape[-1]
-  active = labels != ignore_index
   in_range = (labels >= 0) & (labels < n_classes)
-  g = jnp.where(active, jnp.where(in_range, g, jnp.nan), 0.0)
+  g = jnp.where(_active(labels, where, ignore_index), jnp.where(in_range, g, jnp.nan), 0.0)
   dlogits, _ = row_call(_backward_op(label_smoothing, z_loss, n_classes), (logits,),
-                        (labels, m, l, g, g_lse), interpret=interpret)
-  return dlogits, None
+                        (labels, m, l, g, g_lse), where=where, interpret=interpret)
+  if where is not None:
+    # The kernel leaves masked logits at 0, but the label's logit counts even where it
+    # is masked (optax takes it regardless): its -g goes back there.
+    rows = jnp.arange(labels.shape[0])
+    safe = jnp.where(in_range, labels, 0)
+    label_masked = ~where[rows, safe]
+    dlogits = dlogits.at[rows, safe].add(
+        jnp.where(label_masked, -g, 0.0).astype(dlogits.dtype))
+  return dlogits, None, None
 
 
 _rows.defvjp(_rows_fwd, _rows_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "ignore_index", "label_smoothing", "z_loss", "reduction", "return_lse", "tiling",
-    "interpret"))
-def _cross_entropy(logits, labels, *, ignore_index, label_smoothing, z_loss, reduction,
-                   return_lse, tiling, interpret):
+    "ignore_index", "label_smoothing", "z_loss", "reduction", "tiling", "interpret"))
+def _cross_entropy(logits, labels, where, *, ignore_index, label_smoothing, z_loss,
+                   reduction, tiling, interpret):
   batch_shape, n_classes = labels.shape, logits.shape[-1]
-  loss, lse = _rows(logits.reshape(-1, n_classes), labels.reshape(-1).astype(jnp.int32),
+  flat = lambda a: None if a is None else a.reshape(-1, n_classes)
+  loss, lse = _rows(flat(logits), labels.reshape(-1).astype(jnp.int32), flat(where),
                     ignore_index, label_smoothing, z_loss, tiling, interpret)
+  return _reduce(loss, labels, where, ignore_index, reduction), lse.reshape(batch_shape)
+
+
+def _reduce(loss, labels, where, ignore_index: int, reduction: str):
+  """The per-row losses shaped like ``labels``, summed, or averaged over the rows that
+  count (0 when none does)."""
   if reduction == "none":
-    loss = loss.reshape(batch_shape)
-  elif reduction == "sum":
-    loss = jnp.sum(loss)
-  else:
-    count = jnp.sum(labels != ignore_index)
-    loss = jnp.sum(loss) / jnp.maximum(count, 1).astype(jnp.float32)
-  return (loss, lse.reshape(batch_shape)) if return_lse else loss
+    return loss.reshape(labels.shape)
+  if reduction == "sum":
+    return jnp.sum(loss)
+  count = jnp.sum(_active(labels, where, ignore_index))
+  return jnp.sum(loss) / jnp.maximum(count, 1).astype(jnp.float32)
 
 
 def _check_labels(labels, n_classes: int, ignore_index: int):
@@ -133,22 +154,66 @@ def _check_labels(labels, n_classes: int, ignore_index: int):
         f"at index {tuple(int(i) for i in np.argwhere(bad)[0])}")
 
 
-def cross_entropy(logits, labels, *, ignore_index: int = -100,
+def _classes_last(logits, labels, axis, where):
+  """``logits`` as (..., V) with the class axes (``axis``: an int or a tuple, in its
+  order) moved last and flattened, as optax; ``where`` (the shape of the batch or of
+  ``logits``, or broadcastable to it once the class axes are inserted) the same way."""
+  ndim = logits.ndim
+  axes = (axis,) if isinstance(axis, int) else axis
+  if not (isinstance(axes, tuple) and axes and all(isinstance(a, int) for a in axes)):
+    raise TypeError(f"cross_entropy: axis must be an int or a tuple of ints, got {axis!r}")
+  if any(not -ndim <= a < ndim for a in axes):
+    raise ValueError(f"cross_entropy: axis {axis!r} is out of range for logits of shape "
+                     f"{logits.shape}")
+  axes = tuple(a % ndim for a in axes)
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"cross_entropy: axis {axis!r} repeats an axis")
+  batch = tuple(a for a in range(ndim) if a not in axes)
+  batch_shape = tuple(logits.shape[a] for a in batch)
+  if labels.shape != batch_shape:
+    raise ValueError(f"cross_entropy: labels of shape {labels.shape} must have the shape "
+                     f"of logits {logits.shape} without its class axes {axes}, "
+                     f"{batch_shape}")
+  if where is not None:
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+      raise TypeError(f"cross_entropy: where must be a boolean array, got {where.dtype}")
+    if where.ndim != ndim:  # one flag per row, as optax: the class axes are inserted
+      where = jnp.expand_dims(where, axes)
+    try:
+      where = jnp.broadcast_to(where, logits.shape)
+    except ValueError:
+      raise ValueError(f"cross_entropy: where of shape {where.shape} does not broadcast "
+                       f"to logits {logits.shape}") from None
+  if axes != (ndim - 1,):
+    order = batch + axes
+    logits = jnp.transpose(logits, order).reshape(batch_shape + (-1,))
+    if where is not None:
+      where = jnp.transpose(where, order).reshape(batch_shape + (-1,))
+  return logits, where
+
+
+def cross_entropy(logits, labels, axis=-1, where=None, *, ignore_index: int = -100,
                   label_smoothing: float = 0.0, z_loss: float = 0.0,
                   reduction: str = "mean", return_lse: bool = False,
                   tiling: RowTiling | None = None, interpret: bool | None = None):
   """Softmax cross-entropy between ``logits`` and integer ``labels``.
 
   Args:
-    logits: ``(..., V)`` float32, bfloat16 or float16 logits (float64 takes the
-      reference path); the class axis is the last one.
-    labels: ``(...)`` integer class indices, the shape of ``logits`` without its last axis.
+    logits: float32, bfloat16 or float16 logits (float64 takes the reference path).
+    labels: integer class indices, the shape of ``logits`` without its class axes.
+    axis: the class axis, or a tuple of them (a label is then a flat index into a slice
+      of their shape, in the tuple's order), as optax; the last axis by default.
+    where: optional boolean mask of the logits (the shape of ``logits``, or of
+      ``labels`` for one flag per row), as optax: masked logits are left out of the
+      normalizer (the label's logit counts regardless), and a row with no logit left
+      gives a loss of 0 and a gradient of 0 and counts as ignored.
     ignore_index: label value whose rows give a loss of 0, a gradient of 0, and are left
       out of the mean (the PyTorch convention, -100 by default).
     label_smoothing: a in [0, 1]: the target is (1 - a)·onehot + a / V, as
-      optax.smooth_labels.
+      optax.smooth_labels; not with ``where``.
     z_loss: coefficient of lse² added to each row's loss (PaLM's z-loss).
-    reduction: ``"mean"`` over the rows not ignored (0 if all are), ``"sum"``, or
+    reduction: ``"mean"`` over the rows that count (0 if none does), ``"sum"``, or
       ``"none"`` for per-row losses of shape ``labels.shape``.
     return_lse: also return the float32 log-sum-exp of each row (differentiable).
     tiling: optional `RowTiling` for the forward kernel.
@@ -163,30 +228,34 @@ def cross_entropy(logits, labels, *, ignore_index: int = -100,
   """
   logits = check_floating(logits, "logits", "cross_entropy")
   labels = jnp.asarray(labels)
-  if logits.ndim < 1 or logits.shape[-1] == 0:
-    raise ValueError(f"cross_entropy: logits must have a non-empty class axis, got shape "
-                     f"{logits.shape}")
   if not jnp.issubdtype(labels.dtype, jnp.integer):
     raise TypeError(f"cross_entropy: labels must be integers, got {labels.dtype}")
-  if labels.shape != logits.shape[:-1]:
-    raise ValueError(f"cross_entropy: labels of shape {labels.shape} must have the shape "
-                     f"of logits {logits.shape} without its last axis, "
-                     f"{logits.shape[:-1]}")
+  if logits.ndim < 1:
+    raise ValueError(f"cross_entropy: logits must have a class axis, got shape "
+                     f"{logits.shape}")
+  logits, where = _classes_last(logits, labels, axis, where)
+  if logits.shape[-1] == 0:
+    raise ValueError(f"cross_entropy: logits must have a non-empty class axis, got "
+                     f"{logits.shape[-1]} classes")
   if reduction not in _REDUCTIONS:
     raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, got "
                      f"{reduction!r}")
   if not 0.0 <= label_smoothing <= 1.0:
     raise ValueError(f"cross_entropy: label_smoothing must lie in [0, 1], got "
                      f"{label_smoothing!r}")
+  if label_smoothing and where is not None:
+    raise ValueError("cross_entropy: label_smoothing spreads the target over every class "
+                     "and where masks some of them; use one or the other")
   if z_loss < 0:
     raise ValueError(f"cross_entropy: z_loss must be >= 0, got {z_loss!r}")
   _check_labels(labels, logits.shape[-1], ignore_index)
   options = dict(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
                  z_loss=float(z_loss), reduction=reduction)
   if logits.dtype == jnp.float64 or logits.size == 0:
-    loss = reference.cross_entropy(logits, labels, **options)
+    loss = reference.cross_entropy(logits, labels, where=where, **options)
     if return_lse:
-      return loss, reference.logsumexp(logits, axis=-1)
+      return loss, reference.logsumexp(logits, axis=-1, where=where)
     return loss
-  return _cross_entropy(logits, labels, **options, return_lse=bool(return_lse),
-                        tiling=tiling, interpret=_backend.resolve_interpret(interpret))
+  loss, lse = _cross_entropy(logits, labels, where, **options, tiling=tiling,
+                             interpret=_backend.resolve_interpret(interpret))
+  return (loss, lse) if return_lse else loss

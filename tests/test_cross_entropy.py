@@ -41,7 +41,7 @@ def _inputs(key, rows, classes, dtype, offset=0.0):
   return logits, labels, g, g_lse
 
 
-def _check(logits, labels, g, g_lse, options, tiling=None, interpret=True):
+def _check(logits, labels, g, g_lse, options, tiling=None, interpret=True, where=None):
   """Per-row loss and lse, and the gradient of <g, loss> + <g_lse, lse>."""
 
   def run(loss_fn, lse_fn, logits, g, g_lse):
@@ -51,14 +51,16 @@ def _check(logits, labels, g, g_lse, options, tiling=None, interpret=True):
     grad, (loss, lse) = jax.grad(objective, has_aux=True)(logits)
     return loss, lse, grad
 
-  kernel = functools.partial(js.cross_entropy, labels=labels, reduction="none",
-                             return_lse=True, tiling=tiling, interpret=interpret, **options)
+  kernel = functools.partial(js.cross_entropy, labels=labels, where=where,
+                             reduction="none", return_lse=True, tiling=tiling,
+                             interpret=interpret, **options)
   got = jax.jit(functools.partial(run, lambda x: kernel(x)[0], lambda x: kernel(x)[1]))(
       logits, g, g_lse)
 
   def ref_run(logits, g, g_lse):
-    return run(lambda x: reference.cross_entropy(x, labels, reduction="none", **options),
-               lambda x: reference.logsumexp(x, axis=-1), logits, g, g_lse)
+    return run(lambda x: reference.cross_entropy(x, labels, where=where, reduction="none",
+                                                 **options),
+               lambda x: reference.logsumexp(x, axis=-1, where=where), logits, g, g_lse)
 
   in_dtype = jax.jit(ref_run)(logits, g.astype(logits.dtype), g_lse.astype(logits.dtype))
   exact = truth(ref_run, logits, g, g_lse)
@@ -81,6 +83,57 @@ def test_matches_truth_interpret(key, rows, classes, tiling, dtype, options):
 @pytest.mark.parametrize("rows, classes, tiling", GPU_CASES)
 def test_matches_truth_gpu(key, rows, classes, tiling, dtype, options):
   _check(*_inputs(key, rows, classes, dtype), options, tiling, interpret=False)
+
+
+@pytest.mark.parametrize("options", [pytest.param({}, id="plain"),
+                                     pytest.param(dict(z_loss=1e-3), id="zloss")])
+@pytest.mark.parametrize("rows, classes, tiling", INTERPRET_CASES)
+def test_where_matches_truth_interpret(key, rows, classes, tiling, options):
+  # Masked logits leave the normalizer, labels included; row 2 is masked entirely.
+  logits, labels, g, g_lse = _inputs(key, rows, classes, jnp.float32)
+  where = jax.random.uniform(jax.random.fold_in(key, 1), (rows, classes)) > 0.3
+  where = where.at[2].set(False)
+  _check(logits, labels, g, g_lse, options, tiling, where=where)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, classes, tiling", GPU_CASES)
+def test_where_matches_truth_gpu(key, rows, classes, tiling):
+  logits, labels, g, g_lse = _inputs(key, rows, classes, jnp.bfloat16)
+  where = jax.random.uniform(jax.random.fold_in(key, 1), (rows, classes)) > 0.3
+  _check(logits, labels, g, g_lse, {}, tiling, interpret=False, where=where.at[2].set(False))
+
+
+@pytest.mark.parametrize("axis, where_shape", [
+    pytest.param(-1, None, id="last"), pytest.param(1, None, id="middle"),
+    pytest.param((1, 2), None, id="two-axes"), pytest.param((2, 1), None, id="two-reversed"),
+    pytest.param(-1, "logits", id="where-logits"), pytest.param(1, "rows", id="where-rows"),
+    pytest.param((1, 2), "logits", id="two-axes-where")])
+def test_axis_and_where_match_optax(key, axis, where_shape):
+  kx, ky, kw = jax.random.split(key, 3)
+  logits = 3 * jax.random.normal(kx, (4, 6, 5))
+  axes = (axis,) if isinstance(axis, int) else axis
+  n_classes = int(np.prod([logits.shape[a] for a in axes]))
+  batch = tuple(d for a, d in enumerate(logits.shape) if a not in [b % 3 for b in axes])
+  labels = jax.random.randint(ky, batch, 0, n_classes)
+  where = None
+  if where_shape == "logits":
+    where = (jax.random.uniform(kw, logits.shape) > 0.3).at[0].set(False)
+  elif where_shape == "rows":
+    where = (jax.random.uniform(kw, batch) > 0.3).at[0].set(False)
+  ours = lambda x: js.cross_entropy(x, labels, axis, where, reduction="none")
+  theirs = lambda x: optax.softmax_cross_entropy_with_integer_labels(x, labels, axis, where)
+  np.testing.assert_allclose(ours(logits), theirs(logits), rtol=1e-5, atol=1e-6)
+  total = lambda f: jax.grad(lambda x: jnp.sum(jnp.sin(f(x))))(logits)
+  got, want = total(ours), total(theirs)
+  assert np.isfinite(np.asarray(got)).all()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  if where is not None:  # the mean leaves the rows with no logit left out
+    active = jnp.any(jnp.broadcast_to(where if where.ndim == 3
+                                      else jnp.expand_dims(where, axes), logits.shape),
+                     axis=axes)
+    np.testing.assert_allclose(js.cross_entropy(logits, labels, axis, where),
+                               jnp.sum(theirs(logits)) / jnp.sum(active), rtol=1e-5)
 
 
 def test_large_logits_keep_float32_accuracy(key):
@@ -206,3 +259,13 @@ def test_bad_input_names_the_argument():
     js.cross_entropy(logits, labels, z_loss=-1.0)
   with pytest.raises(ValueError, match="non-empty class axis"):
     js.cross_entropy(jnp.zeros((3, 0)), labels)
+  with pytest.raises(ValueError, match=r"axis 2 is out of range.*\(3, 5\)"):
+    js.cross_entropy(logits, labels, axis=2)
+  with pytest.raises(TypeError, match="axis must be an int or a tuple"):
+    js.cross_entropy(logits, labels, axis=[1])
+  with pytest.raises(TypeError, match="where must be a boolean"):
+    js.cross_entropy(logits, labels, where=jnp.ones((3, 5)))
+  with pytest.raises(ValueError, match=r"where of shape \(3, 4\) does not broadcast"):
+    js.cross_entropy(logits, labels, where=jnp.ones((3, 4), bool))
+  with pytest.raises(ValueError, match="label_smoothing spreads the target"):
+    js.cross_entropy(logits, labels, where=jnp.ones((3, 5), bool), label_smoothing=0.1)
