@@ -1,4 +1,5 @@
-"""Fused softmax cross-entropy with integer labels, as a Pallas kernel with a custom VJP.
+"""Fused softmax cross-entropy with integer labels, as Pallas kernels, differentiable in
+every mode.
 
 A drop-in for optax.softmax_cross_entropy_with_integer_labels (which is
 ``reduction="none"`` here), with the options language-model training uses. Per row
@@ -15,7 +16,9 @@ over the logits, from the saved (m, l), with p_j = exp(x_j - m) / l:
 
     dx_j = g·[(1 + 2z·lse)·p_j - (1 - a)·[j = y] - a / V] + g_lse·p_j
 
-where g is the loss's cotangent and g_lse the cotangent of the returned lse, if any.
+where g is the loss's cotangent and g_lse the cotangent of the returned lse, if any: the
+transpose of the tangent map (d loss, d lse) below (a `linear_map.LinearMap`), which is
+how reverse mode reaches it; forward mode evaluates the tangent map in jnp.
 With optax's ``where``, (m, l) and p cover the logits it leaves in; the label's logit
 counts regardless. Class axes other than the last are moved there first (a transpose).
 Minimum memory traffic: forward R·V elements read, backward R·V read and R·V written.
@@ -31,7 +34,8 @@ import numpy as np
 
 from jaxsoftmax import _backend, reference
 from jaxsoftmax.rowwise import RowOp, RowTiling, check_floating, row_call
-from jaxsoftmax.state import safe_shift, state_lse
+from jaxsoftmax.linear_map import LinearMap
+from jaxsoftmax.state import probabilities, safe_shift, state_lse
 
 __all__ = ["cross_entropy"]
 
@@ -60,23 +64,98 @@ def _backward_op(label_smoothing: float, z_loss: float, n_classes: int) -> RowOp
   return RowOp("cross_entropy_bwd", apply=apply)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _rows(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling, interpret):
-  return _rows_fwd(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling,
-                   interpret)[0]
+def _active(labels, where, ignore_index: int):
+  """The rows that count: label not ignored, and some logit not masked."""
+  active = labels != ignore_index
+  return active if where is None else active & jnp.any(where, axis=-1)
 
 
-def _rows_fwd(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling,
-              interpret):
+def _row_weights(g, labels, where, ignore_index: int, n_classes: int):
+  """g on the rows that count, NaN on labels out of range (only possible inside jit,
+  where they cannot be checked, so the error shows rather than hides), else 0."""
+  in_range = (labels >= 0) & (labels < n_classes)
+  return jnp.where(_active(labels, where, ignore_index), jnp.where(in_range, g, jnp.nan), 0.0)
+
+
+def _label_index(labels, n_classes: int):
+  return jnp.where((labels >= 0) & (labels < n_classes), labels, 0)
+
+
+def _safe_lse(m, l):
+  """lse on the rows that have one, 0 on rows with nothing left (no inf · 0 = NaN)."""
+  return jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1)), 0.0)
+
+
+# The tangent map (d loss, d lse) of d logits, from the residuals (logits, labels, m, l
+# [, where]), with p = exp(x - m) / l, s = sum(p · dx) and a the smoothing:
+#     d lse = s;  d loss = (1 + 2z·lse)·s - (1 - a)·dx_label - a·mean(dx)
+# Its transpose is the backward kernel of the module docstring.
+
+
+def _tangent_twin(res, t, *, ignore_index, label_smoothing, z_loss, interpret):
+  del interpret
+  logits, labels, m, l, *where = res
+  where = where[0] if where else None
+  dx = t[0].astype(jnp.float32)
+  n_classes = logits.shape[-1]
+  s = jnp.sum(probabilities(logits, m, l, where) * dx, axis=-1)
+  label_dx = jnp.take_along_axis(dx, _label_index(labels, n_classes)[:, None], axis=1)[:, 0]
+  dloss = (1 + 2 * z_loss * _safe_lse(m, l)) * s - (1 - label_smoothing) * label_dx
+  if label_smoothing:
+    dloss = dloss - label_smoothing / n_classes * jnp.sum(dx, axis=-1)
+  return _row_weights(dloss, labels, where, ignore_index, n_classes), s
+
+
+def _transpose_kernel(res, t, *, ignore_index, label_smoothing, z_loss, interpret):
+  logits, labels, m, l, *where = res
+  where = where[0] if where else None
+  g, g_lse = t
+  n_classes = logits.shape[-1]
+  g = _row_weights(g, labels, where, ignore_index, n_classes)
+  dlogits, _ = row_call(_backward_op(label_smoothing, z_loss, n_classes), (logits,),
+                        (labels, m, l, g, g_lse), where=where, interpret=interpret)
+  if where is not None:
+    # The kernel leaves masked logits at 0, but the label's logit counts even where it
+    # is masked (optax takes it regardless): its -g goes back there.
+    rows = jnp.arange(labels.shape[0])
+    label = _label_index(labels, n_classes)
+    dlogits = dlogits.at[rows, label].add(
+        jnp.where(where[rows, label], 0.0, -g * (1 - label_smoothing)).astype(dlogits.dtype))
+  return (dlogits,)
+
+
+def _transpose_twin(res, t, *, ignore_index, label_smoothing, z_loss, interpret):
+  del interpret
+  logits, labels, m, l, *where = res
+  where = where[0] if where else None
+  g, g_lse = t
+  n_classes = logits.shape[-1]
+  g = _row_weights(g, labels, where, ignore_index, n_classes)
+  d = probabilities(logits, m, l, where) * (g * (1 + 2 * z_loss * _safe_lse(m, l))
+                                            + g_lse)[:, None]
+  is_label = jnp.arange(n_classes)[None, :] == _label_index(labels, n_classes)[:, None]
+  d = d - jnp.where(is_label, (g * (1 - label_smoothing))[:, None], 0.0)
+  if label_smoothing:
+    d = d - (g * (label_smoothing / n_classes))[:, None]
+  return (d.astype(logits.dtype),)
+
+
+_TANGENT = LinearMap("cross_entropy_tangent", kernel=_tangent_twin, twin=_tangent_twin).pair(
+    LinearMap("cross_entropy_transpose", kernel=_transpose_kernel, twin=_transpose_twin))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _state(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling, interpret):
+  """(loss, lse, m, l) of each row: the losses and the forward's row state. Its
+  derivatives are needed only at second order; first order goes through `_rows`."""
   n_classes = logits.shape[-1]
   first = logits[:, 0].astype(jnp.float32)
   _, (m, l, *relative_sum) = row_call(
       _forward_op(label_smoothing), (logits,), (first,) if label_smoothing else (),
       where=where, tiling=tiling, interpret=interpret)
   m, lse = safe_shift(m), state_lse(m, l)
-  in_range = (labels >= 0) & (labels < n_classes)
   label_logit = jnp.take_along_axis(
-      logits, jnp.where(in_range, labels, 0)[:, None], axis=1)[:, 0].astype(jnp.float32)
+      logits, _label_index(labels, n_classes)[:, None], axis=1)[:, 0].astype(jnp.float32)
   # Differences from m first: lse - x_y would lose an ulp of |lse| to cancellation.
   loss = jnp.log(l) + (1 - label_smoothing) * (m - label_logit)
   if label_smoothing:
@@ -84,40 +163,40 @@ def _rows_fwd(logits, labels, where, ignore_index, label_smoothing, z_loss, tili
   if z_loss:
     loss = loss + z_loss * lse**2
   # An ignored row contributes nothing, nor does a row that `where` masks entirely (as
-  # optax); a label out of range (only possible inside jit, where it cannot be checked)
-  # makes its row NaN rather than silently wrong.
-  active = _active(labels, where, ignore_index)
-  loss = jnp.where(active, jnp.where(in_range, loss, jnp.nan), 0.0)
-  return (loss, lse), (logits, labels, where, m, l)
+  # optax); a label out of range makes its row NaN (see `_row_weights`).
+  return _row_weights(loss, labels, where, ignore_index, n_classes), lse, m, l
 
 
-def _active(labels, where, ignore_index: int):
-  """The rows that count: label not ignored, and some logit not masked."""
-  active = labels != ignore_index
-  return active if where is None else active & jnp.any(where, axis=-1)
+def _tangents(primals, dlogits, state, statics):
+  logits, labels, where = primals
+  ignore_index, label_smoothing, z_loss, _, interpret = statics
+  _, _, m, l = state
+  return _TANGENT((logits, labels, m, l) + ((where,) if where is not None else ()),
+                  (dlogits,), ignore_index=ignore_index, label_smoothing=label_smoothing,
+                  z_loss=z_loss, interpret=interpret)
 
 
-def _rows_bwd(ignore_index, label_smoothing, z_loss, tiling, interpret, res, cotangents):
-  logits, labels, where, m, l = res
-  g, g_lse = cotangents
-  del tiling  # the backward is a pure map, tiled on its own
-  n_classes = logits.shape[-1]
-  in_range = (labels >= 0) & (labels < n_classes)
-  g = jnp.where(_active(labels, where, ignore_index), jnp.where(in_range, g, jnp.nan), 0.0)
-  dlogits, _ = row_call(_backward_op(label_smoothing, z_loss, n_classes), (logits,),
-                        (labels, m, l, g, g_lse), where=where, interpret=interpret)
-  if where is not None:
-    # The kernel leaves masked logits at 0, but the label's logit counts even where it
-    # is masked (optax takes it regardless): its -g goes back there.
-    rows = jnp.arange(labels.shape[0])
-    safe = jnp.where(in_range, labels, 0)
-    label_masked = ~where[rows, safe]
-    dlogits = dlogits.at[rows, safe].add(
-        jnp.where(label_masked, -g, 0.0).astype(dlogits.dtype))
-  return dlogits, None, None
+@_state.defjvp
+def _state_jvp(*args):
+  *statics, primals, tangents = args
+  state = _state(*primals, *statics)
+  dloss, dlse = _tangents(primals, tangents[0], state, statics)
+  m, l = state[2:]
+  # m is a shift (any finite value works); l = sum(exp(x - m)) moves by l · d lse.
+  return state, (dloss, dlse, jnp.zeros_like(m), l * dlse)
 
 
-_rows.defvjp(_rows_fwd, _rows_bwd)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _rows(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling, interpret):
+  return _state(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling,
+                interpret)[:2]
+
+
+@_rows.defjvp
+def _rows_jvp(*args):
+  *statics, primals, tangents = args
+  state = _state(*primals, *statics)
+  return state[:2], _tangents(primals, tangents[0], state, statics)
 
 
 @functools.partial(jax.jit, static_argnames=(

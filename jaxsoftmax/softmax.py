@@ -1,4 +1,4 @@
-"""softmax, log_softmax and logsumexp as Pallas kernels with custom VJPs.
+"""softmax, log_softmax and logsumexp as Pallas kernels, differentiable in every mode.
 
 Drop-ins for jax.nn.softmax, jax.nn.log_softmax and jax.nn.logsumexp: same arguments
 (``axis`` an int, a tuple or None; ``where``), same results within dtype tolerance, same
@@ -11,12 +11,17 @@ from the row state m = max(x), l = sum(exp(x - m)):
 
     softmax = exp(x - m) / l;  log_softmax = (x - m) - log(l);  logsumexp = m + log(l)
 
-Backward, recomputed from what the forward saved (never an extra R x C tensor), with
-p = exp(x - m) / l = exp(log_softmax):
+Derivatives: each op is a ``jax.custom_jvp`` whose tangent is a `linear_map.LinearMap`
+of what the forward saved (never an extra R x C tensor); reverse mode transposes it,
+which runs the backward kernel. With p = exp(x - m) / l = exp(log_softmax):
 
-    softmax:      dx = y · (dy - sum(dy · y))          saves y
-    log_softmax:  dx = dy - p · sum(dy)                 saves x, m and l (float32)
-    logsumexp:    dx = g · p                            saves x, m and l (float32)
+    op            tangent                        backward (transpose)        saves
+    softmax:      dy = y · (dx - sum(dx · y))    the same map (self-adjoint)  y
+    log_softmax:  dy = dx - sum(p · dx)          dx = dy - p · sum(dy)        x, m, l
+    logsumexp:    dy = sum(p · dx)               dx = g · p                   x, m, l
+
+(m and l float32.) Forward mode evaluates the tangent (for log_softmax and logsumexp a
+jnp reduction), second order goes through the maps' jnp twins.
 
 Keeping (m, l) rather than lse = m + log(l) keeps float32 accuracy for large |x|: x - lse
 would carry the rounding error of lse, an ulp of |x|, into every output.
@@ -33,8 +38,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxsoftmax import _backend, reference
+from jaxsoftmax.linear_map import LinearMap
 from jaxsoftmax.rowwise import RowOp, RowTiling, RowView, check_floating, check_where, row_call
-from jaxsoftmax.state import safe_shift, state_lse
+from jaxsoftmax.state import probabilities, safe_shift, state_lse
 
 __all__ = ["softmax", "log_softmax", "logsumexp"]
 
@@ -57,26 +63,52 @@ def _rows_or_none(view: RowView, a):
   return None if a is None else view.to_rows(a)
 
 
+def _with_where(res: tuple, where) -> tuple:
+  """Residuals of a map, with the mask last when there is one."""
+  return res if where is None else res + (where,)
+
+
+def _row_dot(p, t):
+  """sum(p · t) of each row, float32: how a tangent t moves log(l)."""
+  return jnp.sum(p * t.astype(jnp.float32), axis=-1)
+
+
 # --- softmax ---------------------------------------------------------------------------
+# Tangent: dy = y · (dx - sum(dx · y)), self-adjoint: the backward kernel is the tangent
+# map's kernel both ways.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _softmax_tangent_kernel(res, t, *, tiling, interpret):
+  y, *where = res
+  dy, _ = row_call(_SOFTMAX_BWD, (y, t[0]), where=where[0] if where else None,
+                   tiling=tiling, interpret=interpret)
+  return (dy,)
+
+
+def _softmax_tangent_twin(res, t, *, tiling, interpret):
+  del tiling, interpret
+  y, dx = res[0], t[0]
+  return (y * (dx - jnp.sum(dx * y, axis=-1, keepdims=True)),)
+
+
+_SOFTMAX_TANGENT = LinearMap("softmax_tangent", kernel=_softmax_tangent_kernel,
+                             twin=_softmax_tangent_twin)
+_SOFTMAX_TANGENT.pair(_SOFTMAX_TANGENT)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def _softmax_rows(x, where, tiling, interpret):
-  return _softmax_rows_fwd(x, where, tiling, interpret)[0]
-
-
-def _softmax_rows_fwd(x, where, tiling, interpret):
   y, _ = row_call(_SOFTMAX, (x,), where=where, tiling=tiling, interpret=interpret)
-  return y, (y, where)
+  return y
 
 
-def _softmax_rows_bwd(tiling, interpret, res, dy):
-  y, where = res
-  dx, _ = row_call(_SOFTMAX_BWD, (y, dy), where=where, tiling=tiling, interpret=interpret)
-  return dx, None
-
-
-_softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
+@_softmax_rows.defjvp
+def _softmax_rows_jvp(tiling, interpret, primals, tangents):
+  x, where = primals
+  y = _softmax_rows(x, where, tiling, interpret)
+  dy, = _SOFTMAX_TANGENT(_with_where((y,), where), (tangents[0],), tiling=tiling,
+                         interpret=interpret)
+  return y, dy
 
 
 @functools.partial(jax.jit, static_argnames=("view", "tiling", "interpret"))
@@ -115,24 +147,77 @@ def softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
 # --- log_softmax -----------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _log_softmax_rows(x, where, tiling, interpret):
-  return _log_softmax_rows_fwd(x, where, tiling, interpret)[0]
+# Tangent: dy = dx - sum(p · dx) (0 where masked), from the residuals (x, m, l); its
+# transpose, dx = dy - p · sum(dy), is the backward kernel.
 
 
-def _log_softmax_rows_fwd(x, where, tiling, interpret):
-  y, (m, l) = row_call(_LOG_SOFTMAX, (x,), where=where, tiling=tiling, interpret=interpret)
-  return y, (x, safe_shift(m), l, where)
+def _log_softmax_tangent_twin(res, t, *, interpret):
+  del interpret
+  x, m, l, *where = res
+  where = where[0] if where else None
+  dx = t[0]
+  dy = dx - _row_dot(probabilities(x, m, l, where), dx)[:, None].astype(dx.dtype)
+  return (dy if where is None else jnp.where(where, dy, 0).astype(dx.dtype),)
 
 
-def _log_softmax_rows_bwd(tiling, interpret, res, dy):
-  x, m, l, where = res
-  dx, _ = row_call(_LOG_SOFTMAX_BWD, (x, dy), (m, l), where=where, tiling=tiling,
+def _log_softmax_transpose_kernel(res, t, *, interpret):
+  x, m, l, *where = res
+  dx, _ = row_call(_LOG_SOFTMAX_BWD, (x, t[0]), (m, l), where=where[0] if where else None,
                    interpret=interpret)
-  return dx, None
+  return (dx,)
 
 
-_log_softmax_rows.defvjp(_log_softmax_rows_fwd, _log_softmax_rows_bwd)
+def _log_softmax_transpose_twin(res, t, *, interpret):
+  del interpret
+  x, m, l, *where = res
+  where = where[0] if where else None
+  dy = t[0] if where is None else jnp.where(where, t[0], 0)
+  dx = dy - probabilities(x, m, l, where) * jnp.sum(dy.astype(jnp.float32), axis=-1,
+                                                     keepdims=True)
+  return (dx.astype(t[0].dtype),)
+
+
+_LOG_SOFTMAX_TANGENT = LinearMap("log_softmax_tangent", kernel=_log_softmax_tangent_twin,
+                                 twin=_log_softmax_tangent_twin).pair(
+    LinearMap("log_softmax_transpose", kernel=_log_softmax_transpose_kernel,
+              twin=_log_softmax_transpose_twin))
+
+
+def _state_jvp(x, m, l, where, dx):
+  """Tangents of a forward's row state: m is a shift (any finite value works, so it
+  has none), l = sum(exp(x - m)) moves by l · sum(p · dx)."""
+  return jnp.zeros_like(m), l * _row_dot(probabilities(x, m, l, where), dx)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _log_softmax_state(x, where, tiling, interpret):
+  """(y, m, l): the output and the forward's row state. Its derivatives are needed
+  only at second order; first order goes through `_log_softmax_rows`."""
+  y, (m, l) = row_call(_LOG_SOFTMAX, (x,), where=where, tiling=tiling, interpret=interpret)
+  return y, safe_shift(m), l
+
+
+@_log_softmax_state.defjvp
+def _log_softmax_state_jvp(tiling, interpret, primals, tangents):
+  x, where = primals
+  y, m, l = _log_softmax_state(x, where, tiling, interpret)
+  dy, = _LOG_SOFTMAX_TANGENT(_with_where((x, m, l), where), (tangents[0],),
+                             interpret=interpret)
+  return (y, m, l), (dy, *_state_jvp(x, m, l, where, tangents[0]))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _log_softmax_rows(x, where, tiling, interpret):
+  return _log_softmax_state(x, where, tiling, interpret)[0]
+
+
+@_log_softmax_rows.defjvp
+def _log_softmax_rows_jvp(tiling, interpret, primals, tangents):
+  x, where = primals
+  y, m, l = _log_softmax_state(x, where, tiling, interpret)
+  dy, = _LOG_SOFTMAX_TANGENT(_with_where((x, m, l), where), (tangents[0],),
+                             interpret=interpret)
+  return y, dy
 
 
 @functools.partial(jax.jit, static_argnames=("view", "tiling", "interpret"))
@@ -159,25 +244,64 @@ def log_softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
 # --- logsumexp -------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _logsumexp_rows(x, where, tiling, interpret):
-  return _logsumexp_rows_fwd(x, where, tiling, interpret)[0]
+# Tangent: d lse = sum(p · dx), from the residuals (x, m, l); its transpose, dx = g · p, is
+# the backward kernel (a pure map, tiled on its own).
 
 
-def _logsumexp_rows_fwd(x, where, tiling, interpret):
+def _logsumexp_tangent_twin(res, t, *, interpret):
+  del interpret
+  x, m, l, *where = res
+  return (_row_dot(probabilities(x, m, l, where[0] if where else None), t[0]),)
+
+
+def _logsumexp_transpose_kernel(res, t, *, interpret):
+  x, m, l, *where = res
+  dx, _ = row_call(_LOGSUMEXP_BWD, (x,), (t[0], m, l), where=where[0] if where else None,
+                   interpret=interpret)
+  return (dx,)
+
+
+def _logsumexp_transpose_twin(res, t, *, interpret):
+  del interpret
+  x, m, l, *where = res
+  p = probabilities(x, m, l, where[0] if where else None)
+  return ((t[0][:, None] * p).astype(x.dtype),)
+
+
+_LOGSUMEXP_TANGENT = LinearMap("logsumexp_tangent", kernel=_logsumexp_tangent_twin,
+                               twin=_logsumexp_tangent_twin).pair(
+    LinearMap("logsumexp_transpose", kernel=_logsumexp_transpose_kernel,
+              twin=_logsumexp_transpose_twin))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _logsumexp_state(x, where, tiling, interpret):
+  """(lse, m, l); as `_log_softmax_state`."""
   _, (m, l) = row_call(_LOGSUMEXP, (x,), where=where, tiling=tiling, interpret=interpret)
-  return state_lse(m, l), (x, safe_shift(m), l, where)
+  return state_lse(m, l), safe_shift(m), l
 
 
-def _logsumexp_rows_bwd(tiling, interpret, res, g):
-  x, m, l, where = res
-  # A pure map: the tiling chosen for the forward's reduction does not apply.
-  del tiling
-  dx, _ = row_call(_LOGSUMEXP_BWD, (x,), (g, m, l), where=where, interpret=interpret)
-  return dx, None
+@_logsumexp_state.defjvp
+def _logsumexp_state_jvp(tiling, interpret, primals, tangents):
+  x, where = primals
+  lse, m, l = _logsumexp_state(x, where, tiling, interpret)
+  dlse, = _LOGSUMEXP_TANGENT(_with_where((x, m, l), where), (tangents[0],),
+                             interpret=interpret)
+  return (lse, m, l), (dlse, *_state_jvp(x, m, l, where, tangents[0]))
 
 
-_logsumexp_rows.defvjp(_logsumexp_rows_fwd, _logsumexp_rows_bwd)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _logsumexp_rows(x, where, tiling, interpret):
+  return _logsumexp_state(x, where, tiling, interpret)[0]
+
+
+@_logsumexp_rows.defjvp
+def _logsumexp_rows_jvp(tiling, interpret, primals, tangents):
+  x, where = primals
+  lse, m, l = _logsumexp_state(x, where, tiling, interpret)
+  dlse, = _LOGSUMEXP_TANGENT(_with_where((x, m, l), where), (tangents[0],),
+                             interpret=interpret)
+  return lse, dlse
 
 
 @functools.partial(jax.jit, static_argnames=("view", "keepdims", "tiling", "interpret"))

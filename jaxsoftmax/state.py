@@ -35,6 +35,14 @@ def safe_shift(m: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
 
 
+def probabilities(x, m, l, where=None) -> jax.Array:
+  """p = exp(x - m) / l of each row of x (R, C), float32, from a row state made safe
+  (m finite, `safe_shift`): 0 where ``where`` masks and on rows with nothing left."""
+  l = l[:, None]
+  p = jnp.exp(x.astype(jnp.float32) - m[:, None]) / jnp.where(l > 0, l, 1)
+  return p if where is None else jnp.where(where, p, 0.0)
+
+
 def reduce_states(m, l, axis: int = 0) -> tuple[jax.Array, jax.Array]:
   """Merges the online-softmax states (m, l) stacked along ``axis``; returns (m, l)."""
   m, l = jnp.asarray(m), jnp.asarray(l)

@@ -212,6 +212,37 @@ def test_check_grads(key):
     check_grads(f, (logits,), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "where"])
+def test_forward_mode_and_second_order(key, masked, interpret=True):
+  # jax.jvp, jacfwd, hessian and jvp-of-grad as optax's (row 2 masked entirely), and
+  # check_grads of both modes to second order with smoothing, z-loss and an ignored row.
+  kx, ky, kw = jax.random.split(key, 3)
+  logits = 2 * jax.random.normal(kx, (5, 13))
+  labels = jax.random.randint(ky, (5,), 0, 13)
+  where = (jax.random.uniform(kw, (5, 13)) > 0.3).at[2].set(False) if masked else None
+  ours = lambda x: jnp.sum(jnp.sin(js.cross_entropy(x, labels, where=where,
+                                                    reduction="none", interpret=interpret)))
+  theirs = lambda x: jnp.sum(jnp.sin(
+      optax.softmax_cross_entropy_with_integer_labels(x, labels, where=where)))
+  for transform in (lambda f: jax.jvp(f, (logits,), (jnp.cos(logits),))[1],
+                    lambda f: jax.jacfwd(f)(logits),
+                    lambda f: jax.jvp(jax.grad(f), (logits,), (jnp.cos(logits),))[1],
+                    lambda f: jax.hessian(f)(logits)):
+    got, want = transform(ours), transform(theirs)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  options = dict(z_loss=1e-2) if masked else dict(label_smoothing=0.1, z_loss=1e-2)
+  f = lambda x: js.cross_entropy(x, labels.at[3].set(-100), where=where, reduction="none",
+                                 interpret=interpret, **options)
+  check_grads(f, (logits,), order=2, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "where"])
+def test_forward_mode_and_second_order_gpu(key, masked):
+  test_forward_mode_and_second_order(key, masked, interpret=False)
+
+
 def test_composes_with_vmap_and_jit(key):
   logits = jax.random.normal(key, (3, 4, 20))
   labels = jax.random.randint(key, (3, 4), 0, 20)

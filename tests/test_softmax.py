@@ -207,6 +207,73 @@ def test_check_grads(key, name):
   check_grads(split, (x,), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
 
 
+def _masked_objective(name, fn, where):
+  """A scalar of the op's outputs that leaves out what ``where`` masks (-inf there)."""
+  def objective(x):
+    y = fn(x, axis=-1, where=where)
+    if where is not None:
+      y = jnp.where(where.any(-1) if name == "logsumexp" else where, y, 0.0)
+    return jnp.sum(jnp.sin(y) ** 2)
+  return objective
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+@pytest.mark.parametrize("name", OPS)
+def test_forward_mode_and_second_order(key, name, masked, interpret=True):
+  # jax.jvp, jacfwd, hessian and jvp-of-grad as jax.nn's (row 1 masked entirely).
+  x = jax.random.normal(key, (3, 37), jnp.float32)
+  where = None
+  if masked:
+    where = (jax.random.uniform(jax.random.fold_in(key, 1), x.shape) > 0.3).at[1].set(False)
+  ours = _masked_objective(name, functools.partial(OPS[name][0], interpret=interpret), where)
+  theirs = _masked_objective(name, getattr(jax.nn, name), where)
+  small = x[:2, :9] if where is None else x
+  for transform in (lambda f: jax.jvp(f, (x,), (jnp.cos(x),))[1],
+                    lambda f: jax.jacfwd(f)(x),
+                    lambda f: jax.jvp(jax.grad(f), (x,), (jnp.cos(x),))[1],
+                    lambda f: jax.hessian(f)(small)):
+    got, want = transform(ours), transform(theirs)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  kernel = functools.partial(OPS[name][0], axis=-1, where=where, interpret=interpret)
+  if where is None:  # masked outputs are -inf, which finite differences cannot take
+    check_grads(kernel, (x[:2, :9],), order=2, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+@pytest.mark.parametrize("name", OPS)
+def test_forward_mode_and_second_order_gpu(key, name, masked):
+  test_forward_mode_and_second_order(key, name, masked, interpret=False)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_training_step_runs_one_kernel_each_way(name):
+  # Reverse mode transposes the tangent map, whose kernel is the op's backward kernel,
+  # from the residuals a custom_vjp would save: the forward kernel, then the backward.
+  from jax.extend import core
+
+  def kernels(jaxpr):
+    found = []
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        # The kernel's name is param "name" in newer JAX, "name_and_src_info" in 0.11.
+        kernel = eqn.params.get("name", eqn.params.get("name_and_src_info"))
+        found.append(getattr(kernel, "name", kernel))
+      elif eqn.primitive.name.startswith(name):
+        found.append(eqn.primitive.name)
+      for sub in core.jaxprs_in_params(eqn.params):
+        found += kernels(sub)
+    return found
+
+  x = jnp.ones((8, 300), jnp.bfloat16)
+  loss = lambda x: jnp.sum(OPS[name][0](x, axis=-1, interpret=True).astype(jnp.float32))
+  backward = {"softmax": "softmax_tangent", "log_softmax": "log_softmax_transpose",
+              "logsumexp": "logsumexp_transpose"}[name]
+  assert sorted(kernels(jax.make_jaxpr(jax.grad(loss))(x).jaxpr)) == sorted(
+      [f"{name}_resident", backward])
+
+
 def test_composes_with_jit_vmap_grad(key):
   x = jax.random.normal(key, (2, 3, 40))
   # Nested vmaps fold into rows (no extra grid dimensions).
