@@ -183,41 +183,51 @@ _LOG_SOFTMAX_TANGENT = LinearMap("log_softmax_tangent", kernel=_log_softmax_tang
               twin=_log_softmax_transpose_twin))
 
 
-def _state_jvp(x, m, l, where, dx):
-  """Tangents of a forward's row state: m is a shift (any finite value works, so it
-  has none), l = sum(exp(x - m)) moves by l · sum(p · dx)."""
-  return jnp.zeros_like(m), l * _row_dot(probabilities(x, m, l, where), dx)
+def _with_state(name: str, forward, tangent: LinearMap):
+  """The custom_jvp of an op whose tangent map takes the residuals (x, m, l), with
+  ``forward(x, where, tiling, interpret) -> (y, m, l)`` its kernel and m made finite.
+
+  Two levels: first order differentiates the op, whose rule needs (m, l) only as
+  values; second order differentiates the state too, through its own rule (m is a
+  shift, any finite value works, so it has no tangent; l = sum(exp(x - m)) moves by
+  l · sum(p · dx)). With one level, reverse mode would save the dead tangent of l.
+  """
+
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+  def state(x, where, tiling, interpret):
+    return forward(x, where, tiling, interpret)
+
+  def tangent_of(x, where, interpret, m, l, dx):
+    dy, = tangent(_with_where((x, m, l), where), (dx,), interpret=interpret)
+    return dy
+
+  @state.defjvp
+  def state_jvp(tiling, interpret, primals, tangents):
+    (x, where), dx = primals, tangents[0]
+    y, m, l = state(x, where, tiling, interpret)
+    dl = l * _row_dot(probabilities(x, m, l, where), dx)
+    return (y, m, l), (tangent_of(x, where, interpret, m, l, dx), jnp.zeros_like(m), dl)
+
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+  def rows(x, where, tiling, interpret):
+    return state(x, where, tiling, interpret)[0]
+
+  @rows.defjvp
+  def rows_jvp(tiling, interpret, primals, tangents):
+    (x, where), dx = primals, tangents[0]
+    y, m, l = state(x, where, tiling, interpret)
+    return y, tangent_of(x, where, interpret, m, l, dx)
+
+  rows.__name__ = state.__name__ = name
+  return rows
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def _log_softmax_state(x, where, tiling, interpret):
-  """(y, m, l): the output and the forward's row state. Its derivatives are needed
-  only at second order; first order goes through `_log_softmax_rows`."""
+def _log_softmax_forward(x, where, tiling, interpret):
   y, (m, l) = row_call(_LOG_SOFTMAX, (x,), where=where, tiling=tiling, interpret=interpret)
   return y, safe_shift(m), l
 
 
-@_log_softmax_state.defjvp
-def _log_softmax_state_jvp(tiling, interpret, primals, tangents):
-  x, where = primals
-  y, m, l = _log_softmax_state(x, where, tiling, interpret)
-  dy, = _LOG_SOFTMAX_TANGENT(_with_where((x, m, l), where), (tangents[0],),
-                             interpret=interpret)
-  return (y, m, l), (dy, *_state_jvp(x, m, l, where, tangents[0]))
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def _log_softmax_rows(x, where, tiling, interpret):
-  return _log_softmax_state(x, where, tiling, interpret)[0]
-
-
-@_log_softmax_rows.defjvp
-def _log_softmax_rows_jvp(tiling, interpret, primals, tangents):
-  x, where = primals
-  y, m, l = _log_softmax_state(x, where, tiling, interpret)
-  dy, = _LOG_SOFTMAX_TANGENT(_with_where((x, m, l), where), (tangents[0],),
-                             interpret=interpret)
-  return y, dy
+_log_softmax_rows = _with_state("log_softmax", _log_softmax_forward, _LOG_SOFTMAX_TANGENT)
 
 
 @functools.partial(jax.jit, static_argnames=("view", "tiling", "interpret"))
@@ -274,34 +284,12 @@ _LOGSUMEXP_TANGENT = LinearMap("logsumexp_tangent", kernel=_logsumexp_tangent_tw
               twin=_logsumexp_transpose_twin))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def _logsumexp_state(x, where, tiling, interpret):
-  """(lse, m, l); as `_log_softmax_state`."""
+def _logsumexp_forward(x, where, tiling, interpret):
   _, (m, l) = row_call(_LOGSUMEXP, (x,), where=where, tiling=tiling, interpret=interpret)
   return state_lse(m, l), safe_shift(m), l
 
 
-@_logsumexp_state.defjvp
-def _logsumexp_state_jvp(tiling, interpret, primals, tangents):
-  x, where = primals
-  lse, m, l = _logsumexp_state(x, where, tiling, interpret)
-  dlse, = _LOGSUMEXP_TANGENT(_with_where((x, m, l), where), (tangents[0],),
-                             interpret=interpret)
-  return (lse, m, l), (dlse, *_state_jvp(x, m, l, where, tangents[0]))
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def _logsumexp_rows(x, where, tiling, interpret):
-  return _logsumexp_state(x, where, tiling, interpret)[0]
-
-
-@_logsumexp_rows.defjvp
-def _logsumexp_rows_jvp(tiling, interpret, primals, tangents):
-  x, where = primals
-  lse, m, l = _logsumexp_state(x, where, tiling, interpret)
-  dlse, = _LOGSUMEXP_TANGENT(_with_where((x, m, l), where), (tangents[0],),
-                             interpret=interpret)
-  return lse, dlse
+_logsumexp_rows = _with_state("logsumexp", _logsumexp_forward, _LOGSUMEXP_TANGENT)
 
 
 @functools.partial(jax.jit, static_argnames=("view", "keepdims", "tiling", "interpret"))
