@@ -94,8 +94,7 @@ def _safe_lse(m, l):
 
 def _tangent_twin(res, t, *, ignore_index, label_smoothing, z_loss, interpret):
   del interpret
-  logits, labels, m, l, *where = res
-  where = where[0] if where else None
+  logits, labels, m, l, where = res
   dx = t[0].astype(jnp.float32)
   n_classes = logits.shape[-1]
   s = jnp.sum(probabilities(logits, m, l, where) * dx, axis=-1)
@@ -107,8 +106,7 @@ def _tangent_twin(res, t, *, ignore_index, label_smoothing, z_loss, interpret):
 
 
 def _transpose_kernel(res, t, *, ignore_index, label_smoothing, z_loss, interpret):
-  logits, labels, m, l, *where = res
-  where = where[0] if where else None
+  logits, labels, m, l, where = res
   g, g_lse = t
   n_classes = logits.shape[-1]
   g = _row_weights(g, labels, where, ignore_index, n_classes)
@@ -126,8 +124,7 @@ def _transpose_kernel(res, t, *, ignore_index, label_smoothing, z_loss, interpre
 
 def _transpose_twin(res, t, *, ignore_index, label_smoothing, z_loss, interpret):
   del interpret
-  logits, labels, m, l, *where = res
-  where = where[0] if where else None
+  logits, labels, m, l, where = res
   g, g_lse = t
   n_classes = logits.shape[-1]
   g = _row_weights(g, labels, where, ignore_index, n_classes)
@@ -171,9 +168,8 @@ def _tangents(primals, dlogits, state, statics):
   logits, labels, where = primals
   ignore_index, label_smoothing, z_loss, _, interpret = statics
   _, _, m, l = state
-  return _TANGENT((logits, labels, m, l) + ((where,) if where is not None else ()),
-                  (dlogits,), ignore_index=ignore_index, label_smoothing=label_smoothing,
-                  z_loss=z_loss, interpret=interpret)
+  return _TANGENT((logits, labels, m, l, where), (dlogits,), ignore_index=ignore_index,
+                  label_smoothing=label_smoothing, z_loss=z_loss, interpret=interpret)
 
 
 @_state.defjvp

@@ -32,7 +32,8 @@ from jax.interpreters import ad, batching, mlir
 __all__ = ["LinearMap"]
 
 # A map's functions take (residuals, linear inputs, **static parameters) and return a
-# tuple of outputs; every array has the rows first.
+# tuple of outputs; every array has the rows first. A residual may be None (an optional
+# mask, say): the primitive carries only the arrays, and which are present.
 MapFn = Callable[..., tuple]
 
 
@@ -64,23 +65,38 @@ class LinearMap:
     return self
 
   def __call__(self, res: tuple, t: tuple, **params) -> tuple:
-    return tuple(self.p.bind(*res, *t, n_res=len(res), **params))
+    present = tuple(r is not None for r in res)
+    arrays = tuple(r for r in res if r is not None)
+    return tuple(self.p.bind(*arrays, *t, present=present, **params))
 
   @staticmethod
-  def _split(args, n_res: int):
-    return tuple(args[:n_res]), tuple(args[n_res:])
+  def _split(args, present: tuple[bool, ...]):
+    """(residual arrays, linear inputs) of the primitive's operands."""
+    n = sum(present)
+    return tuple(args[:n]), tuple(args[n:])
 
-  def _impl(self, *args, n_res, **params):
-    return list(self.kernel(*self._split(args, n_res), **params))
+  @staticmethod
+  def _restore(arrays, present: tuple[bool, ...]) -> tuple:
+    """The residuals as the map's functions take them, None where absent."""
+    arrays = iter(arrays)
+    return tuple(next(arrays) if here else None for here in present)
 
-  def _abstract_eval(self, *avals, n_res, **params):
+  def _apply(self, fn: MapFn, arrays, t, present, params):
+    return fn(self._restore(arrays, present), t, **params)
+
+  def _impl(self, *args, present, **params):
+    return list(self._apply(self.kernel, *self._split(args, present), present, params))
+
+  def _abstract_eval(self, *avals, present, **params):
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    out = jax.eval_shape(lambda *a: self.twin(*self._split(a, n_res), **params), *shapes)
+    out = jax.eval_shape(
+        lambda *a: self._apply(self.twin, *self._split(a, present), present, params), *shapes)
     return [jax.core.ShapedArray(o.shape, o.dtype) for o in out]
 
-  def _jvp(self, primals, tangents, *, n_res, **params):
-    res, t = self._split(primals, n_res)
-    res_dot, t_dot = self._split(tangents, n_res)
+  def _jvp(self, primals, tangents, *, present, **params):
+    arrays, t = self._split(primals, present)
+    arrays_dot, t_dot = self._split(tangents, present)
+    res = self._restore(arrays, present)
     out = self(res, t, **params)
     # Linear in t: the t part is the map itself (its kernel).
     out_dot = [jnp.zeros(o.shape, o.dtype) for o in out]
@@ -88,36 +104,36 @@ class LinearMap:
       out_dot = self(res, tuple(ad.instantiate_zeros(d) for d in t_dot), **params)
     # The residuals' part through the twin (floating residuals only: masks, labels and
     # other integer residuals have no tangent).
-    moving = [i for i, d in enumerate(res_dot)
-              if type(d) is not ad.Zero and jnp.issubdtype(res[i].dtype, jnp.inexact)]
+    moving = [i for i, d in enumerate(arrays_dot)
+              if type(d) is not ad.Zero and jnp.issubdtype(arrays[i].dtype, jnp.inexact)]
     if moving:
       def of_moving(*values):
-        full = list(res)
+        full = list(arrays)
         for i, value in zip(moving, values):
           full[i] = value
-        return self.twin(tuple(full), t, **params)
+        return self._apply(self.twin, full, t, present, params)
 
-      _, res_part = jax.jvp(of_moving, tuple(res[i] for i in moving),
-                            tuple(res_dot[i] for i in moving))
+      _, res_part = jax.jvp(of_moving, tuple(arrays[i] for i in moving),
+                            tuple(arrays_dot[i] for i in moving))
       out_dot = [a + b for a, b in zip(out_dot, res_part)]
     return out, list(out_dot)
 
-  def _transpose(self, cts, *args, n_res, **params):
-    res, t = self._split(args, n_res)
-    if any(ad.is_undefined_primal(r) for r in res):
+  def _transpose(self, cts, *args, present, **params):
+    arrays, t = self._split(args, present)
+    if any(ad.is_undefined_primal(r) for r in arrays):
       raise ValueError(f"{self.name}: a LinearMap is linear in its inputs t only, not in "
                        "its residuals")
     # An input of t that is known (a constant, e.g. a zero cotangent made concrete) adds a
     # constant to the output: it takes no part in the transpose.
     linear = [ad.is_undefined_primal(x) for x in t]
     if all(type(ct) is ad.Zero for ct in cts):
-      return [None] * len(res) + [ad.Zero(x.aval.to_tangent_aval()) if lin else None
-                                  for x, lin in zip(t, linear)]
+      return [None] * len(arrays) + [ad.Zero(x.aval.to_tangent_aval()) if lin else None
+                                     for x, lin in zip(t, linear)]
     cts = tuple(ad.instantiate_zeros(ct) for ct in cts)
-    t_cts = self.transpose(res, cts, **params)
-    return [None] * len(res) + [ct if lin else None for ct, lin in zip(t_cts, linear)]
+    t_cts = self.transpose(self._restore(arrays, present), cts, **params)
+    return [None] * len(arrays) + [ct if lin else None for ct, lin in zip(t_cts, linear)]
 
-  def _batch(self, args, dims, *, n_res, **params):
+  def _batch(self, args, dims, *, present, **params):
     # Every map is row by row: the mapped axis folds into the rows.
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     flat = []
@@ -125,6 +141,7 @@ class LinearMap:
       a = (jnp.broadcast_to(a, (size,) + a.shape) if d is None
            else jnp.moveaxis(a, d, 0))
       flat.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
-    outs = self(*self._split(flat, n_res), **params)
+    arrays, t = self._split(flat, present)
+    outs = self(self._restore(arrays, present), t, **params)
     return [o.reshape((size, -1) + o.shape[1:]) for o in outs], [0] * len(outs)
 

@@ -63,11 +63,6 @@ def _rows_or_none(view: RowView, a):
   return None if a is None else view.to_rows(a)
 
 
-def _with_where(res: tuple, where) -> tuple:
-  """Residuals of a map, with the mask last when there is one."""
-  return res if where is None else res + (where,)
-
-
 def _row_dot(p, t):
   """sum(p · t) of each row, float32: how a tangent t moves log(l)."""
   return jnp.sum(p * t.astype(jnp.float32), axis=-1)
@@ -79,9 +74,9 @@ def _row_dot(p, t):
 
 
 def _softmax_tangent_kernel(res, t, *, tiling, interpret):
-  y, *where = res
-  dy, _ = row_call(_SOFTMAX_BWD, (y, t[0]), where=where[0] if where else None,
-                   tiling=tiling, interpret=interpret)
+  y, where = res
+  dy, _ = row_call(_SOFTMAX_BWD, (y, t[0]), where=where, tiling=tiling,
+                   interpret=interpret)
   return (dy,)
 
 
@@ -106,8 +101,7 @@ def _softmax_rows(x, where, tiling, interpret):
 def _softmax_rows_jvp(tiling, interpret, primals, tangents):
   x, where = primals
   y = _softmax_rows(x, where, tiling, interpret)
-  dy, = _SOFTMAX_TANGENT(_with_where((y,), where), (tangents[0],), tiling=tiling,
-                         interpret=interpret)
+  dy, = _SOFTMAX_TANGENT((y, where), (tangents[0],), tiling=tiling, interpret=interpret)
   return y, dy
 
 
@@ -153,24 +147,21 @@ def softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
 
 def _log_softmax_tangent_twin(res, t, *, interpret):
   del interpret
-  x, m, l, *where = res
-  where = where[0] if where else None
+  x, m, l, where = res
   dx = t[0]
   dy = dx - _row_dot(probabilities(x, m, l, where), dx)[:, None].astype(dx.dtype)
   return (dy if where is None else jnp.where(where, dy, 0).astype(dx.dtype),)
 
 
 def _log_softmax_transpose_kernel(res, t, *, interpret):
-  x, m, l, *where = res
-  dx, _ = row_call(_LOG_SOFTMAX_BWD, (x, t[0]), (m, l), where=where[0] if where else None,
-                   interpret=interpret)
+  x, m, l, where = res
+  dx, _ = row_call(_LOG_SOFTMAX_BWD, (x, t[0]), (m, l), where=where, interpret=interpret)
   return (dx,)
 
 
 def _log_softmax_transpose_twin(res, t, *, interpret):
   del interpret
-  x, m, l, *where = res
-  where = where[0] if where else None
+  x, m, l, where = res
   dy = t[0] if where is None else jnp.where(where, t[0], 0)
   dx = dy - probabilities(x, m, l, where) * jnp.sum(dy.astype(jnp.float32), axis=-1,
                                                      keepdims=True)
@@ -198,7 +189,7 @@ def _with_state(name: str, forward, tangent: LinearMap):
     return forward(x, where, tiling, interpret)
 
   def tangent_of(x, where, interpret, m, l, dx):
-    dy, = tangent(_with_where((x, m, l), where), (dx,), interpret=interpret)
+    dy, = tangent((x, m, l, where), (dx,), interpret=interpret)
     return dy
 
   @state.defjvp
@@ -260,21 +251,20 @@ def log_softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
 
 def _logsumexp_tangent_twin(res, t, *, interpret):
   del interpret
-  x, m, l, *where = res
-  return (_row_dot(probabilities(x, m, l, where[0] if where else None), t[0]),)
+  x, m, l, where = res
+  return (_row_dot(probabilities(x, m, l, where), t[0]),)
 
 
 def _logsumexp_transpose_kernel(res, t, *, interpret):
-  x, m, l, *where = res
-  dx, _ = row_call(_LOGSUMEXP_BWD, (x,), (t[0], m, l), where=where[0] if where else None,
-                   interpret=interpret)
+  x, m, l, where = res
+  dx, _ = row_call(_LOGSUMEXP_BWD, (x,), (t[0], m, l), where=where, interpret=interpret)
   return (dx,)
 
 
 def _logsumexp_transpose_twin(res, t, *, interpret):
   del interpret
-  x, m, l, *where = res
-  p = probabilities(x, m, l, where[0] if where else None)
+  x, m, l, where = res
+  p = probabilities(x, m, l, where)
   return ((t[0][:, None] * p).astype(x.dtype),)
 
 
