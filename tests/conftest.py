@@ -34,6 +34,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def key(request):
-  """A PRNG key of its own for each test; JAXSOFTMAX_TEST_SEED changes them all."""
+  """A PRNG key of its own for each test; JAXSOFTMAX_TEST_SEED changes them all. Tests
+  run once per kernel backend (a ``backend`` parameter) share one key per case: the id
+  without the backend, so that every backend sees the same input."""
+  nodeid = request.node.nodeid
+  callspec = getattr(request.node, "callspec", None)
+  backend = callspec.params.get("backend") if callspec else None
+  if backend:
+    nodeid = nodeid.replace(f"[{backend}-", "[", 1).replace(f"[{backend}]", "")
   seed = int(os.environ.get("JAXSOFTMAX_TEST_SEED", "0"))
-  return jax.random.PRNGKey(zlib.crc32(request.node.nodeid.encode()) ^ seed)
+  return jax.random.PRNGKey(zlib.crc32(nodeid.encode()) ^ seed)

@@ -9,8 +9,6 @@ carry the gpu mark.
 
 import dataclasses
 import functools
-import os
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -30,19 +28,6 @@ SMALL_BLOCKS = BlockSizes(16, 16, 16, 16, 16, 16, num_warps=4, num_warps_bwd=4)
 BACKENDS = [backend.NAME for backend in api.BACKENDS]
 # Backends that run only compiled, on a GPU: their cases carry the gpu mark.
 GPU_ONLY = {"mosaic_gpu"}
-
-
-@pytest.fixture
-def key(request):
-  """conftest's key, the same for every backend of a case (the id without the backend),
-  so that all backends see one input, the one the Triton tests had before backends."""
-  nodeid = request.node.nodeid
-  backend = getattr(request.node, "callspec", None) and request.node.callspec.params.get(
-      "backend")
-  if backend:
-    nodeid = nodeid.replace(f"[{backend}-", "[", 1).replace(f"[{backend}]", "")
-  seed = int(os.environ.get("JAXSOFTMAX_TEST_SEED", "0"))
-  return jax.random.PRNGKey(zlib.crc32(nodeid.encode()) ^ seed)
 
 
 def _per_backend(cases):
