@@ -213,6 +213,11 @@ class Row:
   tflops: float | None = None
   peak_mib: float | None = None
 
+  @property
+  def tflops_e2e(self) -> float | None:
+    """TFLOP/s by the end-to-end (wall) time instead of the device time."""
+    return None if self.tflops is None else self.tflops * self.median_us / self.wall_us
+
 
 def peak_memory_mib(fn, *args) -> float:
   """Device memory one call of ``fn`` needs besides its inputs: XLA's buffer assignment
@@ -322,8 +327,7 @@ class Report:
                  "backward), from the device time and (e2e) from the end-to-end time; peak "
                  "MiB: temporaries + outputs of the compiled call.")
       columns = "TFLOP/s | e2e TFLOP/s | peak MiB"
-      e2e = lambda r: None if r.tflops is None else r.tflops * r.median_us / r.wall_us
-      extra = lambda r: (f"{fmt(r.tflops, '.0f')} | {fmt(e2e(r), '.0f')} | "
+      extra = lambda r: (f"{fmt(r.tflops, '.0f')} | {fmt(r.tflops_e2e, '.0f')} | "
                          f"{fmt(r.peak_mib, '.0f')}")
     header += (" wall us: end to end per call, wall clock over pipelined calls "
                "(`time_call`).")
