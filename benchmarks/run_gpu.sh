@@ -9,8 +9,8 @@
 # (tune_attention.py; TUNE_ONLY="4,5" picks shapes), attn-bench (bench_attention.py; ATTN_ONLY="0,1" picks shapes,
 # ATTN_NAME names the results, ATTN_MODES="fwd" measures the forward alone), attn-ncu
 # (Nsight Compute counters of one forward), attn-tune-hopper (tune_attention_hopper.py:
-# the Mosaic GPU forward's tiles), example (the transformer example at GPU size, with its
-# profiler trace). Each is bounded by a timeout so that one hung stage still leaves the
+# the Mosaic GPU forward's tiles; TUNE_ONLY picks shapes), example (the transformer
+# example at GPU size, with its profiler trace). Each is bounded by a timeout so that one hung stage still leaves the
 # others' results. Everything is also packed into $OUT/run.tgz, since only a few files
 # come back from the machine.
 #
@@ -68,7 +68,8 @@ for stage in ${STAGES:-tests tune bench}; do
         ${TUNE_ONLY:+--only "$TUNE_ONLY"} 2>&1 \
         | tee "$out/attn_tune.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     attn-tune-hopper)
-      timeout 200 $python benchmarks/tune_attention_hopper.py --out "$out" 2>&1 \
+      timeout 330 $python benchmarks/tune_attention_hopper.py --out "$out" \
+        ${TUNE_ONLY:+--only "$TUNE_ONLY"} 2>&1 \
         | tee "$out/attn_tune_hopper.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     attn-bench)
       timeout 540 $python benchmarks/bench_attention.py --out "$out" \

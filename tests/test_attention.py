@@ -22,6 +22,7 @@ from jaxsoftmax._backend import mosaic_gpu as mosaic_device
 from jaxsoftmax.attention import BlockSizes, HopperBlockSizes, api
 from jaxsoftmax.attention.call import Call
 from jaxsoftmax.attention.masks import MaskSpec
+from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
 from tolerance import assert_2x, truth
 
 SMALL_BLOCKS = BlockSizes(16, 16, 16, 16, 16, 16, num_warps=4, num_warps_bwd=4)
@@ -213,13 +214,63 @@ def test_two_runs_bit_identical_gpu(key, backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("blocks", [HopperBlockSizes(64, 64, 2), HopperBlockSizes(64, 64, 4),
-                                    HopperBlockSizes(64, 128, 3)],
-                         ids=["kv64", "kv64-4stages", "kv128-3stages"])
+                                    HopperBlockSizes(64, 128, 3),
+                                    HopperBlockSizes(64, 128, 2, persistent=False),
+                                    HopperBlockSizes(64, 128, 2, persistent=True),
+                                    HopperBlockSizes(64, 128, 3, persistent=True)],
+                         ids=["kv64", "kv64-4stages", "kv128-3stages", "grid", "persistent",
+                              "persistent-3stages"])
 def test_hopper_block_sizes_gpu(key, blocks):
-  # Tiles other than the defaults: a causal diagonal across two key blocks, deeper rings.
+  # Tiles other than the defaults: a causal diagonal across two key blocks, deeper rings;
+  # both launch schemes (3 stages leave no room for the persistent kernel's output tiles).
   _check(*_inputs(key, 2, 1000, 1000, 4, 2, 128, jnp.bfloat16), backend="mosaic_gpu",
          blocks=blocks, interpret=False, is_causal=True,
          key_value_seq_lengths=jnp.array([1000, 613]))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("batch, heads, q_tiles, sms", [(4, 16, 16, 132), (1, 3, 5, 132),
+                                                       (2, 4, 33, 132), (1, 2, 2, 8)])
+def test_persistent_ctas_take_every_item_once(batch, heads, q_tiles, sms, causal):
+  work = mosaic_forward._Work(batch, heads, q_tiles, causal, sms)
+  taken = {cta: [tuple(int(x) for x in work.item(cta, jnp.int32(i)))
+                 for i in range(int(work.item_count(jnp.int32(cta))))]
+           for cta in range(work.ctas)}
+  assert sorted(sum(taken.values(), [])) == [
+      (b, n, t) for b in range(batch) for n in range(heads) for t in range(q_tiles)]
+  if causal:  # the snake: a CTA walks at most about a tile's worth more key blocks
+    blocks = [sum(t + 1 for _, _, t in items) for items in taken.values()]
+    assert max(blocks) - min(blocks) <= q_tiles
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+@pytest.mark.parametrize("H, options", [
+    (128, dict(is_causal=True)),
+    (64, dict(has_segments=True)),
+    (256, dict(window_left=100, window_right=20)),
+    (96, {}),
+])
+def test_hopper_forward_lowers_for_cuda(H, options, persistent):
+  # The Hopper kernel cannot run off a GPU (see README), but it lowers for CUDA anywhere:
+  # this catches Mosaic GPU API drift in the newest JAX on every CI run.
+  B, T, S, N, K = 2, 1000, 777, 4, 2
+  spec = MaskSpec(T, S, **options)
+  blocks = dataclasses.replace(HopperBlockSizes.default(H), persistent=persistent)
+  i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+  aux = ((None, None, i32((B, T)), i32((B, S))) if spec.has_segments
+         else (i32((B,)), i32((B,)), None, None))
+
+  def forward(q, k, v, *aux_arrays):
+    arrays = iter(aux_arrays)
+    return mosaic_forward.forward(
+        q, k, v, tuple(None if a is None else next(arrays) for a in aux), spec=spec,
+        blocks=blocks, scale=0.1, softcap=None, float32_output=True)
+
+  bf16 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+  args = (bf16((B, T, N, H)), bf16((B, S, K, H)), bf16((B, S, K, H)),
+          *(a for a in aux if a is not None))
+  lowered = jax.jit(forward).trace(*args).lower(lowering_platforms=("cuda",))
+  assert "attention_forward_mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
@@ -399,6 +450,8 @@ def test_bad_input_names_the_argument():
     BlockSizes(block_q=24)
   with pytest.raises(ValueError, match="block_kv must be a positive multiple of 64"):
     HopperBlockSizes(block_kv=96)
+  with pytest.raises(ValueError, match="persistent must be a bool"):
+    HopperBlockSizes(persistent=1)
   with pytest.raises(TypeError, match="block_sizes must be a BlockSizes or a HopperBlock"):
     attention(q, kv, kv, block_sizes=(64, 64))
 

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsoftmax._backend import mosaic_gpu as _device
 from jaxsoftmax._backend.mosaic_gpu import pl, plgpu
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
@@ -60,11 +61,15 @@ class HopperBlockSizes:
     block_q: query rows of each of the two consumer warpgroups (a CTA holds 2 · block_q).
     block_kv: keys per K/V block streamed through shared memory.
     num_stages: K/V blocks in flight (slots of the shared-memory ring).
+    persistent: one CTA per SM, each walking the (batch row, head, query tile) items
+      i, i + SMs, i + 2 · SMs, ... with its K/V ring running on from one item into the
+      next, instead of one CTA per item.
   """
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
+  persistent: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv"):
@@ -75,6 +80,9 @@ class HopperBlockSizes:
     if not (isinstance(self.num_stages, int) and self.num_stages >= 2):
       raise ValueError(f"HopperBlockSizes.num_stages must be an int >= 2, got "
                        f"{self.num_stages!r}")
+    if not isinstance(self.persistent, bool):
+      raise ValueError(f"HopperBlockSizes.persistent must be a bool, got "
+                       f"{self.persistent!r}")
 
   @classmethod
   def default(cls, head_dim: int) -> "HopperBlockSizes":
@@ -82,13 +90,14 @@ class HopperBlockSizes:
     head dim 256 so that two stages of K and V fit shared memory beside Q. From the H200
     sweep (benchmarks/results/tune_attention_hopper.md): 3 stages lose 1-7%, 64-key
     blocks 13-19%, 192-key blocks win 1-2% without masks but lose 22% causal."""
-    return cls(64, 128 if head_dim <= 128 else 64, 2)
+    return cls(64, 128 if head_dim <= 128 else 64, 2, persistent=True)
 
-  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+  def smem_bytes(self, head_dim: int, itemsize: int, *, output_tiles: bool = False) -> int:
     """Shared memory the forward needs at this head dim (padded to 64): the two query
-    tiles (reused for the output), the K and V ring, the row statistics, and 1 KiB for
-    the barriers and alignment."""
-    tiles = (_CONSUMERS * self.block_q + 2 * self.num_stages * self.block_kv) * head_dim
+    tiles (reused for the output unless it has ``output_tiles``), the K and V ring, the
+    row statistics, and 1 KiB for the barriers and alignment."""
+    q_tiles = _CONSUMERS * self.block_q * (2 if output_tiles else 1)
+    tiles = (q_tiles + 2 * self.num_stages * self.block_kv) * head_dim
     return tiles * itemsize + 2 * _CONSUMERS * self.block_q * 4 + 1024
 
 
@@ -106,8 +115,68 @@ def _rows(x, shape):
   return lax.broadcast_in_dim(x, shape, [0])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Work:
+  """The CTAs' work items, one per (batch row, query head, query tile), and the order in
+  which the CTAs take them."""
+
+  batch: int
+  heads: int
+  q_tiles: int
+  causal: bool
+  # One CTA per SM walking items i, i + sm_count, ... (persistent), else one per item.
+  sm_count: int | None
+
+  @property
+  def count(self) -> int:
+    return self.batch * self.heads * self.q_tiles
+
+  @property
+  def ctas(self) -> int:
+    return self.count if self.sm_count is None else min(self.sm_count, self.count)
+
+  def grid(self):
+    if self.sm_count is None:
+      return (self.heads, self.q_tiles, self.batch), ("heads", "q_tiles", "batch")
+    return (self.ctas,), ("sm",)
+
+  def for_each(self, body, carry):
+    """carry = body(i, (b, n, tile), carry) over the CTA's items, i counting them."""
+    if self.sm_count is None:
+      tile = lax.axis_index("q_tiles")
+      if self.causal:  # later tiles walk more key blocks: start them first
+        tile = self.q_tiles - 1 - tile
+      return body(0, (lax.axis_index("batch"), lax.axis_index("heads"), tile), carry)
+    cta = lax.axis_index("sm")
+    return lax.fori_loop(0, self.item_count(cta),
+                         lambda i, c: body(i, self.item(cta, i), c), carry)
+
+  def _position(self, cta, i):
+    """The persistent CTA's position within round i of the item order."""
+    if not self.causal:
+      return cta
+    # Items come heaviest first; alternating the direction of the rounds (a snake)
+    # pairs each CTA's heavier items with lighter ones.
+    return jnp.where(lax.rem(i, 2) == 0, cta, self.ctas - 1 - cta)
+
+  def item_count(self, cta):
+    """How many items the persistent CTA ``cta`` walks."""
+    rounds, last = divmod(self.count, self.ctas)  # full rounds, items of the last one
+    return rounds + (self._position(cta, rounds) < last).astype(jnp.int32)
+
+  def item(self, cta, i):
+    """(b, n, tile) of the persistent CTA's item i."""
+    w = i * self.ctas + self._position(cta, i)
+    if self.causal:  # the tiles that walk the most key blocks first, as in the grid
+      rank, rest = lax.div(w, self.heads * self.batch), lax.rem(w, self.heads * self.batch)
+      return lax.div(rest, self.heads), lax.rem(rest, self.heads), self.q_tiles - 1 - rank
+    # The grid's order: heads fastest, then query tiles, then batch rows.
+    n, rest = lax.rem(w, self.heads), lax.div(w, self.heads)
+    return lax.div(rest, self.q_tiles), n, lax.rem(rest, self.q_tiles)
+
+
 def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, logits: Logits,
-            group: int, n_q_tiles: int, float32_output: bool):
+            group: int, work: _Work, output_tiles: bool, float32_output: bool):
   n_aux = sum(aux_present)
   aux_refs, refs = refs[:n_aux], refs[n_aux:]
   aux_iter = iter(aux_refs)
@@ -115,25 +184,21 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
       next(aux_iter) if here else None for here in aux_present)
   o_ref, m_ref, log2_l_ref, *refs = refs
   o32_ref = refs.pop(0) if float32_output else None
-  (q_smem, k_smem, v_smem, stat_smem, q_loaded, k_loaded, v_loaded, k_free, v_free,
+  o_smem = refs.pop(1) if output_tiles else None
+  (q_smem, k_smem, v_smem, stat_smem, q_loaded, q_free, k_loaded, v_loaded, k_free, v_free,
    schedule) = refs
 
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
-  b = lax.axis_index("batch")
-  n = lax.axis_index("heads")
-  tile = lax.axis_index("q_tiles")
-  if spec.is_causal:  # later tiles walk more key blocks: start them first
-    tile = n_q_tiles - 1 - tile
-  q0 = tile * (_CONSUMERS * bq)
-  q_length = None if q_len_ref is None else q_len_ref[b]
-  kv_length = None if kv_len_ref is None else kv_len_ref[b]
-  # Producer and consumers agree on the key blocks of the CTA's query rows.
-  lo, full_lo, full_hi, hi = key_block_ranges(spec, q0, _CONSUMERS * bq, bkv, kv_length,
-                                              q_length)
   wg = lax.axis_index("wg")
 
-  def slot(j):
-    return lax.rem(j - lo, stages)
+  def item_ranges(item):
+    """Producer and consumers agree on the key blocks of an item's query rows."""
+    b, _, tile = item
+    q0 = tile * (_CONSUMERS * bq)
+    q_length = None if q_len_ref is None else q_len_ref[b]
+    kv_length = None if kv_len_ref is None else kv_len_ref[b]
+    ranges = key_block_ranges(spec, q0, _CONSUMERS * bq, bkv, kv_length, q_length)
+    return q0, q_length, kv_length, ranges
 
   def schedule_turn():
     plgpu.barrier_arrive(schedule)
@@ -142,126 +207,155 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
   @pl.when(wg < _CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-    row0 = q0 + wg * bq
     q_tile = q_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), n], q_tile, q_loaded.at[wg])
-    q_seg = None
-    if q_seg_ref is not None:
-      q_seg = plgpu.load(q_seg_ref.at[b, pl.ds(row0, bq)], layout=_ROW, optimized=False)
-    plgpu.barrier_wait(q_loaded.at[wg])
-
-    head_dim = q_tile.shape[-1]
-    shape = (bq, bkv)
-    def masked_logits(x, j, masked: bool):
-      x, _ = logits.cap(x)
-      if not masked:
-        return x
-      k_seg = None
-      if kv_seg_ref is not None:
-        k_seg = plgpu.load(kv_seg_ref.at[b, pl.ds(j * bkv, bkv)], layout=_COL,
-                           optimized=False)
-        k_seg = lax.broadcast_in_dim(k_seg, shape, [1])
-      allowed = element_mask(spec, row0 + _iota(shape, 0), j * bkv + _iota(shape, 1),
-                             kv_length, None if q_seg is None else _rows(q_seg, shape),
-                             k_seg)
-      return jnp.where(allowed, x, -jnp.inf)
-
-    def softmax(x, m, l, masked: bool):
-      """The online-softmax update by the block's logits x: (m', l', p, alpha)."""
-      m_new = jnp.maximum(m, x.max(axis=1))
-      # A row with no allowed key so far keeps m = -inf; shifting it by 0 keeps its p
-      # and alpha at exp2(-inf) = 0 instead of NaN. Unmasked blocks always hold one.
-      shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-      alpha = jnp.exp2(logits.exponent(m, shift))
-      p = jnp.exp2(logits.exponent(x, shift, functools.partial(_rows, shape=x.shape)))
-      return m_new, l * alpha + p.sum(axis=1), p.astype(v_smem.dtype), alpha
-
-    m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), _ROW)
-    l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _ROW)
-    acc = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-
-    @pl.when(hi > lo)
-    def _():
-      plgpu.barrier_wait(k_loaded.at[0])
-
-    # Consumer 0 takes the tensor cores first; consumer 1 waits for its first turn.
-    pl.when(wg == 1)(schedule_turn)
-
-    def step(j, carry, *, masked: bool):
-      acc, m, l = carry
-      s = slot(j)
-
-      def scores(acc_ref):
-        plgpu.wgmma(acc_ref, q_tile, k_smem.at[s].T)
-        schedule_turn()  # let the other consumer's P V run while this product finishes
-        return acc_ref[...]
-
-      x = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
-      plgpu.barrier_arrive(k_free.at[s])
-      x = masked_logits(x, j, masked)
-      m_new, l, p16, alpha = softmax(x, m, l, masked)
-      acc = acc * _rows(alpha, acc.shape)
-      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(v_loaded.at[s])
-      plgpu.barrier_wait(schedule)
-      # Computed outside run_state, which would turn closed-over constants into refs.
-      more, next_slot = j + 1 < hi, slot(j + 1)
-
-      def values(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_smem.at[s])
-
-        @pl.when(more)
-        def _():
-          plgpu.barrier_wait(k_loaded.at[next_slot])
-
-      acc = pl.run_state(values)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[s])
-      return acc, m_new, l
-
-    acc, m, l = walk_block_ranges((lo, full_lo, full_hi, hi), step, (acc, m, l))
-    pl.when(wg == 0)(schedule_turn)  # consumer 1's last turn
-
-    # Rows with no allowed key (l = 0), and rows past the query length, give 0.
-    some = l > 0
-    if q_length is not None:
-      some = some & (row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=_ROW)
-                     < q_length)
-    inv_l = jnp.where(some, 1.0 / jnp.where(some, l, 1.0), 0.0)
-    o = acc * _rows(inv_l, acc.shape)
-    q_tile[...] = o.astype(q_tile.dtype)  # the query tile is free: all products are done
+    out_tile = q_tile if o_smem is None else o_smem.at[wg]
     m_smem, log2_l_smem = stat_smem.at[0, wg], stat_smem.at[1, wg]
-    m_smem[...] = jnp.where(some, m, -jnp.inf)
-    log2_l_smem[...] = jnp.log2(jnp.where(some, l, 1.0))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_tile, o_ref.at[b, pl.ds(row0, bq), n])
-    plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, n, pl.ds(row0, bq)])
-    plgpu.copy_smem_to_gmem(log2_l_smem, log2_l_ref.at[b, n, pl.ds(row0, bq)])
-    if o32_ref is not None:  # rows padded to whole tiles: a direct store stays inside
-      o32_ref.at[b, pl.ds(row0, bq), n][...] = o
+
+    def item_body(_, item, consumed):
+      b, n, _ = item
+      q0, q_length, kv_length, (lo, full_lo, full_hi, hi) = item_ranges(item)
+      row0 = q0 + wg * bq
+
+      def slot(j):  # the ring runs on across the CTA's items
+        return lax.rem(consumed + j - lo, stages)
+
+      q_seg = None
+      if q_seg_ref is not None:
+        q_seg = plgpu.load(q_seg_ref.at[b, pl.ds(row0, bq)], layout=_ROW, optimized=False)
+      plgpu.barrier_wait(q_loaded.at[wg])
+
+      head_dim = q_tile.shape[-1]
+      shape = (bq, bkv)
+      def masked_logits(x, j, masked: bool):
+        x, _ = logits.cap(x)
+        if not masked:
+          return x
+        k_seg = None
+        if kv_seg_ref is not None:
+          k_seg = plgpu.load(kv_seg_ref.at[b, pl.ds(j * bkv, bkv)], layout=_COL,
+                             optimized=False)
+          k_seg = lax.broadcast_in_dim(k_seg, shape, [1])
+        allowed = element_mask(spec, row0 + _iota(shape, 0), j * bkv + _iota(shape, 1),
+                               kv_length, None if q_seg is None else _rows(q_seg, shape),
+                               k_seg)
+        return jnp.where(allowed, x, -jnp.inf)
+
+      def softmax(x, m, l, masked: bool):
+        """The online-softmax update by the block's logits x: (m', l', p, alpha)."""
+        m_new = jnp.maximum(m, x.max(axis=1))
+        # A row with no allowed key so far keeps m = -inf; shifting it by 0 keeps its p
+        # and alpha at exp2(-inf) = 0 instead of NaN. Unmasked blocks always hold one.
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(logits.exponent(m, shift))
+        p = jnp.exp2(logits.exponent(x, shift, functools.partial(_rows, shape=x.shape)))
+        return m_new, l * alpha + p.sum(axis=1), p.astype(v_smem.dtype), alpha
+
+      m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), _ROW)
+      l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _ROW)
+      acc = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+
+      @pl.when(hi > lo)
+      def _():
+        plgpu.barrier_wait(k_loaded.at[slot(lo)])
+
+      # Consumer 0 takes the tensor cores first; consumer 1 waits for its first turn.
+      pl.when(wg == 1)(schedule_turn)
+
+      def step(j, carry, *, masked: bool):
+        acc, m, l = carry
+        s = slot(j)
+
+        def scores(acc_ref):
+          plgpu.wgmma(acc_ref, q_tile, k_smem.at[s].T)
+          schedule_turn()  # let the other consumer's P V run while this product finishes
+          return acc_ref[...]
+
+        x = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+        plgpu.barrier_arrive(k_free.at[s])
+        if o_smem is not None:  # the last product of the query tile is done: refill it
+          pl.when(j + 1 == hi)(lambda: plgpu.barrier_arrive(q_free.at[wg]))
+        x = masked_logits(x, j, masked)
+        m_new, l, p16, alpha = softmax(x, m, l, masked)
+        acc = acc * _rows(alpha, acc.shape)
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_loaded.at[s])
+        plgpu.barrier_wait(schedule)
+        # Computed outside run_state, which would turn closed-over constants into refs.
+        more, next_slot = j + 1 < hi, slot(j + 1)
+
+        def values(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[s])
+
+          @pl.when(more)
+          def _():
+            plgpu.barrier_wait(k_loaded.at[next_slot])
+
+        acc = pl.run_state(values)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[s])
+        return acc, m_new, l
+
+      acc, m, l = walk_block_ranges((lo, full_lo, full_hi, hi), step, (acc, m, l))
+      pl.when(wg == 0)(schedule_turn)  # consumer 1's last turn
+      if o_smem is not None:  # no product read the query tile
+        pl.when(hi <= lo)(lambda: plgpu.barrier_arrive(q_free.at[wg]))
+
+      # Rows with no allowed key (l = 0), and rows past the query length, give 0.
+      some = l > 0
+      if q_length is not None:
+        some = some & (row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=_ROW)
+                       < q_length)
+      inv_l = jnp.where(some, 1.0 / jnp.where(some, l, 1.0), 0.0)
+      o = acc * _rows(inv_l, acc.shape)
+      if o_smem is not None:  # the previous item's output has left shared memory
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      # With no output tiles, the query tile takes the output: all products are done.
+      out_tile[...] = o.astype(out_tile.dtype)
+      m_smem[...] = jnp.where(some, m, -jnp.inf)
+      log2_l_smem[...] = jnp.log2(jnp.where(some, l, 1.0))
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_tile, o_ref.at[b, pl.ds(row0, bq), n])
+      plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, n, pl.ds(row0, bq)])
+      plgpu.copy_smem_to_gmem(log2_l_smem, log2_l_ref.at[b, n, pl.ds(row0, bq)])
+      if o32_ref is not None:  # rows padded to whole tiles: a direct store stays inside
+        o32_ref.at[b, pl.ds(row0, bq), n][...] = o
+      if o_smem is None:  # the output has left the query tile and the statistics
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.barrier_arrive(q_free.at[wg])
+      return consumed + (hi - lo)
+
+    work.for_each(item_body, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-    kv_head = lax.div(n, group)
 
-    def load(j, s):
-      rows = (b, pl.ds(j * bkv, bkv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[s], k_loaded.at[s])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[s], v_loaded.at[s])
+    def item_body(i, item, issued):
+      b, n, _ = item
+      q0, _, _, (lo, _, _, hi) = item_ranges(item)
+      kv_head = lax.div(n, group)
 
-    for s in range(stages):  # the ring starts empty
-      pl.when(lo + s < hi)(functools.partial(load, lo + s, s))
+      def load_kv(j):
+        g = issued + j - lo  # the ring starts empty: its first loads wait for no slot
+        s = lax.rem(g, stages)
+        rows = (b, pl.ds(j * bkv, bkv), kv_head)
+        pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[s]))
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[s], k_loaded.at[s])
+        pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[s]))
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[s], v_loaded.at[s])
 
-    @pl.loop(lo + stages, hi)
-    def _(j):
-      s = slot(j)
-      rows = (b, pl.ds(j * bkv, bkv), kv_head)
-      plgpu.barrier_wait(k_free.at[s])
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[s], k_loaded.at[s])
-      plgpu.barrier_wait(v_free.at[s])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[s], v_loaded.at[s])
+      # The item's first K/V block may go as soon as a slot is free; its query tiles wait
+      # until the previous item's consumers are done with theirs.
+      pl.when(lo < hi)(functools.partial(load_kv, lo))
+      for c in range(_CONSUMERS):
+        pl.when(i > 0)(functools.partial(plgpu.barrier_wait, q_free.at[c]))
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0 + c * bq, bq), n], q_smem.at[c],
+                                q_loaded.at[c])
+      pl.loop(lo + 1, hi)(load_kv)
+      return issued + (hi - lo)
+
+    work.for_each(item_body, jnp.int32(0))
 
 
 def _pad_to(x, axis: int, size: int, value=0):
@@ -299,12 +393,21 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages
+  work = _Work(B, N, n_q_tiles, spec.is_causal,
+               _device.sm_count() if blocks.persistent else None)
+  # A persistent CTA refills its query tiles while the previous item finishes, so its
+  # outputs need tiles of their own, where shared memory has room for them.
+  output_tiles = blocks.persistent and blocks.smem_bytes(
+      H_pad, q.dtype.itemsize, output_tiles=True) <= SMEM_BYTES
+  tile = plgpu.SMEM((_CONSUMERS, bq, H_pad), q.dtype, transforms=tiled)
   scratch = [
-      plgpu.SMEM((_CONSUMERS, bq, H_pad), q.dtype, transforms=tiled),
+      tile,  # the consumers' query tiles (and their outputs, without output tiles)
+      *([tile] if output_tiles else []),
       plgpu.SMEM((stages, bkv, H_pad), k.dtype, transforms=tiled),
       plgpu.SMEM((stages, bkv, H_pad), v.dtype, transforms=tiled),
       plgpu.SMEM((2, _CONSUMERS, bq), jnp.float32),  # m and log2(l) on their way out
       plgpu.Barrier(num_barriers=_CONSUMERS),  # query tile loaded
+      plgpu.Barrier(num_barriers=_CONSUMERS),  # query tile free
       plgpu.Barrier(num_barriers=stages),  # K slot loaded
       plgpu.Barrier(num_barriers=stages),  # V slot loaded
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # K slot free
@@ -317,14 +420,15 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
     out_type.append(jax.ShapeDtypeStruct((B, T_pad, N, H_pad), jnp.float32))
   kernel = functools.partial(
       _kernel, aux_present=tuple(a is not None for a in aux), spec=spec, blocks=blocks,
-      logits=Logits(scale, softcap, fused=softcap is None), group=N // K, n_q_tiles=n_q_tiles,
-      float32_output=float32_output)
+      logits=Logits(scale, softcap, fused=softcap is None), group=N // K, work=work,
+      output_tiles=output_tiles, float32_output=float32_output)
+  grid, grid_names = work.grid()
   outputs = plgpu.kernel(
       kernel,
       out_type=out_type,
       scratch_types=scratch,
-      grid=(N, n_q_tiles, B),
-      grid_names=("heads", "q_tiles", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
       # No thread reads and writes one shared-memory region (the query tile is written

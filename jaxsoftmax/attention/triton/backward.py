@@ -17,7 +17,8 @@ gradients, are exactly 0.
   next products take, and applies element masks on the boundary query blocks only.
 - dQ kernel: one program per (query block, batch row, query head), walking the key
   blocks in the forward's three ranges (element masks on the boundary blocks only).
-FLOPs: 2.5x the forward's (the two kernels run 3.5x, recomputing S and dP in each).
+FLOPs: 2.5x the forward's (the two kernels run 3.5x, recomputing S and dP in each; in
+float16 each kernel adds one product for dS, see `_score_grad_dot`).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     dv = dv + _backend.dot(p_t.astype(do.dtype), do)
     dp_t = _backend.dot(v, do, trans_b=True)
     ds_t = _score_grad(p_t, dp_t, delta[None, :], tanh_t)
-    dk = dk + _backend.dot(ds_t.astype(q.dtype), q)
+    dk = dk + _score_grad_dot(ds_t, q)
     return dk, dv
 
   ranges = query_block_ranges(spec, k0, bq, bk, kv_length, q_length, pl.cdiv(dims.T, bq))
@@ -103,6 +104,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     dk, dv = jnp.where(used, dk, 0.0), jnp.where(used, dv, 0.0)
   _backend.store(dk_ref, (dk * logits.scale).astype(dk_ref.dtype), mask=kv_mask)
   _backend.store(dv_ref, dv.astype(dv_ref.dtype), mask=kv_mask)
+
+
+def _score_grad_dot(ds, x):
+  """ds · x on the tensor cores, which take ds rounded to x's dtype. float16 keeps 11
+  bits, on dS values as large as |dP - delta| (several units): on the H200 that rounding
+  alone put dq at 2.04x a float16 reference's error (T=1, S=77). In float16 the remainder
+  ds - f16(ds) goes through a second product, which gives dS about float32's accuracy for
+  one more matrix product; bfloat16's reference rounds coarsely enough that one suffices."""
+  high = ds.astype(x.dtype)
+  out = _backend.dot(high, x)
+  if x.dtype == jnp.float16:
+    out = out + _backend.dot((ds - high.astype(jnp.float32)).astype(x.dtype), x)
+  return out
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
@@ -131,7 +145,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
       p = jnp.where(allowed, p, 0.0)
     dp = _backend.dot(do, v, trans_b=True)
     ds = _score_grad(p, dp, delta[:, None], tanh)
-    return dq + _backend.dot(ds.astype(k.dtype), k)
+    return dq + _score_grad_dot(ds, k)
 
   dq = walk_block_ranges(key_block_ranges(spec, q0, bq, bk, kv_length, q_length), step,
                          jnp.zeros((bq, dims.H_pad), jnp.float32))
