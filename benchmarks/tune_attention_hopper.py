@@ -34,7 +34,7 @@ def bench_shape(report: harness.Report, case, dtype):
   (q, k, v, _), common, flops = case_inputs(case, dtype)
   causal = case[5]
   for tiling in TILINGS:
-    blocks = dataclasses.replace(HopperBlockSizes.default(case[4]), **tiling)
+    blocks = dataclasses.replace(HopperBlockSizes.default(case[4], causal), **tiling)
     fn = lambda q, k, v, blocks=blocks: js.dot_product_attention(
         q, k, v, is_causal=causal, block_sizes=blocks, implementation="mosaic_gpu")
     impl = f"q{blocks.block_q} kv{blocks.block_kv} s{blocks.num_stages}"

@@ -255,7 +255,8 @@ def test_hopper_forward_lowers_for_cuda(H, options, persistent):
   # this catches Mosaic GPU API drift in the newest JAX on every CI run.
   B, T, S, N, K = 2, 1000, 777, 4, 2
   spec = MaskSpec(T, S, **options)
-  blocks = dataclasses.replace(HopperBlockSizes.default(H), persistent=persistent)
+  blocks = dataclasses.replace(HopperBlockSizes.default(H, spec.is_causal),
+                               persistent=persistent)
   i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
   aux = ((None, None, i32((B, T)), i32((B, S))) if spec.has_segments
          else (i32((B,)), i32((B,)), None, None))

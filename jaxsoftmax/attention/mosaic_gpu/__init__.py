@@ -43,7 +43,7 @@ def blocks(call: Call) -> HopperBlockSizes:
   """The caller's Hopper tiles, else the defaults for the call's head dim."""
   if isinstance(call.block_sizes, HopperBlockSizes):
     return call.block_sizes
-  return HopperBlockSizes.default(call.H)
+  return HopperBlockSizes.default(call.H, call.spec.is_causal)
 
 
 def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):

@@ -85,12 +85,18 @@ class HopperBlockSizes:
                        f"{self.persistent!r}")
 
   @classmethod
-  def default(cls, head_dim: int) -> "HopperBlockSizes":
+  def default(cls, head_dim: int, is_causal: bool = False) -> "HopperBlockSizes":
     """Key blocks twice the query tile (one causal diagonal block per CTA), halved at
     head dim 256 so that two stages of K and V fit shared memory beside Q. From the H200
-    sweep (benchmarks/results/tune_attention_hopper.md): 3 stages lose 1-7%, 64-key
-    blocks 13-19%, 192-key blocks win 1-2% without masks but lose 22% causal."""
-    return cls(64, 128 if head_dim <= 128 else 64, 2, persistent=True)
+    sweeps (benchmarks/results/tune_attention_hopper.md, hopper_schedule_sweep.log):
+    3 stages lose 1-7% and 64-key blocks 13-19% at head dim 128; 192-key blocks win 1-2%
+    without masks but lose 22% causal. The persistent launch wins only at head dim 64
+    without a causal mask (444 against 404 TFLOP/s, with 3 stages): elsewhere it loses
+    2-7% to the hardware's own CTA scheduling, which balances uneven items (causal) and
+    absorbs the SMs' differing speeds, where a static assignment cannot."""
+    if head_dim <= 64 and not is_causal:
+      return cls(64, 128, 3, persistent=True)
+    return cls(64, 128 if head_dim <= 128 else 64, 2)
 
   def smem_bytes(self, head_dim: int, itemsize: int, *, output_tiles: bool = False) -> int:
     """Shared memory the forward needs at this head dim (padded to 64): the two query
