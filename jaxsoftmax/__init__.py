@@ -5,8 +5,9 @@ dot_product_attention and for optax's integer-label softmax cross-entropy, with 
 VJPs whose backward passes recompute from the saved row statistics. See README.md and DESIGN notes for the numerics contract.
 """
 
-from jaxsoftmax.attention import (BlockSizes, HopperBlockSizes, dot_product_attention,
-                                  flax_attention)
+from jaxsoftmax.attention import (BlockSizes, HopperBlockSizes, context_parallel_attention,
+                                  dot_product_attention, flax_attention, ring_attention,
+                                  zigzag_permute, zigzag_unpermute)
 from jaxsoftmax.cross_entropy import cross_entropy
 from jaxsoftmax.rowwise import RowTiling
 from jaxsoftmax.softmax import log_softmax, logsumexp, softmax
@@ -20,6 +21,10 @@ __all__ = [
     "cross_entropy",
     "dot_product_attention",
     "flax_attention",
+    "ring_attention",
+    "context_parallel_attention",
+    "zigzag_permute",
+    "zigzag_unpermute",
     "BlockSizes",
     "HopperBlockSizes",
     "merge_states",

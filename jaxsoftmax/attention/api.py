@@ -126,26 +126,26 @@ def _segments(segment_ids, B: int, T: int, S: int):
   return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 
-def _check_inputs(query, key, value):
+def _check_inputs(query, key, value, op: str = "dot_product_attention"):
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.ndim != 4:
-      raise ValueError(f"dot_product_attention: {name} must have rank 4 (B, T, N, H) or 3 "
+      raise ValueError(f"{op}: {name} must have rank 4 (B, T, N, H) or 3 "
                        f"(T, N, H), got shape {x.shape}")
     if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64):
-      raise TypeError(f"dot_product_attention: {name} must be float32, bfloat16, float16 "
+      raise TypeError(f"{op}: {name} must be float32, bfloat16, float16 "
                       f"(or float64 on the reference path), got {x.dtype}")
   if not query.dtype == key.dtype == value.dtype:
-    raise TypeError("dot_product_attention: query, key and value must share a dtype, got "
+    raise TypeError(f"{op}: query, key and value must share a dtype, got "
                     f"{query.dtype}, {key.dtype}, {value.dtype}")
   B, _, N, H = query.shape
   if key.shape != value.shape:
-    raise ValueError(f"dot_product_attention: key {key.shape} and value {value.shape} must "
+    raise ValueError(f"{op}: key {key.shape} and value {value.shape} must "
                      "have the same shape (B, S, K, H)")
   if key.shape[0] != B or key.shape[3] != H:
-    raise ValueError(f"dot_product_attention: key {key.shape} must match query "
+    raise ValueError(f"{op}: key {key.shape} must match query "
                      f"{query.shape} in batch and head dim")
   if N % key.shape[2]:
-    raise ValueError(f"dot_product_attention: the {N} query heads must be a multiple of the "
+    raise ValueError(f"{op}: the {N} query heads must be a multiple of the "
                      f"{key.shape[2]} key/value heads")
 
 

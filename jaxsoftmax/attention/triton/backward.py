@@ -153,9 +153,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
 
 
 def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes,
-             scale: float, softcap: float | None, interpret: bool):
+             scale: float, softcap: float | None, interpret: bool, grad_dtype=None):
   """(dq, dk, dv) for the forward's inputs, its output o (float32 where it has one) and
-  its row statistics m and log2_l (B, N, T)."""
+  its row statistics m and log2_l (B, N, T); in the inputs' dtype, or in ``grad_dtype``
+  (float32 for partial gradients that are summed afterwards, as context parallelism's)."""
+  grad_dtype = q.dtype if grad_dtype is None else grad_dtype
   dims = Dims.of(q, k)
   aux, aux_arrays = Aux.of(aux_arrays)
   group = dims.N // dims.K
@@ -181,8 +183,8 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
                 *aux.specs(q_rows=q_rows, q_index=lambda j, b, h: (b, 0), kv_rows=bk,
                            kv_index=lambda j, b, h: (b, j), batch_index=lambda j, b, h: b)],
       out_specs=[kv_tile, kv_tile],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, grad_dtype),
+                 jax.ShapeDtypeStruct(v.shape, grad_dtype)],
       **common,
   )(q, k, v, do, m, log2_l, delta, *aux_arrays)
 
@@ -196,7 +198,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
       in_specs=[q_tile, launch.kv_all, launch.kv_all, q_tile, stat_tile, stat_tile,
                 stat_tile, *launch.aux_specs],
       out_specs=q_tile,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=jax.ShapeDtypeStruct(q.shape, grad_dtype),
       **common,
   )(q, k, v, do, m, log2_l, delta, *aux_arrays)
   return dq, dk, dv

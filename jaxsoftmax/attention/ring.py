@@ -1,0 +1,488 @@
+"""Context-parallel attention: the sequence sharded over a mesh axis, exactly.
+
+Inside `jax.shard_map`, each of the P devices of ``axis_name`` holds a shard of the
+queries and of the keys/values along the sequence (layout B T N H). Two strategies:
+
+- ``"ring"`` (Liu et al., Ring Attention, 2023): K and V (with their segment ids) travel
+  around the ring by `lax.ppermute`. At step s device d holds the block of device d - s
+  and runs the attention kernels of its queries against it; the partial (o, lse) merge in
+  float32 through `merge_attention_states`. The transfer for step s + 1 is issued before
+  step s's kernels, so that XLA runs the two at once. The backward walks the ring again:
+  each step gives dQ (kept) and dK, dV of the visiting block, which travel on with it
+  and are home after P steps.
+- ``"all_gather"`` (Llama 3's context parallelism): K and V gathered once, one kernel
+  call per query chunk, the key gradients summed back to their owners by
+  `lax.psum_scatter`.
+
+Layouts: ``"contiguous"`` (device d holds tokens [d·C, (d+1)·C)) and ``"zigzag"`` (the
+sequence cut into 2P chunks, device d holding chunks d and 2P-1-d: under a causal mask
+every device then does the same work; `zigzag_permute` puts tokens in that order).
+
+Every kernel call sees a static mask. A causal mask or a window between a query block and
+a key block at offset Δ (the difference of their first positions) is the band
+i - (left - Δ) <= j <= i + (right + Δ) in the blocks' own indices (`_band`). Δ depends on
+the device index, so a `lax.switch` on it picks among the static variants (two per ring
+step, one per device when gathered), and blocks that the masks leave empty are never
+computed. The backward runs the Triton backward kernels on the global row statistics
+(the merged lse, as the kernels' m with log2 l = 0) and returns float32 partial
+gradients, summed in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxsoftmax import _backend
+from jaxsoftmax.attention import api, logits, triton
+from jaxsoftmax.attention.call import Call
+from jaxsoftmax.attention.masks import MaskSpec
+from jaxsoftmax.state import merge_attention_states
+
+__all__ = ["ring_attention", "context_parallel_attention", "zigzag_permute",
+           "zigzag_unpermute"]
+
+LAYOUTS = ("contiguous", "zigzag")
+STRATEGIES = ("ring", "all_gather")
+
+
+def _zigzag_order(num_shards: int) -> np.ndarray:
+  """Chunk order of the zigzag layout: 0, 2P-1, 1, 2P-2, ..."""
+  return np.array([c for d in range(num_shards) for c in (d, 2 * num_shards - 1 - d)])
+
+
+def _check_zigzag(x, num_shards, axis, op):
+  if not (isinstance(num_shards, int) and num_shards >= 1):
+    raise ValueError(f"{op}: num_shards must be a positive int, got {num_shards!r}")
+  length = x.shape[axis]
+  if length % (2 * num_shards):
+    raise ValueError(f"{op}: the length {length} of axis {axis} must be a multiple of "
+                     f"2 * num_shards = {2 * num_shards}")
+
+
+def _reorder_chunks(x, order: np.ndarray, axis: int):
+  chunks = jnp.split(x, len(order), axis=axis)
+  return jnp.concatenate([chunks[c] for c in order], axis=axis)
+
+
+def zigzag_permute(x, num_shards: int, axis: int = 1):
+  """Puts a sequence axis in the zigzag order of `ring_attention(layout="zigzag")`: cut
+  into 2·num_shards chunks, device d's shard becomes chunks d and 2·num_shards-1-d. Apply
+  it to the tokens (and to positions, for RoPE) before sharding the axis."""
+  x = jnp.asarray(x)
+  _check_zigzag(x, num_shards, axis, "zigzag_permute")
+  return _reorder_chunks(x, _zigzag_order(num_shards), axis)
+
+
+def zigzag_unpermute(x, num_shards: int, axis: int = 1):
+  """The inverse of `zigzag_permute`: back to the natural order of the sequence."""
+  x = jnp.asarray(x)
+  _check_zigzag(x, num_shards, axis, "zigzag_unpermute")
+  return _reorder_chunks(x, np.argsort(_zigzag_order(num_shards)), axis)
+
+
+def _band(T: int, S: int, offset: int, is_causal: bool, window, has_segments: bool):
+  """The static mask of T queries at positions p + i against S keys at p - offset + j
+  (i, j from 0), or None when it allows no pair: the causal mask and the window
+  (left, right) are the band i - left' <= j <= i + right' with left' = left - offset and
+  right' = right + offset (right capped at 0 when causal); a side that no (i, j) reaches
+  is dropped."""
+  left, right = window if window is not None else (None, None)
+  if is_causal:
+    right = 0 if right is None else min(right, 0)
+  left = None if left is None else left - offset
+  right = None if right is None else right + offset
+  if (right is not None and T - 1 + right < 0) or (left is not None and -left > S - 1):
+    return None
+  if right is not None and right >= S - 1:
+    right = None
+  if left is not None and left >= T - 1:
+    left = None
+  return MaskSpec(T, S, False, left, right, has_segments)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+  """One kernel call: the local query rows [q0, q0 + T) against keys [k0, k0 + S) of the
+  key/value block at hand, under ``spec``."""
+
+  q0: int
+  T: int
+  k0: int
+  S: int
+  spec: MaskSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Everything static about one context-parallel call."""
+
+  axis_name: Any
+  shards: int
+  layout: str
+  strategy: str
+  is_causal: bool
+  window: tuple[int, int] | None
+  has_segments: bool
+  scale: float
+  softcap: float | None
+  implementation: str | None
+  block_sizes: Any
+  interpret: bool
+  B: int
+  T: int  # local queries
+  S: int  # local keys
+  N: int
+  K: int
+  H: int
+  dtype: str
+
+  def call(self, piece: _Piece) -> Call:
+    return Call(self.B, piece.T, piece.S, self.N, self.K, self.H, self.dtype, piece.spec,
+                self.scale, self.softcap, self.block_sizes, self.interpret)
+
+  def _whole(self, S: int, offset: int) -> list[_Piece]:
+    spec = _band(self.T, S, offset, self.is_causal, self.window, self.has_segments)
+    return [] if spec is None else [_Piece(0, self.T, 0, S, spec)]
+
+  def ring_step(self, s: int) -> tuple[list[_Piece], list[_Piece]]:
+    """The pieces of ring step s, for devices d >= s (index 0) and for d < s (index 1,
+    which hold the block of device d - s + P)."""
+    if s == 0 or (self.layout == "zigzag" and not self.is_causal):
+      # Its own block (in zigzag order too, the local order is the global one), or no
+      # mask to shift.
+      own = self._whole(self.S, 0)
+      return own, own
+    if self.layout == "contiguous":
+      return self._whole(self.S, s * self.T), self._whole(self.S, (s - self.shards) * self.T)
+    c = self.T // 2  # zigzag: local chunks (d, 2P-1-d), the block's (e, 2P-1-e)
+    # e < d: both local chunks see chunk e whole and not chunk 2P-1-e;
+    # e > d: chunk 2P-1-d sees both of the block's chunks whole, chunk d neither.
+    return ([_Piece(0, self.T, 0, c, MaskSpec(self.T, c, has_segments=self.has_segments))],
+            [_Piece(c, c, 0, self.S, MaskSpec(c, self.S, has_segments=self.has_segments))])
+
+  def gathered(self) -> list[list[_Piece]]:
+    """The pieces of each device d against all keys in their natural order."""
+    S, P = self.S * self.shards, self.shards
+    if self.layout == "contiguous":
+      return [self._whole(S, d * self.T) for d in range(P)]
+    if not self.is_causal:
+      return [[_Piece(0, self.T, 0, S, MaskSpec(self.T, S, has_segments=self.has_segments))]]
+    c = self.T // 2  # zigzag: the local chunks d and 2P-1-d, each under its own offset
+    return [[_Piece(q0, c, 0, S, _band(c, S, chunk * c, True, None, self.has_segments))
+             for q0, chunk in ((0, d), (c, 2 * P - 1 - d))] for d in range(P)]
+
+
+def _block_forward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg):
+  """(o in float32 (B, T, N, H), lse (B, T, N)) of one kernel call."""
+  call = plan.call(piece)
+  backend = api.select_backend(plan.implementation, call)
+  o, m, log2_l, *o32 = backend.fwd(q, k, v, (None, None, q_seg, kv_seg), call,
+                                   float32_output=q.dtype != jnp.float32)
+  o = (o32[0] if o32 else o).astype(jnp.float32)
+  lse = logits.lse(m, log2_l, scale=plan.scale, softcap=plan.softcap)
+  return o, jnp.transpose(lse, (0, 2, 1))
+
+
+def _block_backward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg, o, lse, do):
+  """float32 (dq, dk, dv) of one kernel call, from the global output o and lse."""
+  call = plan.call(piece)
+  # The kernels take the lse as (m, log2 l) with lse = m · factor + log(l).
+  factor = logits.Logits(plan.scale, plan.softcap, fused=False).factor
+  m = jnp.transpose(lse, (0, 2, 1)) / factor
+  return triton.bwd(q, k, v, o, m, jnp.zeros_like(m), do, (None, None, q_seg, kv_seg),
+                    call, grad_dtype=jnp.float32)
+
+
+def _rows(x, piece: _Piece):
+  return x if x is None else x[:, piece.q0:piece.q0 + piece.T]
+
+
+def _keys(x, piece: _Piece):
+  return x if x is None else x[:, piece.k0:piece.k0 + piece.S]
+
+
+def _forward_pieces(plan: _Plan, pieces, q, q_seg, k, v, kv_seg):
+  """The local queries' (o, lse) against one key/value block: the pieces cover disjoint
+  query rows; rows no piece covers have o = 0 and lse = -inf."""
+  B, T, N, H = q.shape
+  o = jnp.zeros((B, T, N, H), jnp.float32)
+  lse = jnp.full((B, T, N), -jnp.inf, jnp.float32)
+  for piece in pieces:
+    o_p, lse_p = _block_forward(plan, piece, _rows(q, piece), _keys(k, piece),
+                                _keys(v, piece), _rows(q_seg, piece), _keys(kv_seg, piece))
+    o = o.at[:, piece.q0:piece.q0 + piece.T].set(o_p)
+    lse = lse.at[:, piece.q0:piece.q0 + piece.T].set(lse_p)
+  return o, lse
+
+
+def _backward_pieces(plan: _Plan, pieces, q, q_seg, k, v, kv_seg, o, lse, do):
+  """float32 (dq, dk, dv) of the local queries against one key/value block."""
+  dq = jnp.zeros(q.shape, jnp.float32)
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  for piece in pieces:
+    dq_p, dk_p, dv_p = _block_backward(
+        plan, piece, _rows(q, piece), _keys(k, piece), _keys(v, piece), _rows(q_seg, piece),
+        _keys(kv_seg, piece), _rows(o, piece), _rows(lse, piece), _rows(do, piece))
+    dq = dq.at[:, piece.q0:piece.q0 + piece.T].add(dq_p)
+    dk = dk.at[:, piece.k0:piece.k0 + piece.S].add(dk_p)
+    dv = dv.at[:, piece.k0:piece.k0 + piece.S].add(dv_p)
+  return dq, dk, dv
+
+
+def _choose(index, variants: tuple, run, *operands):
+  """run(variants[index], *operands), index traced; one branch when all variants are the
+  same."""
+  if all(v == variants[0] for v in variants):
+    return run(variants[0], *operands)
+  return lax.switch(index, [functools.partial(run, v) for v in variants], *operands)
+
+
+def _next_device(plan: _Plan, x):
+  """x sent one step around the ring (device d to d + 1)."""
+  P = plan.shards
+  return lax.ppermute(x, plan.axis_name, [(i, (i + 1) % P) for i in range(P)])
+
+
+def _gather(plan: _Plan, x):
+  """x's shards of every device along the sequence, in natural order."""
+  x = lax.all_gather(x, plan.axis_name, axis=1, tiled=True)
+  return x if plan.layout == "contiguous" else zigzag_unpermute(x, plan.shards)
+
+
+def _forward(plan: _Plan, q, k, v, q_seg, kv_seg):
+  """(o, lse) of the local queries in float32, o (B, T, N, H) and lse (B, T, N)."""
+  d = lax.axis_index(plan.axis_name)
+  if plan.strategy == "all_gather":
+    k, v, kv_seg = (None if x is None else _gather(plan, x) for x in (k, v, kv_seg))
+    return _choose(d, tuple(plan.gathered()),
+                   functools.partial(_forward_pieces, plan), q, q_seg, k, v, kv_seg)
+  block = (k, v, kv_seg)
+  o = lse = None
+  for s in range(plan.shards):
+    if s + 1 < plan.shards:  # issued before this step's kernels, to run beside them
+      next_block = _next_device(plan, block)
+    o_s, lse_s = _choose((d < s).astype(jnp.int32), plan.ring_step(s),
+                         functools.partial(_forward_pieces, plan), q, q_seg, *block)
+    o, lse = (o_s, lse_s) if o is None else merge_attention_states(o, lse, o_s, lse_s)
+    if s + 1 < plan.shards:
+      block = next_block
+  return o, lse
+
+
+def _backward(plan: _Plan, q, k, v, q_seg, kv_seg, o, lse, do):
+  """float32 (dq, dk, dv) of the local shards."""
+  d = lax.axis_index(plan.axis_name)
+  run = functools.partial(_backward_pieces, plan)
+  if plan.strategy == "all_gather":
+    k_all, v_all, kv_seg_all = (None if x is None else _gather(plan, x)
+                                for x in (k, v, kv_seg))
+    dq, dk, dv = _choose(d, tuple(plan.gathered()), run, q, q_seg, k_all, v_all,
+                         kv_seg_all, o, lse, do)
+    if plan.layout == "zigzag":
+      dk, dv = (zigzag_permute(x, plan.shards) for x in (dk, dv))
+    dk, dv = (lax.psum_scatter(x, plan.axis_name, scatter_dimension=1, tiled=True)
+              for x in (dk, dv))
+    return dq, dk, dv
+  block = (k, v, kv_seg)
+  dq = jnp.zeros(q.shape, jnp.float32)
+  dk = jnp.zeros(k.shape, jnp.float32)  # the visiting block's accumulators
+  dv = jnp.zeros(v.shape, jnp.float32)
+  for s in range(plan.shards):
+    if s + 1 < plan.shards:
+      next_block = _next_device(plan, block)
+    dq_s, dk_s, dv_s = _choose((d < s).astype(jnp.int32), plan.ring_step(s), run, q, q_seg,
+                               *block, o, lse, do)
+    dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
+    # The accumulators go on with their block; after the P-th hop they are home.
+    dk, dv = _next_device(plan, (dk, dv))
+    if s + 1 < plan.shards:
+      block = next_block
+  return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _context_parallel(plan: _Plan, q, k, v, q_seg, kv_seg):
+  return _context_parallel_fwd(plan, q, k, v, q_seg, kv_seg)[0]
+
+
+def _context_parallel_fwd(plan: _Plan, q, k, v, q_seg, kv_seg):
+  o, lse = _forward(plan, q, k, v, q_seg, kv_seg)
+  return o.astype(q.dtype), (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _context_parallel_bwd(plan: _Plan, residuals, do):
+  q, k, v, q_seg, kv_seg, o, lse = residuals
+  dq, dk, dv = _backward(plan, q, k, v, q_seg, kv_seg, o, lse, do)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)
+
+
+def _segments(segment_ids, B: int, T: int, S: int, op: str):
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    q_seg, kv_seg = (jnp.asarray(s) for s in segment_ids)
+  else:
+    q_seg = kv_seg = jnp.asarray(segment_ids)
+  if q_seg.shape != (B, T) or kv_seg.shape != (B, S) or not (
+      jnp.issubdtype(q_seg.dtype, jnp.integer) and jnp.issubdtype(kv_seg.dtype, jnp.integer)):
+    raise ValueError(f"{op}: segment_ids must be integer arrays of this device's shards, "
+                     f"(B, T) = ({B}, {T}) for the queries and (B, S) = ({B}, {S}) for "
+                     f"the keys (one array when T == S); got {q_seg.dtype} {q_seg.shape} "
+                     f"and {kv_seg.dtype} {kv_seg.shape}")
+  return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+
+
+def _window(local_window_size, op: str):
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, int):
+    local_window_size = (local_window_size, local_window_size)
+  if (not isinstance(local_window_size, (tuple, list)) or len(local_window_size) != 2
+      or not all(isinstance(w, int) and w >= 0 for w in local_window_size)):
+    raise ValueError(f"{op}: local_window_size must be an int >= 0 or a (left, right) "
+                     f"pair of them, got {local_window_size!r}")
+  return tuple(local_window_size)
+
+
+def _shards(axis_name, op: str) -> int:
+  try:
+    return lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(f"{op}: axis_name {axis_name!r} is not an axis of the enclosing "
+                     "shard_map (call it inside jax.shard_map over a mesh with that "
+                     "axis, or use context_parallel_attention)") from e
+
+
+def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, scale=None,
+                   layout: str = "contiguous", strategy: str = "ring", segment_ids=None,
+                   logits_soft_cap=None, local_window_size=None, implementation=None,
+                   block_sizes=None, interpret: bool | None = None):
+  """Attention over a sequence sharded on the mesh axis ``axis_name``, inside
+  `jax.shard_map`: this device's shard of the output. Differentiable.
+
+  Args:
+    query: this device's queries, (B, T, N, H): the sequence axis T is sharded.
+    key, value: this device's keys and values, (B, S, K, H), K dividing N. With a
+      causal mask, a window or the zigzag layout, S == T (self-attention).
+    axis_name: the mesh axis the sequence is sharded over (P devices, in ring order).
+    is_causal: key j visible to query i when j <= i, in global positions.
+    scale: logits scale, 1/sqrt(H) by default.
+    layout: "contiguous" (device d holds tokens [d·T, (d+1)·T)) or "zigzag" (device d
+      holds chunks d and 2P-1-d of 2P, see `zigzag_permute`: balanced under a causal
+      mask). The zigzag layout takes no window.
+    strategy: "ring" (K/V passed around the ring, overlapped with the kernels) or
+      "all_gather" (K/V gathered once).
+    segment_ids: this device's segment ids, (B, T) (or a (query, key) pair): a query sees
+      only keys of its segment (packed sequences).
+    logits_soft_cap, local_window_size: as `jaxsoftmax.dot_product_attention` (the
+      window in global positions).
+    implementation: the forward's kernel backend, as `dot_product_attention` ("xla" is
+      not one); the backward runs the Triton kernels.
+    block_sizes: tiles for the forward's backend, as `dot_product_attention`.
+    interpret: run the kernels in Pallas interpret mode (the Triton backend).
+
+  Returns:
+    This device's shard of the output, shaped and typed like ``query``.
+  """
+  op = "ring_attention"
+  query, key, value = (jnp.asarray(a) for a in (query, key, value))
+  api._check_inputs(query, key, value, op)
+  if query.dtype == jnp.float64:
+    raise TypeError(f"{op}: float64 inputs have no kernel; use float32, bfloat16 or "
+                    "float16")
+  B, T, N, H = query.shape
+  S, K = key.shape[1], key.shape[2]
+  if layout not in LAYOUTS:
+    raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
+  if strategy not in STRATEGIES:
+    raise ValueError(f"{op}: strategy must be one of {STRATEGIES}, got {strategy!r}")
+  if implementation not in api.IMPLEMENTATIONS or implementation == "xla":
+    raise ValueError(f"{op}: implementation must be one of "
+                     f"{tuple(i for i in api.IMPLEMENTATIONS if i != 'xla')}, got "
+                     f"{implementation!r}")
+  if logits_soft_cap is not None and not logits_soft_cap > 0:
+    raise ValueError(f"{op}: logits_soft_cap must be > 0, got {logits_soft_cap!r}")
+  window = _window(local_window_size, op)
+  if (is_causal or window is not None or layout == "zigzag") and S != T:
+    raise ValueError(f"{op}: a causal mask, a window or the zigzag layout need query and "
+                     f"key shards of one length, got T={T} and S={S}")
+  if layout == "zigzag":
+    if T % 2:
+      raise ValueError(f"{op}: layout='zigzag' needs an even shard length (two chunks "
+                       f"per device), got T={T}")
+    if window is not None:
+      raise ValueError(f"{op}: local_window_size needs layout='contiguous'")
+  q_seg, kv_seg = _segments(segment_ids, B, T, S, op)
+  plan = _Plan(axis_name, _shards(axis_name, op), layout, strategy, bool(is_causal), window,
+               q_seg is not None, float(1 / np.sqrt(H) if scale is None else scale),
+               logits_soft_cap, implementation, block_sizes,
+               _backend.resolve_interpret(interpret), B, T, S, N, K, H,
+               jnp.dtype(query.dtype).name)
+  return _context_parallel(plan, query, key, value, q_seg, kv_seg)
+
+
+def context_parallel_attention(query, key, value, *, mesh, axis_name,
+                               layout: str = "contiguous", batch_axis=None, head_axis=None,
+                               segment_ids=None, **kwargs):
+  """`ring_attention` for global arrays: shards the sequence axis of query, key and value
+  (B, T, N, H) over the mesh axis ``axis_name`` (and, optionally, the batch over
+  ``batch_axis`` and the heads over ``head_axis``) with `jax.shard_map`, and returns the
+  global output. Inputs and output are in natural order: with ``layout="zigzag"`` they
+  are permuted into the zigzag order and back here, which moves every token once more;
+  a training loop saves that by keeping its tokens zigzag-permuted (`zigzag_permute`)
+  and calling `ring_attention` in its own `shard_map`. ``segment_ids`` is (B, T) or a
+  (query, key) pair of global arrays; other keywords go to `ring_attention`."""
+  op = "context_parallel_attention"
+  for name, axis in (("axis_name", axis_name), ("batch_axis", batch_axis),
+                     ("head_axis", head_axis)):
+    if axis is not None and axis not in mesh.axis_names:
+      raise ValueError(f"{op}: {name} {axis!r} is not an axis of the mesh "
+                       f"{tuple(mesh.axis_names)}")
+  query, key, value = (jnp.asarray(a) for a in (query, key, value))
+  P = mesh.shape[axis_name]
+  per = 2 * P if layout == "zigzag" else P
+  for name, x in (("query", query), ("key", key)):
+    if x.ndim != 4 or x.shape[1] % per:
+      raise ValueError(f"{op}: the sequence axis (1) of {name} {x.shape} must be a "
+                       f"multiple of {per} ({P} devices on {axis_name!r}"
+                       f"{', two chunks each (zigzag)' if layout == 'zigzag' else ''})")
+  pair = isinstance(segment_ids, (tuple, list))
+  segments = None if segment_ids is None else (
+      tuple(jnp.asarray(s) for s in segment_ids) if pair else jnp.asarray(segment_ids))
+  if layout == "zigzag":
+    query, key, value = (zigzag_permute(x, P) for x in (query, key, value))
+    segments = jax.tree.map(lambda s: zigzag_permute(s, P), segments)
+  tokens = PartitionSpec(batch_axis, axis_name, head_axis, None)
+  ids = PartitionSpec(batch_axis, axis_name)
+
+  def local(query, key, value, *segments):
+    return ring_attention(query, key, value, axis_name=axis_name, layout=layout,
+                          segment_ids=segments[0] if segments else None, **kwargs)
+
+  args, in_specs = (query, key, value), (tokens, tokens, tokens)
+  if segments is not None:
+    args, in_specs = (*args, segments), (*in_specs, jax.tree.map(lambda _: ids, segments))
+  # check_vma=False: the Pallas kernels inside declare no varying mesh axes.
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens,
+                          check_vma=False)
+
+  @jax.jit
+  def run(*args):  # inputs placed anywhere are resharded to the specs first
+    args = jax.tree.map(lambda x, spec: jax.reshard(x, NamedSharding(mesh, spec)), args,
+                        in_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return sharded(*args)
+
+  out = run(*args)
+  return zigzag_unpermute(out, P) if layout == "zigzag" else out
