@@ -5,7 +5,8 @@ Tests that need compiled kernels carry ``@pytest.mark.gpu``; they are skipped un
 default backend is a GPU. Everything else runs the kernels in Pallas interpret mode, so
 the whole suite runs on a CPU. On the GPU machine run ``pytest -m gpu``.
 
-The suite runs with ``jax_numpy_rank_promotion="raise"`` (set here for this process and,
+The CPU has 8 virtual devices (``--xla_force_host_platform_device_count``), for the
+context-parallel tests. The suite runs with ``jax_numpy_rank_promotion="raise"`` (set here for this process and,
 through the environment, for the scripts the tests start), a setting many codebases use:
 library code must broadcast explicitly.
 """
@@ -14,6 +15,9 @@ import os
 import zlib
 
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
+# Eight virtual CPU devices for the context-parallel tests (the host platform only).
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
 
 import jax  # noqa: E402 - after the environment it reads
 import pytest  # noqa: E402

@@ -209,6 +209,15 @@ def _keys(x, piece: _Piece):
   return x if x is None else x[:, piece.k0:piece.k0 + piece.S]
 
 
+def _padded(x, start: int, length: int, fill=0.0):
+  """x, rows [start, start + x.shape[1]) of ``length`` along axis 1, padded with fill.
+  (Padding, not `.at[].set`: jaxlib 0.11.2's CPU compiler crashes on the latter inside
+  a multi-device shard_map.)"""
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (start, length - start - x.shape[1])
+  return jnp.pad(x, widths, constant_values=fill)
+
+
 def _forward_pieces(plan: _Plan, pieces, q, q_seg, k, v, kv_seg):
   """The local queries' (o, lse) against one key/value block: the pieces cover disjoint
   query rows; rows no piece covers have o = 0 and lse = -inf."""
@@ -218,8 +227,8 @@ def _forward_pieces(plan: _Plan, pieces, q, q_seg, k, v, kv_seg):
   for piece in pieces:
     o_p, lse_p = _block_forward(plan, piece, _rows(q, piece), _keys(k, piece),
                                 _keys(v, piece), _rows(q_seg, piece), _keys(kv_seg, piece))
-    o = o.at[:, piece.q0:piece.q0 + piece.T].set(o_p)
-    lse = lse.at[:, piece.q0:piece.q0 + piece.T].set(lse_p)
+    o = o + _padded(o_p, piece.q0, T)
+    lse = jnp.maximum(lse, _padded(lse_p, piece.q0, T, -jnp.inf))
   return o, lse
 
 
@@ -232,9 +241,9 @@ def _backward_pieces(plan: _Plan, pieces, q, q_seg, k, v, kv_seg, o, lse, do):
     dq_p, dk_p, dv_p = _block_backward(
         plan, piece, _rows(q, piece), _keys(k, piece), _keys(v, piece), _rows(q_seg, piece),
         _keys(kv_seg, piece), _rows(o, piece), _rows(lse, piece), _rows(do, piece))
-    dq = dq.at[:, piece.q0:piece.q0 + piece.T].add(dq_p)
-    dk = dk.at[:, piece.k0:piece.k0 + piece.S].add(dk_p)
-    dv = dv.at[:, piece.k0:piece.k0 + piece.S].add(dv_p)
+    dq = dq + _padded(dq_p, piece.q0, q.shape[1])
+    dk = dk + _padded(dk_p, piece.k0, k.shape[1])
+    dv = dv + _padded(dv_p, piece.k0, v.shape[1])
   return dq, dk, dv
 
 
@@ -440,9 +449,10 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name,
   (B, T, N, H) over the mesh axis ``axis_name`` (and, optionally, the batch over
   ``batch_axis`` and the heads over ``head_axis``) with `jax.shard_map`, and returns the
   global output. Inputs and output are in natural order: with ``layout="zigzag"`` they
-  are permuted into the zigzag order and back here, which moves every token once more;
-  a training loop saves that by keeping its tokens zigzag-permuted (`zigzag_permute`)
-  and calling `ring_attention` in its own `shard_map`. ``segment_ids`` is (B, T) or a
+  are permuted into the zigzag order and back here, on each tensor's whole sequence (one
+  gather and one reshard each way); a training loop saves that by keeping its tokens
+  zigzag-permuted (`zigzag_permute`) and calling `ring_attention` in its own
+  `shard_map`. ``segment_ids`` is (B, T) or a
   (query, key) pair of global arrays; other keywords go to `ring_attention`."""
   op = "context_parallel_attention"
   for name, axis in (("axis_name", axis_name), ("batch_axis", batch_axis),
@@ -461,9 +471,6 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name,
   pair = isinstance(segment_ids, (tuple, list))
   segments = None if segment_ids is None else (
       tuple(jnp.asarray(s) for s in segment_ids) if pair else jnp.asarray(segment_ids))
-  if layout == "zigzag":
-    query, key, value = (zigzag_permute(x, P) for x in (query, key, value))
-    segments = jax.tree.map(lambda s: zigzag_permute(s, P), segments)
   tokens = PartitionSpec(batch_axis, axis_name, head_axis, None)
   ids = PartitionSpec(batch_axis, axis_name)
 
@@ -478,11 +485,22 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name,
   sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens,
                           check_vma=False)
 
-  @jax.jit
-  def run(*args):  # inputs placed anywhere are resharded to the specs first
-    args = jax.tree.map(lambda x, spec: jax.reshard(x, NamedSharding(mesh, spec)), args,
-                        in_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    return sharded(*args)
+  def place(x, spec):
+    return jax.reshard(x, NamedSharding(mesh, spec))
 
-  out = run(*args)
-  return zigzag_unpermute(out, P) if layout == "zigzag" else out
+  def whole_sequence(spec):  # the spec with the sequence axis (1) not sharded
+    return PartitionSpec(spec[0], None, *spec[2:])
+
+  def each(fn, args):
+    return jax.tree.map(fn, args, in_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+  @jax.jit
+  def run(*args):  # inputs placed anywhere are resharded to the specs
+    if layout == "zigzag":  # reordered on whole sequences: tokens move between shards
+      args = each(lambda x, spec: zigzag_permute(place(x, whole_sequence(spec)), P), args)
+    out = sharded(*each(place, args))
+    if layout == "zigzag":
+      out = place(zigzag_unpermute(place(out, whole_sequence(tokens)), P), tokens)
+    return out
+
+  return run(*args)

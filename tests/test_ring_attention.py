@@ -1,0 +1,158 @@
+"""Context-parallel attention (`ring_attention`, `context_parallel_attention`): on the
+CPU's 8 virtual devices (conftest) with the kernels interpreted, and on two GPUs.
+
+Outputs and gradients of the sharded computation are checked against the float64 truth
+of single-device attention under the 2x rule (tests/tolerance.py), on sequences whose
+shards are multiples of no kernel block.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsoftmax as js
+from jaxsoftmax import reference
+from tolerance import assert_2x, max_errors, truth
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _mesh(shards: int):
+  if len(jax.devices()) < shards:
+    pytest.skip(f"needs {shards} devices, has {len(jax.devices())}")
+  return jax.make_mesh((shards,), ("sp",), devices=jax.devices()[:shards])
+
+
+def _inputs(key, B, T, N, K, H, dtype):
+  kq, kk, kv, kd = jax.random.split(key, 4)
+  normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dtype)
+  return (normal(kq, (B, T, N, H)), normal(kk, (B, T, K, H)), normal(kv, (B, T, K, H)),
+          normal(kd, (B, T, N, H)))
+
+
+def _check(key, shards, *, B=1, T=96, N=2, K=1, H=16, dtype=jnp.bfloat16, segments=False,
+           is_causal=False, local_window_size=None, logits_soft_cap=None, **options):
+  """Output and (dq, dk, dv) of context-parallel attention over ``shards`` devices against
+  the float64 truth; returns the kernel's errors."""
+  q, k, v, do = _inputs(key, B, T, N, K, H, dtype)
+  seg = None
+  if segments:
+    seg = jnp.sort(jax.random.randint(jax.random.fold_in(key, 1), (B, T), 0, 3), axis=1)
+  masks = dict(is_causal=is_causal, local_window_size=local_window_size,
+               logits_soft_cap=logits_soft_cap)
+
+  def run(attention, q, k, v, do):
+    o, vjp = jax.vjp(attention, q, k, v)
+    return (o, *vjp(do))
+
+  ours = functools.partial(js.context_parallel_attention, mesh=_mesh(shards),
+                           axis_name="sp", segment_ids=seg, interpret=not ON_GPU,
+                           **masks, **options)
+  ref = lambda q, k, v: reference.dot_product_attention(
+      q, k, v, q_segments=seg, kv_segments=seg, **masks)[0]
+  got = run(ours, q, k, v, do)
+  in_dtype = jax.jit(functools.partial(run, ref))(q, k, v, do)
+  exact = truth(functools.partial(run, ref), q, k, v, do)
+  for what, a, b, c in zip(("output", "dq", "dk", "dv"), got, in_dtype, exact):
+    assert_2x(a, b, c, what=what)
+  return [max_errors(a, c)[0] for a, c in zip(got, exact)]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_matches_single_device(key, strategy, layout, is_causal):
+  # 4 devices, 24 tokens each (zigzag: two chunks of 12).
+  _check(key, 4, strategy=strategy, layout=layout, is_causal=is_causal)
+
+
+def test_error_does_not_grow_with_devices(key):
+  # The same causal problem on 1, 2, 4 and 8 devices: partial results merge in float32,
+  # so the error against the truth stays that of one device.
+  errors = {P: _check(key, P, layout="zigzag", is_causal=True) for P in (1, 2, 4, 8)}
+  for P, errs in errors.items():
+    for what, err, err_1 in zip(("output", "dq", "dk", "dv"), errs, errors[1]):
+      assert err <= 1.5 * err_1 + 1e-6, (P, what, err, err_1)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_gqa_segments_soft_cap(key, strategy):
+  _check(key, 2, B=2, N=4, K=2, segments=True, logits_soft_cap=3.0, is_causal=True,
+         layout="zigzag", strategy=strategy)
+
+
+@pytest.mark.parametrize("window", [(20, 0), (7, 30), (40, 40)], ids=str)
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_local_windows_across_shards(key, strategy, window):
+  # Windows that reach into the neighbouring shards (24 tokens each), and past them.
+  _check(key, 4, strategy=strategy, local_window_size=window, is_causal=window[1] == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["float32", "float16"])
+def test_other_dtypes(key, dtype):
+  _check(key, 2, dtype=dtype, is_causal=True)
+
+
+def test_ring_attention_inside_a_users_shard_map(key):
+  # The entry point a training step uses: its own shard_map, tokens kept zigzag-permuted.
+  P, B, T, N, H = 4, 1, 64, 2, 16
+  q, k, v, do = _inputs(key, B, T, N, N, H, jnp.float32)
+  mesh = _mesh(P)
+  spec = jax.sharding.PartitionSpec(None, "sp")
+  local = jax.shard_map(
+      functools.partial(js.ring_attention, axis_name="sp", is_causal=True, layout="zigzag",
+                        interpret=not ON_GPU),
+      mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  out = jax.jit(local)(*(jax.device_put(js.zigzag_permute(x, P), sharding)
+                         for x in (q, k, v)))
+  expected = reference.dot_product_attention(q, k, v, is_causal=True)[0]
+  np.testing.assert_allclose(js.zigzag_unpermute(np.asarray(out), P), expected,
+                             atol=2e-6, rtol=2e-6)
+
+
+def test_zigzag_permutation():
+  x = jnp.arange(16)[None]
+  np.testing.assert_array_equal(
+      js.zigzag_permute(x, 2),
+      [[0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]])
+  y = jax.random.normal(jax.random.PRNGKey(0), (2, 24, 3))
+  np.testing.assert_array_equal(js.zigzag_unpermute(js.zigzag_permute(y, 3), 3), y)
+  with pytest.raises(ValueError, match="multiple of 2 \\* num_shards = 8"):
+    js.zigzag_permute(jnp.zeros((1, 12)), 4)
+
+
+def test_bad_input():
+  mesh = _mesh(2)
+  q = jnp.zeros((1, 30, 2, 16), jnp.float32)
+  cp = functools.partial(js.context_parallel_attention, mesh=mesh, interpret=True)
+  with pytest.raises(ValueError, match="axis_name 'x' is not an axis of the mesh"):
+    cp(q, q, q, axis_name="x")
+  with pytest.raises(ValueError, match=r"sequence axis \(1\) of query \(1, 30, 2, 16\) must "
+                                       r"be a multiple of 4 \(2 devices on 'sp', two chunks"):
+    cp(q, q, q, axis_name="sp", layout="zigzag")
+  with pytest.raises(ValueError, match="layout must be one of"):
+    cp(q, q, q, axis_name="sp", layout="striped")
+  with pytest.raises(ValueError, match="strategy must be one of"):
+    cp(q, q, q, axis_name="sp", strategy="tree")
+  with pytest.raises(ValueError, match="local_window_size needs layout='contiguous'"):
+    cp(jnp.zeros((1, 32, 2, 16)), jnp.zeros((1, 32, 2, 16)), jnp.zeros((1, 32, 2, 16)),
+       axis_name="sp", layout="zigzag", local_window_size=3)
+  with pytest.raises(ValueError, match="need query and key shards of one length"):
+    cp(q, q[:, :10], q[:, :10], axis_name="sp", is_causal=True)
+  with pytest.raises(ValueError, match="axis_name 'sp' is not an axis of the enclosing "
+                                       "shard_map"):
+    js.ring_attention(q, q, q, axis_name="sp", interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_two_gpus(key, strategy):
+  # The compiled kernels (the Hopper forward where there is one) on the 2-GPU machine.
+  if len(jax.devices()) < 2:
+    pytest.skip("needs two GPUs")
+  _check(key, 2, B=2, T=3000, N=8, K=2, H=128, strategy=strategy, layout="zigzag",
+         is_causal=True)
