@@ -10,7 +10,8 @@
 # ATTN_NAME names the results, ATTN_MODES="fwd" measures the forward alone), attn-ncu
 # (Nsight Compute counters of one forward), attn-tune-hopper (tune_attention_hopper.py:
 # the Mosaic GPU forward's tiles; TUNE_ONLY picks shapes), example (the transformer
-# example at GPU size, with its profiler trace). Each is bounded by a timeout so that one hung stage still leaves the
+# example at GPU size, with its profiler trace), ring-tests, ring-bench (RING_ONLY picks
+# shapes) and ring-example (context parallelism on every visible GPU). Each is bounded by a timeout so that one hung stage still leaves the
 # others' results. Everything is also packed into $OUT/run.tgz, since only a few files
 # come back from the machine.
 #
@@ -90,6 +91,18 @@ for stage in ${STAGES:-tests tune bench}; do
         grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Issued Ipc|No Eligible|Stall|Tensor|Achieved Occupancy" \
           "$out/ncu_$impl.log" | head -n 30 | sed "s/^/$impl: /" | tee -a "$out/summary.log"
       done ;;
+    ring-tests)
+      # Context parallelism on every visible GPU (the nvidia-h200-x2 machine).
+      timeout 300 $python -m pytest -m gpu -q -p no:cacheprovider -rfEs \
+        tests/test_ring_attention.py 2>&1 | tee "$out/ring_tests.log" | tail -n 6 \
+        | tee -a "$out/summary.log" ;;
+    ring-bench)
+      timeout 540 $python benchmarks/bench_ring_attention.py --out "$out" \
+        ${RING_ONLY:+--only "$RING_ONLY"} 2>&1 | tee "$out/ring_bench.log" | tail -n 4 \
+        | tee -a "$out/summary.log" ;;
+    ring-example)
+      timeout 200 $python examples/long_context.py --tokens 65536 2>&1 \
+        | tee "$out/ring_example.log" | tail -n 6 | tee -a "$out/summary.log" ;;
     example)
       timeout 120 $python examples/train_transformer.py --trace "$out/trace" 2>&1 \
         | tee "$out/example.log" | tail -n 8 | tee -a "$out/summary.log" ;;

@@ -1,5 +1,6 @@
-"""The attention benchmark and the report merge run end to end (--smoke: tiny shapes,
-interpreted kernels), so that the scripts the GPU run depends on do not rot off-GPU."""
+"""The attention benchmarks, the report merge and the long-context example run end to end
+(--smoke: tiny shapes, interpreted kernels), so that the scripts the GPU run depends on do
+not rot off-GPU."""
 
 import json
 import os
@@ -36,3 +37,23 @@ def test_bench_attention_smoke_and_merge(tmp_path):
        str(tmp_path / "attention.json"), str(tmp_path / "attention.json"))
   with open(tmp_path / "merged" / "both.json") as f:
     assert len(json.load(f)["rows"]) == len(rows)  # same keys: replaced, not repeated
+
+
+def test_bench_ring_attention_smoke(tmp_path):
+  pytest.importorskip("matplotlib")
+  _run("benchmarks/bench_ring_attention.py", "--smoke", "--out", str(tmp_path))
+  with open(tmp_path / "ring_attention.json") as f:
+    rows = json.load(f)["rows"]
+  # Per case: one device, then the ring and all-gather strategies on the 8 CPU devices.
+  assert {r["impl"] for r in rows} == {"1 device", "8 devices ring zigzag",
+                                       "8 devices all_gather zigzag",
+                                       "8 devices ring contiguous",
+                                       "8 devices all_gather contiguous"}
+  assert all(r["wall_us"] > 0 for r in rows)
+
+
+def test_long_context_example(tmp_path):
+  out = _run("examples/long_context.py", "--tokens", "128", "--repeats", "1").stdout
+  for name in ("output", "dq", "dk", "dv"):
+    diff = float(out.split(f"{name}: largest difference from one device ")[1].split()[0])
+    assert diff < 1e-5, (name, out)

@@ -1,0 +1,225 @@
+"""Context-parallel attention on several GPUs against our attention on one, same problem.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_ring_attention.py --out benchmarks/results
+    ... --smoke   # tiny sizes on the CPU's virtual devices (interpreted kernels)
+
+bfloat16, B=1, N=16 (and GQA 32/8), H=128, T = 32k, 64k, 128k tokens in total, causal
+(zigzag layout) and not (contiguous), forward and forward + backward, for the ring and
+all-gather strategies on every visible GPU, beside `dot_product_attention` on one GPU.
+
+Times are end to end: wall clock per call over 10 calls issued back to back, the median
+of three runs, with the inputs already placed (zigzag-ordered and sharded for the
+context-parallel rows). A multi-device call has no single device time, so instead a
+`jax.profiler` trace of device 0 splits one call: the time its compute kernels keep the
+GPU busy (the union of their intervals), the time in NCCL kernels, and the exposed
+communication and idle time (wall minus compute). Speedup: one GPU's time over the
+context-parallel time; TFLOP/s over 4·B·N·T²·H (halved when causal; 3.5x for forward +
+backward) and the wall time.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Eight virtual devices for --smoke on a CPU (ignored by GPUs); set before JAX starts.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+import jaxsoftmax as js  # noqa: E402
+
+CALLS = 10
+# (T, N, K): tokens in total, query and key/value heads; H = 128, B = 1.
+SHAPES = [(32768, 16, 16), (65536, 16, 16), (131072, 16, 16), (65536, 32, 8)]
+SMOKE_SHAPES = [(128, 4, 2)]
+H, SMOKE_H = 128, 16
+
+
+def wall_us(fn, args) -> float:
+  """Median over three runs of the wall time per call of CALLS back-to-back calls."""
+  jax.block_until_ready(fn(*args))
+  runs = []
+  for _ in range(3):
+    start = time.perf_counter()
+    jax.block_until_ready([fn(*args) for _ in range(CALLS)])
+    runs.append((time.perf_counter() - start) * 1e6 / CALLS)
+  return statistics.median(runs)
+
+
+def _union(intervals) -> float:
+  total, end = 0.0, float("-inf")
+  for start, stop in sorted(intervals):
+    if stop > end:
+      total += stop - max(start, end)
+      end = stop
+  return total
+
+
+def device0_split(fn, args) -> dict:
+  """Compute-busy and NCCL time (us) of one call on GPU 0, from a jax.profiler trace."""
+  from jax.profiler import ProfileData
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as logdir:
+    jax.profiler.start_trace(logdir)
+    jax.block_until_ready(fn(*args))
+    jax.profiler.stop_trace()
+    [path] = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+    profile = ProfileData.from_file(path)
+  [plane] = [p for p in profile.planes if p.name == "/device:GPU:0"]
+  compute, nccl = [], 0.0
+  for line in plane.lines:
+    if not line.name.startswith("Stream"):
+      continue
+    for event in line.events:
+      span = (event.start_ns / 1e3, (event.start_ns + event.duration_ns) / 1e3)
+      if "nccl" in event.name.lower():
+        nccl += span[1] - span[0]
+      else:
+        compute.append(span)
+  return dict(compute_us=_union(compute), nccl_us=nccl)
+
+
+def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype, smoke):
+  devices = jax.devices()
+  P = len(devices)
+  mesh = jax.make_mesh((P,), ("sp",), devices=devices)
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q, do = (jax.random.normal(k, (1, T, N, head_dim), jnp.float32).astype(dtype)
+           for k in keys[:2])
+  k, v = (jax.random.normal(k, (1, T, K, head_dim), jnp.float32).astype(dtype)
+          for k in keys[2:])
+  flops = 4 * T * T * N * head_dim * (0.5 if causal else 1.0) * (3.5 if mode != "fwd" else 1)
+
+  def timed(attention):
+    if mode == "fwd":
+      return jax.jit(attention)
+
+    def forward_backward(q, k, v, do):
+      out, vjp = jax.vjp(attention, q, k, v)
+      return vjp(do)
+
+    return jax.jit(forward_backward)
+
+  single = timed(functools.partial(js.dot_product_attention, is_causal=causal))
+  inputs = (q, k, v) if mode == "fwd" else (q, k, v, do)
+  rows = []
+  base = wall_us(single, inputs)
+  common = dict(T=T, N=N, K=K, H=head_dim, causal=causal, mode=mode, devices=P)
+  rows.append(dict(common, impl="1 device", wall_us=base, speedup=1.0,
+                   tflops=flops / base / 1e6))
+  layout = "zigzag" if causal else "contiguous"
+  tokens = PartitionSpec(None, "sp")
+  placed = [jax.device_put(js.zigzag_permute(x, P) if causal else x,
+                           NamedSharding(mesh, tokens)) for x in inputs]
+  for strategy in js.attention.ring.STRATEGIES:
+    attention = jax.shard_map(
+        functools.partial(js.ring_attention, axis_name="sp", is_causal=causal,
+                          layout=layout, strategy=strategy),
+        mesh=mesh, in_specs=(tokens,) * 3, out_specs=tokens, check_vma=False)
+    fn = timed(attention)
+    t = wall_us(fn, placed)
+    row = dict(common, impl=f"{P} devices {strategy} {layout}", wall_us=t,
+               speedup=base / t, tflops=flops / t / 1e6)
+    if not smoke:
+      split = device0_split(fn, placed)
+      row.update(split, exposed_us=t - split["compute_us"])
+    rows.append(row)
+  return rows
+
+
+def markdown(rows, meta) -> str:
+  lines = [
+      "# ring_attention", "",
+      f"{meta['devices']} x {meta['device']}, JAX {meta['jax']}, {meta['date']}. "
+      "Wall time per call (us, median of 3 runs of 10 back-to-back calls, inputs placed); "
+      "speedup over our attention on one device for the same problem; on device 0 of "
+      "one traced call: compute busy (union of its compute kernels), NCCL kernel time, "
+      "and wall minus compute busy (exposed communication and idle).", "",
+      "| T | N/K | causal | mode | impl | wall us | TFLOP/s | speedup | compute us | "
+      "NCCL us | wall - compute us |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  fmt = lambda r, key, f=".0f": "" if r.get(key) is None else format(r[key], f)
+  for r in rows:
+    lines.append(
+        f"| {r['T']} | {r['N']}/{r['K']} | {'yes' if r['causal'] else 'no'} | {r['mode']} | "
+        f"{r['impl']} {r.get('note', '')} | {fmt(r, 'wall_us')} | {fmt(r, 'tflops')} | "
+        f"{fmt(r, 'speedup', '.2f')} | {fmt(r, 'compute_us')} | {fmt(r, 'nccl_us')} | "
+        f"{fmt(r, 'exposed_us')} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  cases = list(dict.fromkeys((r["T"], r["N"], r["K"], r["causal"], r["mode"]) for r in rows))
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  fig, ax = plt.subplots(figsize=(12, 4))
+  width = 0.8 / len(impls)
+  for i, impl in enumerate(impls):
+    speed = {(r["T"], r["N"], r["K"], r["causal"], r["mode"]): r["speedup"]
+             for r in rows if r["impl"] == impl and "speedup" in r}
+    ax.bar([c + i * width for c in range(len(cases))], [speed.get(c, 0) for c in cases],
+           width, label=impl)
+  labels = [f"T{T} {N}/{K}\n{'causal' if c else 'full'} {m}" for T, N, K, c, m in cases]
+  ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))], labels, fontsize=7)
+  ax.set_ylabel("speedup over one device")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--smoke", action="store_true", help="tiny sizes, any backend")
+  parser.add_argument("--only", default=None, help="comma-separated indices of SHAPES")
+  parser.add_argument("--name", default="ring_attention")
+  args = parser.parse_args()
+  if jax.default_backend() != "gpu" and not args.smoke:
+    raise SystemExit("benchmarks time compiled kernels: run them on GPUs (or --smoke)")
+  shapes, head_dim = (SMOKE_SHAPES, SMOKE_H) if args.smoke else (SHAPES, H)
+  if args.only is not None:
+    shapes = [shapes[int(i)] for i in args.only.split(",")]
+  dtype = jnp.float32 if args.smoke else jnp.bfloat16
+  meta = dict(device=jax.devices()[0].device_kind, devices=len(jax.devices()),
+              jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, args.name)
+  rows = []
+  for T, N, K in shapes:
+    for causal in (True, False):
+      for mode in ("fwd", "fwd+bwd"):
+        try:
+          new = bench(T, N, K, head_dim, causal, mode, dtype, args.smoke)
+        except Exception as e:  # noqa: BLE001 - a failed case is a row that says why
+          new = [dict(T=T, N=N, K=K, H=head_dim, causal=causal, mode=mode,
+                      devices=meta["devices"], impl="not measured",
+                      note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")]
+        for r in new:
+          speed = (f"{r['wall_us']:10.0f} us {r['tflops']:6.0f} TFLOP/s {r['speedup']:.2f}x"
+                   if "wall_us" in r else r["note"])
+          print(f"T={T:6d} N={N}/{K} causal={causal!s:5} {mode:7s} {r['impl']:28s} {speed}",
+                flush=True)
+        rows += new
+        with open(path + ".json", "w") as f:
+          json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        with open(path + ".md", "w") as f:
+          f.write(markdown(rows, meta))
+  plot(rows, path + ".png")
+  print(f"wrote {path}.json/.md/.png")
+
+
+if __name__ == "__main__":
+  main()
