@@ -15,7 +15,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["pl", "plgpu", "hopper_device", "device_description", "sm_count"]
+__all__ = ["pl", "plgpu", "hopper_device", "device_description"]
 
 
 @functools.cache
@@ -38,12 +38,3 @@ def hopper_device() -> bool:
     return False
   return str(getattr(device, "compute_capability", "")).startswith("9")
 
-
-# H100 SXM and H200 have 132 SMs: the count persistent kernels are lowered for off-GPU.
-_HOPPER_SMS = 132
-
-
-def sm_count() -> int:
-  """Streaming multiprocessors of the default device (a persistent kernel launches one
-  CTA per SM)."""
-  return getattr(_default_device(), "core_count", None) or _HOPPER_SMS
