@@ -9,6 +9,7 @@ from jaxsoftmax.attention import (BlockSizes, HopperBlockSizes, context_parallel
                                   dot_product_attention, flax_attention, ring_attention,
                                   zigzag_permute, zigzag_unpermute)
 from jaxsoftmax.cross_entropy import cross_entropy
+from jaxsoftmax.linear_cross_entropy import LinearCrossEntropyTiling, linear_cross_entropy
 from jaxsoftmax.rowwise import RowTiling
 from jaxsoftmax.softmax import log_softmax, logsumexp, softmax
 from jaxsoftmax.state import (merge_attention_states, merge_states, reduce_lse, reduce_states,
@@ -19,6 +20,8 @@ __all__ = [
     "log_softmax",
     "logsumexp",
     "cross_entropy",
+    "linear_cross_entropy",
+    "LinearCrossEntropyTiling",
     "dot_product_attention",
     "flax_attention",
     "ring_attention",

@@ -217,14 +217,15 @@ def _reduce(loss, labels, where, ignore_index: int, reduction: str):
   return jnp.sum(loss) / jnp.maximum(count, 1).astype(jnp.float32)
 
 
-def _check_labels(labels, n_classes: int, ignore_index: int):
+def check_labels(labels, n_classes: int, ignore_index: int, op: str = "cross_entropy"):
+  """Concrete labels outside [0, n_classes) that are not ``ignore_index`` raise."""
   if isinstance(labels, jax.core.Tracer):
     return  # inside jit: out-of-range labels give NaN (see `cross_entropy`)
   values = np.asarray(labels)
   bad = (values != ignore_index) & ((values < 0) | (values >= n_classes))
   if bad.any():
     raise ValueError(
-        f"cross_entropy: labels must lie in [0, {n_classes}) or equal "
+        f"{op}: labels must lie in [0, {n_classes}) or equal "
         f"ignore_index={ignore_index}; {int(bad.sum())} do not, e.g. {values[bad][0]} "
         f"at index {tuple(int(i) for i in np.argwhere(bad)[0])}")
 
@@ -323,7 +324,7 @@ def cross_entropy(logits, labels, axis=-1, where=None, *, ignore_index: int = -1
                      "and where masks some of them; use one or the other")
   if z_loss < 0:
     raise ValueError(f"cross_entropy: z_loss must be >= 0, got {z_loss!r}")
-  _check_labels(labels, logits.shape[-1], ignore_index)
+  check_labels(labels, logits.shape[-1], ignore_index)
   options = dict(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
                  z_loss=float(z_loss), reduction=reduction)
   if logits.dtype == jnp.float64 or logits.size == 0:

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["pl", "load", "store", "dot", "exp2", "pallas_call", "resolve_interpret",
-           "num_cores"]
+__all__ = ["pl", "load", "store", "dot", "exp2", "pallas_call", "atomic_add",
+           "resolve_interpret", "num_cores"]
 
 # The Triton lowering warns on every compilation that it is deprecated. That is a
 # message for kernel authors (this file is where the move will happen), not for users
@@ -104,7 +104,8 @@ def exp2(interpret: bool):
 
 
 def pallas_call(kernel, *, name: str, grid, in_specs, out_specs, out_shape,
-                num_warps: int, num_stages: int, interpret: bool):
+                num_warps: int, num_stages: int, interpret: bool,
+                input_output_aliases=None):
   """``pl.pallas_call`` with the backend's compiler parameters filled in."""
   return pl.pallas_call(
       kernel,
@@ -115,4 +116,12 @@ def pallas_call(kernel, *, name: str, grid, in_specs, out_specs, out_shape,
       out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
+      input_output_aliases=input_output_aliases or {},
   )
+
+
+def atomic_add(ref, idx, val):
+  """ref[idx] += val as one atomic read-modify-write per element (float32 sums that
+  several programs write into). No mask: interpret mode has none for atomics, so the
+  target must hold the whole block."""
+  return plgpu.atomic_add(ref, idx, val)

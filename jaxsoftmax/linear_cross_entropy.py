@@ -1,0 +1,401 @@
+"""Linear layer + softmax cross-entropy in Pallas kernels that never write the logits.
+
+For rows x (R, H) of ``hidden``, ``weight`` W (H, V) and optional ``bias`` b, the logits
+z = x W + b (float32 accumulation) become s = c·tanh(z / c) under a soft cap c (Gemma 2),
+else s = z; with the row's lse = log Σ_j exp(s_j), label y, smoothing a and z-loss
+coefficient ζ, the loss is that of `jaxsoftmax.cross_entropy` on s:
+
+    loss = lse - (1 - a)·s_y - a·mean_j s_j + ζ·lse²
+
+Forward kernel: one program per (block of rows, range of the vocabulary). It walks the
+range in vocabulary tiles; each logit tile is a sum over hidden-dim chunks of
+x-chunk · W-chunk products on the tensor cores, and never leaves registers: the program
+keeps the online-softmax state (m, l), the label's logit and Σ s_j per row, and writes
+those four numbers per row for its range. The ranges merge in float32 (the
+`merge_states` rule), so nothing R x V reaches memory.
+
+Backward kernel: one program per (block of rows, vocabulary tile). It recomputes its
+logit tile, forms ds = g·[(1 + 2ζ·lse)·p - (1 - a)·[j = y] - a / V] + g_lse·p with
+p = exp(s - lse) (times 1 - (s/c)² under a soft cap) in registers, and adds ds · Wᵀ to
+dhidden, xᵀ · ds to dweight and Σ_rows ds to dbias with float32 atomic adds (Cut
+Cross-Entropy's scheme, Wijmans et al. 2024): the float32 gradient accumulators are the
+only buffers beyond the inputs. ds enters the products in the inputs' dtype, as every
+FlashAttention backward rounds dS. Atomic adds make the last bits of the gradients vary
+from run to run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsoftmax import _backend, reference
+from jaxsoftmax._backend import pl
+from jaxsoftmax.cross_entropy import check_labels
+from jaxsoftmax.rowwise import check_floating
+
+__all__ = ["linear_cross_entropy", "LinearCrossEntropyTiling"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+_LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCrossEntropyTiling:
+  """Tiles of the fused kernels.
+
+  Attributes:
+    block_rows: rows of hidden per program.
+    block_vocab: vocabulary columns per logit tile.
+    block_hidden: hidden-dim chunk of each tile product.
+    vocab_splits: vocabulary ranges of the forward (programs per block of rows); None
+      picks enough programs to fill the GPU.
+    num_warps, num_stages: Triton launch parameters.
+  """
+
+  block_rows: int = 64
+  block_vocab: int = 128
+  block_hidden: int = 64
+  vocab_splits: int | None = None
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_rows", "block_vocab", "block_hidden"):
+      value = getattr(self, name)
+      if not (isinstance(value, int) and value >= 16 and value & (value - 1) == 0):
+        raise ValueError(f"LinearCrossEntropyTiling.{name} must be a power of two >= 16, "
+                         f"got {value!r}")
+    if self.vocab_splits is not None and not (isinstance(self.vocab_splits, int)
+                                              and self.vocab_splits >= 1):
+      raise ValueError("LinearCrossEntropyTiling.vocab_splits must be a positive int or "
+                       f"None, got {self.vocab_splits!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+  R: int  # rows
+  H: int
+  V: int
+  tiling: LinearCrossEntropyTiling
+
+  @property
+  def row_blocks(self) -> int:
+    return pl.cdiv(self.R, self.tiling.block_rows)
+
+  @property
+  def vocab_tiles(self) -> int:
+    return pl.cdiv(self.V, self.tiling.block_vocab)
+
+  @property
+  def hidden_chunks(self) -> int:
+    return pl.cdiv(self.H, self.tiling.block_hidden)
+
+  def splits(self) -> tuple[int, int]:
+    """(vocabulary ranges, tiles per range) of the forward; every range holds a tile."""
+    wanted = self.tiling.vocab_splits
+    if wanted is None:  # two programs per SM
+      wanted = pl.cdiv(2 * _backend.num_cores(), self.row_blocks)
+    per = pl.cdiv(self.vocab_tiles, min(wanted, self.vocab_tiles))
+    return pl.cdiv(self.vocab_tiles, per), per
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  label_smoothing: float
+  z_loss: float
+  softcap: float | None
+  has_bias: bool
+  interpret: bool
+
+
+def _logit_tile(x_ref, w_ref, b_ref, r0, v0, dims: _Dims, options: _Options):
+  """(s, ds/dz or None, column indices, column mask, row mask) of the float32 logit tile
+  of rows [r0, r0 + block_rows) (``x_ref``: the program's block of rows) and columns
+  [v0, v0 + block_vocab) (``w_ref``, ``b_ref``: whole)."""
+  t = dims.tiling
+  bt, bv, bh = t.block_rows, t.block_vocab, t.block_hidden
+  rows = r0 + jnp.arange(bt, dtype=jnp.int32)
+  cols = v0 + jnp.arange(bv, dtype=jnp.int32)
+  row_ok, col_ok = rows < dims.R, cols < dims.V
+
+  def chunk(c, z):
+    h = c * bh + jnp.arange(bh, dtype=jnp.int32)
+    h_ok = h < dims.H
+    x = _backend.load(x_ref.at[:, pl.ds(c * bh, bh)], mask=row_ok[:, None] & h_ok[None, :],
+                      other=0)
+    w = _backend.load(w_ref.at[pl.ds(c * bh, bh), pl.ds(v0, bv)],
+                      mask=h_ok[:, None] & col_ok[None, :], other=0)
+    return z + _backend.dot(x, w)
+
+  z = lax.fori_loop(0, dims.hidden_chunks, chunk, jnp.zeros((bt, bv), jnp.float32))
+  if options.has_bias:
+    z = z + _backend.load(b_ref.at[pl.ds(v0, bv)], mask=col_ok, other=0).astype(
+        jnp.float32)[None, :]
+  if options.softcap is None:
+    return z, None, cols, col_ok, row_ok
+  t_ = jnp.tanh(z / options.softcap)
+  return options.softcap * t_, 1.0 - t_ * t_, cols, col_ok, row_ok
+
+
+def _forward_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options, per: int):
+  b_ref = refs[0] if options.has_bias else None
+  y_ref, m_ref, l_ref, label_ref, sum_ref = refs[1 if options.has_bias else 0:]
+  bt, bv = dims.tiling.block_rows, dims.tiling.block_vocab
+  r0 = pl.program_id(0) * bt
+  first = pl.program_id(1) * per
+  tiles = jnp.minimum(per, dims.vocab_tiles - first)  # the last range may be shorter
+  exp2 = _backend.exp2(options.interpret)
+  labels = y_ref[...]
+
+  def tile(k, carry):
+    m, l, label, total = carry
+    s, _, cols, col_ok, _ = _logit_tile(x_ref, w_ref, b_ref, r0, (first + k) * bv, dims,
+                                        options)
+    s_in = jnp.where(col_ok[None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m, s_in.max(axis=1))  # every tile holds a column: finite
+    l = l * exp2((m - m_new) * _LOG2E) + exp2((s_in - m_new[:, None]) * _LOG2E).sum(axis=1)
+    label = label + jnp.where(cols[None, :] == labels[:, None], s, 0.0).sum(axis=1)
+    total = total + jnp.where(col_ok[None, :], s, 0.0).sum(axis=1)
+    return m_new, l, label, total
+
+  zeros = jnp.zeros((bt,), jnp.float32)
+  m, l, label, total = lax.fori_loop(0, tiles, tile,
+                                     (jnp.full((bt,), -jnp.inf, jnp.float32), zeros,
+                                      zeros, zeros))
+  m_ref[...], l_ref[...], label_ref[...], sum_ref[...] = m, l, label, total
+
+
+def _forward(x, w, b, labels, dims: _Dims, options: _Options):
+  """Per row: lse, the label's logit s_y and Σ_j s_j, float32 (R,)."""
+  t = dims.tiling
+  splits, per = dims.splits()
+  R_pad = dims.row_blocks * t.block_rows
+  H_pad = dims.hidden_chunks * t.block_hidden
+  V_pad = dims.vocab_tiles * t.block_vocab
+  rows = pl.BlockSpec((t.block_rows, H_pad), lambda i, s: (i, 0))
+  whole_w = pl.BlockSpec((H_pad, V_pad), lambda i, s: (0, 0))
+  in_specs = [rows, whole_w]
+  args = [x, w]
+  if options.has_bias:
+    in_specs.append(pl.BlockSpec((V_pad,), lambda i, s: (0,)))
+    args.append(b)
+  in_specs.append(pl.BlockSpec((t.block_rows,), lambda i, s: (i,)))
+  stat = pl.BlockSpec((None, t.block_rows), lambda i, s: (s, i))
+  stat_shape = jax.ShapeDtypeStruct((splits, R_pad), jnp.float32)
+  m, l, label, total = _backend.pallas_call(
+      functools.partial(_forward_kernel, dims=dims, options=options, per=per),
+      name="linear_cross_entropy_forward", grid=(dims.row_blocks, splits),
+      in_specs=in_specs, out_specs=[stat] * 4, out_shape=[stat_shape] * 4,
+      num_warps=t.num_warps, num_stages=t.num_stages, interpret=options.interpret,
+  )(*args, jnp.pad(labels, (0, R_pad - dims.R)))
+  # Merge the ranges' states (every range holds a column of every row: m is finite).
+  m_all = m.max(axis=0)
+  lse = m_all + jnp.log(jnp.sum(l * jnp.exp(m - m_all[None, :]), axis=0))
+  return lse[:dims.R], label.sum(axis=0)[:dims.R], total.sum(axis=0)[:dims.R]
+
+
+def _backward_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
+  b_ref = refs[0] if options.has_bias else None
+  refs = refs[1 if options.has_bias else 0:]
+  y_ref, lse_ref, g_ref, g_lse_ref = refs[:4]
+  dx_ref, dw_ref = refs[-3 if options.has_bias else -2:][:2]
+  db_ref = refs[-1] if options.has_bias else None
+  t = dims.tiling
+  bt, bv, bh = t.block_rows, t.block_vocab, t.block_hidden
+  r0, v0 = pl.program_id(0) * bt, pl.program_id(1) * bv
+  g = g_ref[...]
+
+  @pl.when(jnp.any(g != 0) | jnp.any(g_lse_ref[...] != 0))  # skip all-ignored blocks
+  def _():
+    s, dsdz, cols, col_ok, row_ok = _logit_tile(x_ref, w_ref, b_ref, r0, v0, dims, options)
+    lse = lse_ref[...]
+    p = jnp.where(row_ok[:, None] & col_ok[None, :],
+                  _backend.exp2(options.interpret)((s - lse[:, None]) * _LOG2E), 0.0)
+    a = options.label_smoothing
+    coefficient = g * (1 + 2 * options.z_loss * lse) + g_lse_ref[...]
+    ds = coefficient[:, None] * p
+    ds = ds - jnp.where(cols[None, :] == y_ref[...][:, None], (g * (1 - a))[:, None], 0.0)
+    if a:
+      ds = ds - jnp.where(col_ok[None, :], (g * (a / dims.V))[:, None], 0.0)
+    if dsdz is not None:
+      ds = ds * dsdz
+    ds_in = ds.astype(x_ref.dtype)
+    if db_ref is not None:
+      _backend.atomic_add(db_ref, (pl.ds(v0, bv),), ds.sum(axis=0))
+
+    @pl.loop(0, dims.hidden_chunks)
+    def _(c):
+      h = c * bh + jnp.arange(bh, dtype=jnp.int32)
+      h_ok = h < dims.H
+      x_mask, w_mask = row_ok[:, None] & h_ok[None, :], h_ok[:, None] & col_ok[None, :]
+      x = _backend.load(x_ref.at[:, pl.ds(c * bh, bh)], mask=x_mask, other=0)
+      w = _backend.load(w_ref.at[pl.ds(c * bh, bh), pl.ds(v0, bv)], mask=w_mask, other=0)
+      # The accumulators are padded to whole tiles, where the masked loads and ds add 0:
+      # the adds need no mask.
+      _backend.atomic_add(dx_ref, (pl.ds(r0, bt), pl.ds(c * bh, bh)),
+                          _backend.dot(ds_in, w, trans_b=True))
+      _backend.atomic_add(dw_ref, (pl.ds(c * bh, bh), pl.ds(v0, bv)),
+                          _backend.dot(x, ds_in, trans_a=True))
+
+
+def _backward(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options):
+  """float32 (dx, dw, db or None)."""
+  t = dims.tiling
+  R_pad = dims.row_blocks * t.block_rows
+  H_pad = dims.hidden_chunks * t.block_hidden
+  V_pad = dims.vocab_tiles * t.block_vocab
+  rows = pl.BlockSpec((t.block_rows, H_pad), lambda i, j: (i, 0))
+  whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+  row_vec = pl.BlockSpec((t.block_rows,), lambda i, j: (i,))
+  pad_rows = lambda a: jnp.pad(a, (0, R_pad - dims.R))
+  in_specs = [rows, whole((H_pad, V_pad))]
+  args = [x, w]
+  if options.has_bias:
+    in_specs.append(whole((V_pad,)))
+    args.append(b)
+  in_specs += [row_vec] * 4
+  args += [pad_rows(labels), pad_rows(lse), pad_rows(g), pad_rows(g_lse)]
+  # The float32 accumulators (padded to whole tiles), zeroed and updated in place.
+  padded = [(R_pad, H_pad), (H_pad, V_pad)] + ([(V_pad,)] if options.has_bias else [])
+  first = len(args)
+  in_specs += [whole(p) for p in padded]
+  args += [jnp.zeros(p, jnp.float32) for p in padded]
+  dx, dw, *db = _backend.pallas_call(
+      functools.partial(_backward_kernel, dims=dims, options=options),
+      name="linear_cross_entropy_backward", grid=(dims.row_blocks, dims.vocab_tiles),
+      in_specs=in_specs, out_specs=[whole(p) for p in padded],
+      out_shape=[jax.ShapeDtypeStruct(p, jnp.float32) for p in padded],
+      num_warps=t.num_warps, num_stages=t.num_stages, interpret=options.interpret,
+      input_output_aliases={first + k: k for k in range(len(padded))},
+  )(*args)
+  return (dx[:dims.R, :dims.H], dw[:dims.H, :dims.V],
+          db[0][:dims.V] if db else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _rows(x, w, b, labels, dims: _Dims, options: _Options):
+  return _rows_fwd(x, w, b, labels, dims, options)[0]
+
+
+def _loss(lse, label_logit, total, labels, dims: _Dims, options: _Options):
+  a = options.label_smoothing
+  loss = lse - (1 - a) * label_logit - a * total / dims.V + options.z_loss * lse * lse
+  in_range = (labels >= 0) & (labels < dims.V)
+  return jnp.where(in_range, loss, jnp.nan)  # ignored rows are zeroed by the caller
+
+
+def _rows_fwd(x, w, b, labels, dims: _Dims, options: _Options):
+  lse, label_logit, total = _forward(x, w, b, labels, dims, options)
+  loss = _loss(lse, label_logit, total, labels, dims, options)
+  return (loss, lse), (x, w, b, labels, lse)
+
+
+def _rows_bwd(dims: _Dims, options: _Options, residuals, cotangents):
+  x, w, b, labels, lse = residuals
+  g, g_lse = cotangents
+  # Rows with a label out of range (possible only inside jit) give NaN gradients.
+  in_range = (labels >= 0) & (labels < dims.V)
+  g = jnp.where(in_range | (g == 0), g.astype(jnp.float32), jnp.nan)
+  dx, dw, db = _backward(x, w, b, labels, lse, g, g_lse.astype(jnp.float32), dims,
+                         options)
+  return (dx.astype(x.dtype), dw.astype(w.dtype), None if b is None else db.astype(b.dtype),
+          None)
+
+
+_rows.defvjp(_rows_fwd, _rows_bwd)
+
+
+def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int = -100,
+                         label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         logit_soft_cap: float | None = None, reduction: str = "mean",
+                         return_lse: bool = False,
+                         tiling: LinearCrossEntropyTiling | None = None,
+                         interpret: bool | None = None):
+  """Softmax cross-entropy of the logits ``hidden @ weight (+ bias)`` and integer
+  ``labels``, without materializing the logits.
+
+  The same numbers as `jaxsoftmax.cross_entropy` applied to
+  ``jnp.dot(hidden, weight, preferred_element_type=jnp.float32) + bias`` (after
+  ``logit_soft_cap``, if given).
+
+  Args:
+    hidden: (..., H) float32, bfloat16 or float16 (float64 takes the reference path).
+    weight: (H, V), the dtype of ``hidden``.
+    labels: integer class indices, ``hidden.shape[:-1]``.
+    bias: optional (V,) logit bias, the dtype of ``hidden``.
+    ignore_index, label_smoothing, z_loss, reduction, return_lse: as
+      `jaxsoftmax.cross_entropy`.
+    logit_soft_cap: c > 0: the logits become c·tanh(logits / c) first (Gemma 2).
+    tiling: optional `LinearCrossEntropyTiling`.
+    interpret: run the kernels in Pallas interpret mode; see `jaxsoftmax.softmax`.
+
+  Returns:
+    The float32 loss, or ``(loss, lse)`` with ``return_lse`` (lse per row, float32).
+  """
+  op = "linear_cross_entropy"
+  hidden = check_floating(hidden, "hidden", op)
+  weight = check_floating(weight, "weight", op)
+  labels = jnp.asarray(labels)
+  if hidden.ndim < 1 or weight.ndim != 2 or weight.shape[0] != hidden.shape[-1]:
+    raise ValueError(f"{op}: hidden (..., H) and weight (H, V) must share H, got hidden "
+                     f"{hidden.shape} and weight {weight.shape}")
+  if weight.dtype != hidden.dtype:
+    raise TypeError(f"{op}: weight must have the dtype of hidden ({hidden.dtype}), got "
+                    f"{weight.dtype}")
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(f"{op}: labels must be integers, got {labels.dtype}")
+  if labels.shape != hidden.shape[:-1]:
+    raise ValueError(f"{op}: labels of shape {labels.shape} must have the shape of hidden "
+                     f"without its last axis, {hidden.shape[:-1]}")
+  H, V = weight.shape
+  if V == 0:
+    raise ValueError(f"{op}: weight must have a non-empty vocabulary, got shape "
+                     f"{weight.shape}")
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    if bias.shape != (V,) or bias.dtype != hidden.dtype:
+      raise ValueError(f"{op}: bias must have shape ({V},) and dtype {hidden.dtype}, got "
+                       f"{bias.dtype} {bias.shape}")
+  if reduction not in _REDUCTIONS:
+    raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+  if not 0.0 <= label_smoothing <= 1.0:
+    raise ValueError(f"{op}: label_smoothing must lie in [0, 1], got {label_smoothing!r}")
+  if z_loss < 0:
+    raise ValueError(f"{op}: z_loss must be >= 0, got {z_loss!r}")
+  if logit_soft_cap is not None and not logit_soft_cap > 0:
+    raise ValueError(f"{op}: logit_soft_cap must be > 0, got {logit_soft_cap!r}")
+  if tiling is not None and not isinstance(tiling, LinearCrossEntropyTiling):
+    raise TypeError(f"{op}: tiling must be a LinearCrossEntropyTiling, got {tiling!r}")
+  check_labels(labels, V, ignore_index, op)
+
+  flat_labels = labels.reshape(-1).astype(jnp.int32)
+  active = flat_labels != ignore_index
+  if hidden.dtype == jnp.float64 or hidden.size == 0 or labels.size == 0:
+    logits = jnp.dot(hidden, weight, preferred_element_type=hidden.dtype)
+    if bias is not None:
+      logits = logits + bias.reshape((1,) * (logits.ndim - 1) + (V,))
+    if logit_soft_cap is not None:
+      logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+    loss = reference.cross_entropy(logits, labels, ignore_index=ignore_index,
+                                   label_smoothing=label_smoothing, z_loss=z_loss,
+                                   reduction=reduction)
+    return (loss, reference.logsumexp(logits, axis=-1)) if return_lse else loss
+  dims = _Dims(flat_labels.size, H, V, tiling or LinearCrossEntropyTiling())
+  options = _Options(float(label_smoothing), float(z_loss),
+                     None if logit_soft_cap is None else float(logit_soft_cap),
+                     bias is not None, _backend.resolve_interpret(interpret))
+  loss, lse = _rows(hidden.reshape(-1, H), weight, bias, flat_labels, dims, options)
+  loss = jnp.where(active, loss, 0.0)
+  if reduction == "none":
+    loss = loss.reshape(labels.shape)
+  elif reduction == "sum":
+    loss = jnp.sum(loss)
+  else:
+    loss = jnp.sum(loss) / jnp.maximum(jnp.sum(active), 1).astype(jnp.float32)
+  return (loss, lse.reshape(labels.shape)) if return_lse else loss

@@ -1,0 +1,137 @@
+"""linear_cross_entropy: the loss and the gradients of hidden, weight and bias against the
+float64 truth of `jnp.dot` then cross-entropy, under the 2x rule, with sizes a multiple
+of no tile (16-row, 32-column, 16-deep tiles here; the kernels interpreted on a CPU)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsoftmax as js
+from jaxsoftmax import reference
+from tolerance import assert_2x, truth
+
+ON_GPU = jax.default_backend() == "gpu"
+SMALL = js.LinearCrossEntropyTiling(16, 32, 16, vocab_splits=3)
+
+
+def _inputs(key, rows, H, V, dtype, *, bias=True, ignored=(3,)):
+  kx, kw, kb, ky = jax.random.split(key, 4)
+  x = jax.random.normal(kx, rows + (H,), jnp.float32).astype(dtype)
+  w = (jax.random.normal(kw, (H, V), jnp.float32) / np.sqrt(H) * 3).astype(dtype)
+  b = jax.random.normal(kb, (V,), jnp.float32).astype(dtype) if bias else None
+  y = jax.random.randint(ky, rows, 0, V)
+  for i in ignored:
+    y = y.reshape(-1).at[i].set(-100).reshape(rows)
+  return x, w, b, y
+
+
+def _reference(x, w, b, y, *, logit_soft_cap=None, **options):
+  logits = jnp.dot(x, w, preferred_element_type=jnp.promote_types(x.dtype, jnp.float32))
+  if b is not None:
+    logits = logits + b.reshape((1,) * (logits.ndim - 1) + b.shape)
+  if logit_soft_cap is not None:
+    logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+  return reference.cross_entropy(logits, y, **options)
+
+
+def _check(x, w, b, y, *, tiling=SMALL, **options):
+  params = (x, w) if b is None else (x, w, b)
+
+  def run(loss_fn, *params):  # (summed loss, gradients of every parameter)
+    return jax.value_and_grad(lambda *p: jnp.sum(loss_fn(*p)),
+                              argnums=tuple(range(len(params))))(*params)
+
+  ours = lambda x, w, b=None: js.linear_cross_entropy(
+      x, w, y, bias=b, tiling=tiling, interpret=not ON_GPU, **options)
+  ref = lambda x, w, b=None: _reference(x, w, b, y, **options)
+  got = jax.jit(functools.partial(run, ours))(*params)
+  in_dtype = jax.jit(functools.partial(run, ref))(*params)
+  exact = truth(functools.partial(run, ref), *params)
+  flat = lambda t: [t[0], *t[1]]
+  for what, a, r, e in zip(("loss", "dhidden", "dweight", "dbias"), flat(got),
+                           flat(in_dtype), flat(exact)):
+    assert_2x(a, r, e, what=what)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("options", [
+    {}, dict(label_smoothing=0.1, z_loss=1e-3), dict(logit_soft_cap=4.0),
+    dict(reduction="sum"), dict(reduction="none")],
+    ids=["plain", "smoothing-zloss", "softcap", "sum", "none"])
+def test_matches_truth(key, dtype, options):
+  _check(*_inputs(key, (37,), 40, 301, dtype), **options)
+
+
+def test_no_bias_batch_axes_and_default_tiles(key):
+  # (2, 9) rows of hidden, no bias, the default (GPU) tiles: one row block, V = 5003.
+  _check(*_inputs(key, (2, 9), 72, 5003, jnp.bfloat16, bias=False, ignored=(0, 5)),
+         tiling=None)
+
+
+def test_all_rows_ignored(key):
+  x, w, b, y = _inputs(key, (20,), 24, 50, jnp.float32)
+  y = jnp.full_like(y, -100)
+  loss, grads = jax.value_and_grad(
+      lambda x, w, b: js.linear_cross_entropy(x, w, y, bias=b, tiling=SMALL),
+      argnums=(0, 1, 2))(x, w, b)
+  assert float(loss) == 0.0
+  for g in grads:
+    np.testing.assert_array_equal(g, 0.0)
+
+
+def test_return_lse_and_its_gradient(key):
+  x, w, b, y = _inputs(key, (21,), 24, 70, jnp.float32)
+
+  def ours(x):
+    loss, lse = js.linear_cross_entropy(x, w, y, bias=b, tiling=SMALL, return_lse=True)
+    return loss + 0.1 * jnp.sum(lse ** 2)
+
+  def ref(x):
+    logits = x @ w + b[None]
+    return (reference.cross_entropy(logits, y)
+            + 0.1 * jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2))
+
+  np.testing.assert_allclose(ours(x), ref(x), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(ref)(x), rtol=1e-5, atol=1e-6)
+
+
+def test_vmap(key):
+  x, w, b, y = _inputs(key, (3, 10), 24, 45, jnp.float32)
+  per_batch = jax.vmap(lambda x, y: js.linear_cross_entropy(x, w, y, bias=b, tiling=SMALL))
+  expected = jnp.stack([_reference(x[i], w, b, y[i]) for i in range(3)])
+  np.testing.assert_allclose(per_batch(x, y), expected, rtol=1e-6)
+
+
+def test_out_of_range_labels_give_nan_inside_jit(key):
+  x, w, b, y = _inputs(key, (8,), 16, 30, jnp.float32, ignored=())
+  y = y.at[2].set(30)
+  loss, dx = jax.jit(jax.value_and_grad(
+      lambda x, y: js.linear_cross_entropy(x, w, y, tiling=SMALL)))(x, y)
+  assert np.isnan(loss) and np.isnan(dx[2]).all()
+
+
+def test_bad_input():
+  x, w, y = jnp.zeros((4, 8)), jnp.zeros((8, 10)), jnp.zeros((4,), jnp.int32)
+  lce = js.linear_cross_entropy
+  with pytest.raises(ValueError, match="must share H"):
+    lce(x, jnp.zeros((7, 10)), y)
+  with pytest.raises(TypeError, match="weight must have the dtype of hidden"):
+    lce(x, w.astype(jnp.bfloat16), y)
+  with pytest.raises(TypeError, match="labels must be integers"):
+    lce(x, w, y.astype(jnp.float32))
+  with pytest.raises(ValueError, match="labels of shape \\(3,\\) must have the shape"):
+    lce(x, w, y[:3])
+  with pytest.raises(ValueError, match="bias must have shape \\(10,\\)"):
+    lce(x, w, y, bias=jnp.zeros((9,)))
+  with pytest.raises(ValueError, match="logit_soft_cap must be > 0"):
+    lce(x, w, y, logit_soft_cap=0.0)
+  with pytest.raises(ValueError, match="labels must lie in \\[0, 10\\)"):
+    lce(x, w, y.at[1].set(10))
+  with pytest.raises(ValueError, match="reduction must be one of"):
+    lce(x, w, y, reduction="max")
+  with pytest.raises(ValueError, match="block_vocab must be a power of two"):
+    js.LinearCrossEntropyTiling(block_vocab=100)
