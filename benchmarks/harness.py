@@ -226,6 +226,9 @@ def peak_memory_mib(fn, *args) -> float:
   return (stats.temp_size_in_bytes + stats.output_size_in_bytes) / 2**20
 
 
+_ATTENTION_FLOPS = "4·B·N·T·S·H (halved when causal; 3.5x for forward + backward)"
+
+
 class Report:
   """Collects rows, prints progress, and writes JSON and Markdown after every row (a
   run cut short keeps what it measured) and a PNG plot at the end.
@@ -235,12 +238,14 @@ class Report:
 
   def __init__(self, name: str, total: int, out_dir: str, unit: str = "GB/s",
                modes: Sequence[str] = ("fwd", "fwd+bwd"),
-               summary: Callable[[list[Row]], str] | None = None):
+               summary: Callable[[list[Row]], str] | None = None,
+               flops_doc: str = _ATTENTION_FLOPS):
     assert unit in ("GB/s", "TFLOP/s"), unit
     self.name, self.total, self.rows, self.unit = name, total, [], unit
     # The modes to measure (benchmarks that have several), and an optional function of
     # the rows whose Markdown ends the table.
     self.modes, self.summary = tuple(modes), summary
+    self.flops_doc = flops_doc  # what the TFLOP/s count, for the table's header
     os.makedirs(out_dir, exist_ok=True)
     self.path = os.path.join(out_dir, name)
     self.started = time.time()
@@ -323,9 +328,8 @@ class Report:
       extra = lambda r: (f"{fmt(r.gbps, '.0f')} | "
                          + ("" if r.pct_ceiling is None else f"{r.pct_ceiling:.1f}% {r.ceiling}"))
     else:
-      header += ("TFLOP/s over 4·B·N·T·S·H (halved when causal; 3.5x for forward + "
-                 "backward), from the device time and (e2e) from the end-to-end time; peak "
-                 "MiB: temporaries + outputs of the compiled call.")
+      header += (f"TFLOP/s over {self.flops_doc}, from the device time and (e2e) from the "
+                 "end-to-end time; peak MiB: temporaries + outputs of the compiled call.")
       columns = "TFLOP/s | e2e TFLOP/s | peak MiB"
       extra = lambda r: (f"{fmt(r.tflops, '.0f')} | {fmt(r.tflops_e2e, '.0f')} | "
                          f"{fmt(r.peak_mib, '.0f')}")
@@ -379,7 +383,8 @@ def measure_ceilings(report: Report, x_sets, *, shape, dtype) -> tuple[float, fl
 
 
 def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
-        unit: str = "GB/s", summary: Callable[[list[Row]], str] | None = None):
+        unit: str = "GB/s", summary: Callable[[list[Row]], str] | None = None,
+        flops_doc: str = _ATTENTION_FLOPS):
   """The command line every benchmark script shares: ``--out``, ``--smoke``, ``--only``,
   ``--name``, ``--modes``.
 
@@ -403,7 +408,7 @@ def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
     shapes = [shapes[int(i)] for i in args.only.split(",")]
   total = sum(rows_per_shape(shape, dtype) for shape, dtype in shapes)
   report = Report(args.name, total=total, out_dir=args.out, unit=unit,
-                  modes=args.modes.split(","), summary=summary)
+                  modes=args.modes.split(","), summary=summary, flops_doc=flops_doc)
   for shape, dtype in shapes:
     bench_shape(report, shape, dtype)
   report.finish()

@@ -11,7 +11,8 @@
 # (Nsight Compute counters of one forward), attn-tune-hopper (tune_attention_hopper.py:
 # the Mosaic GPU forward's tiles; TUNE_ONLY picks shapes), example (the transformer
 # example at GPU size, with its profiler trace), ring-tests, ring-bench (RING_ONLY picks
-# shapes) and ring-example (context parallelism on every visible GPU). Each is bounded by a timeout so that one hung stage still leaves the
+# shapes) and ring-example (context parallelism on every visible GPU), lce-tests and
+# lce-bench (linear_cross_entropy). Each is bounded by a timeout so that one hung stage still leaves the
 # others' results. Everything is also packed into $OUT/run.tgz, since only a few files
 # come back from the machine.
 #
@@ -91,6 +92,13 @@ for stage in ${STAGES:-tests tune bench}; do
         grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Issued Ipc|No Eligible|Stall|Tensor|Achieved Occupancy" \
           "$out/ncu_$impl.log" | head -n 30 | sed "s/^/$impl: /" | tee -a "$out/summary.log"
       done ;;
+    lce-tests)
+      timeout 300 $python -m pytest -m gpu -q -p no:cacheprovider -rfEs \
+        tests/test_linear_cross_entropy.py 2>&1 | tee "$out/lce_tests.log" | tail -n 6 \
+        | tee -a "$out/summary.log" ;;
+    lce-bench)
+      timeout 400 $python benchmarks/bench_linear_cross_entropy.py --out "$out" 2>&1 \
+        | tee "$out/lce_bench.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     ring-tests)
       # Context parallelism on every visible GPU (the nvidia-h200-x2 machine).
       timeout 300 $python -m pytest -m gpu -q -p no:cacheprovider -rfEs \

@@ -57,3 +57,12 @@ def test_long_context_example(tmp_path):
   for name in ("output", "dq", "dk", "dv"):
     diff = float(out.split(f"{name}: largest difference from one device ")[1].split()[0])
     assert diff < 1e-5, (name, out)
+
+
+def test_bench_linear_cross_entropy_smoke(tmp_path):
+  pytest.importorskip("matplotlib")
+  _run("benchmarks/bench_linear_cross_entropy.py", "--smoke", "--out", str(tmp_path))
+  with open(tmp_path / "linear_cross_entropy.json") as f:
+    rows = json.load(f)["rows"]
+  assert len(rows) == 8 and all(r["median_us"] > 0 and r["max_rel_err"] < 1e-5
+                                for r in rows)

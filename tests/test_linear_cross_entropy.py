@@ -135,3 +135,15 @@ def test_bad_input():
     lce(x, w, y, reduction="max")
   with pytest.raises(ValueError, match="block_vocab must be a power of two"):
     js.LinearCrossEntropyTiling(block_vocab=100)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("rows, H, V", [((512,), 2304, 65537), ((3, 100), 4096, 5003),
+                                        ((256,), 64, 256000)],
+                         ids=["H2304-V65537", "H4096-V5003", "H64-V256000"])
+def test_matches_truth_gpu(key, rows, H, V, dtype):
+  # The compiled kernels on their default tiles, with every term of the loss.
+  _check(*_inputs(key, rows, H, V, dtype, ignored=(1, 2)), tiling=None,
+         label_smoothing=0.1, z_loss=1e-4, logit_soft_cap=30.0)
