@@ -96,6 +96,22 @@ def test_other_dtypes(key, dtype):
   _check(key, 2, dtype=dtype, is_causal=True)
 
 
+def test_batch_and_heads_sharded_too(key):
+  # Data, tensor and sequence parallelism at once: a (2, 2, 2) mesh of the 8 devices.
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices")
+  mesh = jax.make_mesh((2, 2, 2), ("dp", "tp", "sp"))
+  q, k, v, do = _inputs(key, 2, 64, 4, 2, 16, jnp.float32)
+  attention = functools.partial(
+      js.context_parallel_attention, mesh=mesh, axis_name="sp", batch_axis="dp",
+      head_axis="tp", is_causal=True, layout="zigzag", interpret=not ON_GPU)
+  out, vjp = jax.vjp(attention, q, k, v)
+  expected, vjp_ref = jax.vjp(
+      lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=True)[0], q, k, v)
+  for got, want in zip((out, *vjp(do)), (expected, *vjp_ref(do))):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
+
+
 def test_ring_attention_inside_a_users_shard_map(key):
   # The entry point a training step uses: its own shard_map, tokens kept zigzag-permuted.
   P, B, T, N, H = 4, 1, 64, 2, 16
