@@ -5,8 +5,9 @@
 
 bfloat16, forward alone. The impl column names the tiles: "q64 kv128 s2" (block_q per
 consumer warpgroup, block_kv, num_stages), "persistent" when one CTA per SM walks the
-work items; cuDNN's row is the yardstick. Each tiling changes the head dim's default (`HopperBlockSizes.default`);
-those that do not fit shared memory at a head dim are rows that say so.
+work items; cuDNN's row is the yardstick. Each tiling changes the head dim's default
+(`HopperBlockSizes.default`); those that do not fit shared memory at a head dim are rows
+that say so.
 """
 
 from __future__ import annotations

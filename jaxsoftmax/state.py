@@ -8,8 +8,9 @@ empty state is m = -inf, l = 0). Two states over disjoint sets merge associative
 
 and the log-sum-exp of the values is m + log(l) (`state_lse`). Keeping m and l apart,
 rather than only their lse, is what lets softmax = exp(x - m) / l and
-log_softmax = (x - m) - log(l) keep full float32 accuracy when |x| is large. Partial attention results (o, lse), each an
-output normalised over its own keys, merge the same way:
+log_softmax = (x - m) - log(l) keep full float32 accuracy when |x| is large. Partial
+attention results (o, lse), each an output normalised over its own keys, merge the same
+way:
 
     lse = log(exp(lse_a) + exp(lse_b));   o = o_a·exp(lse_a - lse) + o_b·exp(lse_b - lse)
 

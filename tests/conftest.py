@@ -6,9 +6,9 @@ default backend is a GPU. Everything else runs the kernels in Pallas interpret m
 the whole suite runs on a CPU. On the GPU machine run ``pytest -m gpu``.
 
 The CPU has 8 virtual devices (``--xla_force_host_platform_device_count``), for the
-context-parallel tests. The suite runs with ``jax_numpy_rank_promotion="raise"`` (set here for this process and,
-through the environment, for the scripts the tests start), a setting many codebases use:
-library code must broadcast explicitly.
+context-parallel tests. The suite runs with ``jax_numpy_rank_promotion="raise"`` (set
+here for this process and, through the environment, for the scripts the tests start), a
+setting many codebases use: library code must broadcast explicitly.
 """
 
 import os

@@ -151,8 +151,11 @@ EXTREME_TILINGS = [
 ]
 
 
+EXTREME_KINDS = ["huge", "offset", "all-equal", "neg-inf-entries", "neg-inf-row", "nan"]
+
+
 @pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("kind", ["huge", "offset", "all-equal", "neg-inf-entries", "neg-inf-row", "nan"])
+@pytest.mark.parametrize("kind", EXTREME_KINDS)
 @pytest.mark.parametrize("tiling", EXTREME_TILINGS)
 def test_extremes(key, name, kind, tiling):
   kx, kd = jax.random.split(key)
@@ -170,7 +173,7 @@ def test_extremes(key, name, kind, tiling):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("kind", ["huge", "offset", "all-equal", "neg-inf-entries", "neg-inf-row", "nan"])
+@pytest.mark.parametrize("kind", EXTREME_KINDS)
 def test_extremes_gpu(key, name, kind):
   for dtype in DTYPES:
     x = jnp.tile(_extreme(kind, key, dtype), (1, 700))  # 35000 columns: split by default

@@ -4,8 +4,9 @@
 nnx calls its attention function with keywords for dropout, dtype, precision and weight
 sowing that a fused kernel has no use for or cannot honour. This adapter accepts them all:
 it casts to ``dtype`` when one is given, reads Flax's 0/1 float masks as booleans (a
-mask takes the reference path, see `dot_product_attention`), and raises a clear error for what the kernels
-cannot do (dropout while training, sowing the attention weights, which are never formed).
+mask takes the reference path, see `dot_product_attention`), and raises a clear error for
+what the kernels cannot do (dropout while training, sowing the attention weights, which
+are never formed).
 Other keywords (``scale``, ``segment_ids``, ``local_window_size``, ...) go to
 `dot_product_attention`, e.g. through ``functools.partial``. ``precision`` is ignored:
 the kernels multiply in the input dtype and accumulate in float32.

@@ -11,9 +11,9 @@ acc = sum_j exp(s_j - m) v_j, with s = x · factor the logits (`logits.Logits`):
 At the end o = acc / l. The log-sum-exp lse = s(m) + log(l) is saved as its two parts,
 m (in x's units) and log2(l), both float32: a float32 lse near 100 is rounded by 1e-5,
 which would cost float32 inputs' gradients that much, while x - m is exact near the
-maximum. A row with no allowed key has l = 0: it gets o = 0, m = -inf (lse = -inf). FLOPs: 4·B·N·T·S·H,
-about halved by causal masking since those blocks are skipped. Under causal masking the
-query blocks run last-first (`tiling.query_block_launch`).
+maximum. A row with no allowed key has l = 0: it gets o = 0, m = -inf (lse = -inf).
+FLOPs: 4·B·N·T·S·H, about halved by causal masking since those blocks are skipped.
+Under causal masking the query blocks run last-first (`tiling.query_block_launch`).
 """
 
 from __future__ import annotations
