@@ -19,7 +19,7 @@ call besides its inputs. `--modes fwd` measures the forward alone.
 XLA's own attention (`implementation="xla"`, O(T·S) memory, 3-10x slower) is left out of
 this run to fit the device's time; `benchmarks/results/attention.md` of 2026-11-30 has it.
 
-A peer that is absent (FA3 and tokamax travel as wheels, see ../shared/peers) or fails on
+A peer that is absent (FA3 and tokamax travel as wheels in .peers, see run_gpu.sh) or fails on
 a shape gets a row saying so, never a crash. The table ends with each shape's ratio of
 ours to the fastest peer whose errors are finite (`vs_best_peer`).
 """

@@ -1,4 +1,4 @@
-"""Shared benchmark machinery (DESIGN §7): device-side timing, ceilings, errors, reports.
+"""Shared benchmark machinery: device-side timing, ceilings, errors, reports.
 
 Timing: every measurement is the median over iterations of the summed durations of the
 GPU kernels one call launches, read with CUPTI (`jax.experimental.mosaic.gpu.profiler`)

@@ -16,8 +16,8 @@
 # others' results. Everything is also packed into $OUT/run.tgz, since only a few files
 # come back from the machine.
 #
-# The attention peers FA3 and tokamax come as wheels in .peers (../shared/peers/
-# fetch-wheels.sh; carry it to the machine); they are installed under /tmp for the run.
+# The attention peers FA3 and tokamax come as wheels placed in .peers (git-ignored; carry
+# it to the machine); they are installed under /tmp for the run.
 set -uo pipefail
 # Only a few files come back from the machine: the logs and results go to $OUT/run and
 # come back packed in $OUT/run.tgz, with the one-line-per-stage summary beside it.

@@ -2,8 +2,9 @@
 
 Each function computes in the dtype of its input, so the tests evaluate it twice: in
 float64 for the truth, and in the input's own dtype for the error that dtype allows
-(the 2x rule, DESIGN §6). They follow jax.nn / optax semantics, including `where` and
--inf handling, and are also the path jaxsoftmax takes for float64 inputs.
+(the 2x rule: README.md, "Numerics contract", and `tests/tolerance.py`). They follow
+jax.nn / optax semantics, including `where` and -inf handling, and are also the path
+jaxsoftmax takes for float64 inputs.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every op here views its input as R rows of C columns (the reduced axis last) and does,
 per row:
 
-1. statistics: at most one online-softmax state (m, l) of DESIGN §1 (`state.py`), plus
+1. statistics: at most one online-softmax state (m, l) (defined in `state.py`), plus
    any number of plain sums, each of a function of the row's elements;
 2. a map: each output element from the input elements and the row's statistics.
 
@@ -323,7 +323,7 @@ def _empty_state(op: RowOp, block_rows: int):
 
 
 def _accumulate(op: RowOp, state, tile: Tile):
-  """Merges one tile into the running (m, l, sums) of its rows (DESIGN §1). Returns the
+  """Merges one tile into the running (m, l, sums) of its rows (`state.py`). Returns the
   new state and the tile's exp(v - m_new)."""
   m, l, sums = state
   e = None

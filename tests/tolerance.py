@@ -1,4 +1,5 @@
-"""The one tolerance rule of the test suite (DESIGN §6), and the truth it compares to.
+"""The one tolerance rule of the test suite (README.md, "Numerics contract"), and the
+truth it compares to.
 
 A kernel result passes when its largest error against the float64 truth is at most twice
 the largest error of the same computation done by the pure-jnp reference in the input
