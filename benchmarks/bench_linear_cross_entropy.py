@@ -5,7 +5,8 @@
 bfloat16 rows x hidden x vocabulary at T = 8192, H = 4096, V = 131072 and at Gemma 2 2B's
 T = 8192, H = 2304, V = 256000: the loss (fwd) and `jax.value_and_grad` of the mean loss
 with respect to hidden and weight (fwd+bwd), for
-`linear_cross_entropy`, for `jnp.dot` (float32 accumulation, bfloat16 logits) then our
+`linear_cross_entropy` (atomic backward, and "det": the deterministic two-kernel one),
+for `jnp.dot` (float32 accumulation, bfloat16 logits) then our
 `cross_entropy` or optax's, and for `jnp.dot` with float32 logits then optax's. Peak MiB
 is XLA's temporaries + outputs of the compiled call: the memory beyond the inputs that
 the target bounds by 1.1x the gradients' size. Errors: the loss and both gradients
@@ -30,8 +31,11 @@ def _logits(x, w, dtype):
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
 
 
+_TWO_KERNELS = js.LinearCrossEntropyTiling(backward="two_kernels")
 IMPLS = {
     "jaxsoftmax fused": lambda x, w, y: js.linear_cross_entropy(x, w, y),
+    "jaxsoftmax fused det": lambda x, w, y: js.linear_cross_entropy(x, w, y,
+                                                                    tiling=_TWO_KERNELS),
     "dot + jaxsoftmax ce": lambda x, w, y: js.cross_entropy(_logits(x, w, x.dtype), y),
     "dot + optax": lambda x, w, y: optax.softmax_cross_entropy_with_integer_labels(
         _logits(x, w, x.dtype), y).mean(),

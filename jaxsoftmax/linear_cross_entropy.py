@@ -19,9 +19,11 @@ logit tile, forms ds = g·[(1 + 2ζ·lse)·p - (1 - a)·[j = y] - a / V] + g_lse
 p = exp(s - lse) (times 1 - (s/c)² under a soft cap) in registers, and adds ds · Wᵀ to
 dhidden, xᵀ · ds to dweight and Σ_rows ds to dbias with float32 atomic adds (Cut
 Cross-Entropy's scheme, Wijmans et al. 2024): the float32 gradient accumulators are the
-only buffers beyond the inputs. ds enters the products in the inputs' dtype, as every
-FlashAttention backward rounds dS. Atomic adds make the last bits of the gradients vary
-from run to run.
+only buffers beyond the inputs. ds enters the products in the inputs' dtype (in float16
+as two terms, `_operand_terms`). Atomic adds make the last bits of the gradients vary
+from run to run; ``LinearCrossEntropyTiling(backward="two_kernels")`` is deterministic:
+a dhidden kernel over blocks of rows and a dweight kernel over vocabulary tiles, each
+recomputing the logit tiles (one more product per tile) and owning what it writes.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from jaxsoftmax.rowwise import check_floating
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyTiling"]
 
 _REDUCTIONS = ("mean", "sum", "none")
+_BACKWARDS = ("atomic", "two_kernels")
 _LOG2E = math.log2(math.e)
 
 
@@ -56,6 +59,9 @@ class LinearCrossEntropyTiling:
     vocab_splits: vocabulary ranges of the forward (programs per block of rows); None
       picks enough programs to fill the GPU.
     num_warps, num_stages: Triton launch parameters.
+    backward: "atomic" (one kernel; float32 atomic adds, run-to-run differences in the
+      last bits) or "two_kernels" (deterministic: a dhidden kernel over blocks of rows
+      and a dweight kernel over vocabulary tiles, each recomputing the logits).
   """
 
   block_rows: int = 64
@@ -64,6 +70,7 @@ class LinearCrossEntropyTiling:
   vocab_splits: int | None = None
   num_warps: int = 4
   num_stages: int = 2
+  backward: str = "atomic"
 
   def __post_init__(self):
     for name in ("block_rows", "block_vocab", "block_hidden"):
@@ -71,6 +78,9 @@ class LinearCrossEntropyTiling:
       if not (isinstance(value, int) and value >= 16 and value & (value - 1) == 0):
         raise ValueError(f"LinearCrossEntropyTiling.{name} must be a power of two >= 16, "
                          f"got {value!r}")
+    if self.backward not in _BACKWARDS:
+      raise ValueError(f"LinearCrossEntropyTiling.backward must be one of {_BACKWARDS}, "
+                       f"got {self.backward!r}")
     if self.vocab_splits is not None and not (isinstance(self.vocab_splits, int)
                                               and self.vocab_splits >= 1):
       raise ValueError("LinearCrossEntropyTiling.vocab_splits must be a positive int or "
@@ -114,10 +124,11 @@ class _Options:
   interpret: bool
 
 
-def _logit_tile(x_ref, w_ref, b_ref, r0, v0, dims: _Dims, options: _Options):
+def _logit_tile(x_ref, x_row0, w_ref, b_ref, r0, v0, dims: _Dims, options: _Options):
   """(s, ds/dz or None, column indices, column mask, row mask) of the float32 logit tile
-  of rows [r0, r0 + block_rows) (``x_ref``: the program's block of rows) and columns
-  [v0, v0 + block_vocab) (``w_ref``, ``b_ref``: whole)."""
+  of rows [r0, r0 + block_rows), at rows [x_row0, ...) of ``x_ref`` (0 for a block of
+  rows, r0 for all of them), and columns [v0, v0 + block_vocab) (``w_ref``, ``b_ref``:
+  whole)."""
   t = dims.tiling
   bt, bv, bh = t.block_rows, t.block_vocab, t.block_hidden
   rows = r0 + jnp.arange(bt, dtype=jnp.int32)
@@ -127,8 +138,8 @@ def _logit_tile(x_ref, w_ref, b_ref, r0, v0, dims: _Dims, options: _Options):
   def chunk(c, z):
     h = c * bh + jnp.arange(bh, dtype=jnp.int32)
     h_ok = h < dims.H
-    x = _backend.load(x_ref.at[:, pl.ds(c * bh, bh)], mask=row_ok[:, None] & h_ok[None, :],
-                      other=0)
+    x = _backend.load(x_ref.at[pl.ds(x_row0, bt), pl.ds(c * bh, bh)],
+                      mask=row_ok[:, None] & h_ok[None, :], other=0)
     w = _backend.load(w_ref.at[pl.ds(c * bh, bh), pl.ds(v0, bv)],
                       mask=h_ok[:, None] & col_ok[None, :], other=0)
     return z + _backend.dot(x, w)
@@ -155,7 +166,7 @@ def _forward_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options, per: in
 
   def tile(k, carry):
     m, l, label, total = carry
-    s, _, cols, col_ok, _ = _logit_tile(x_ref, w_ref, b_ref, r0, (first + k) * bv, dims,
+    s, _, cols, col_ok, _ = _logit_tile(x_ref, 0, w_ref, b_ref, r0, (first + k) * bv, dims,
                                         options)
     s_in = jnp.where(col_ok[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m, s_in.max(axis=1))  # every tile holds a column: finite
@@ -200,48 +211,149 @@ def _forward(x, w, b, labels, dims: _Dims, options: _Options):
   return lse[:dims.R], label.sum(axis=0)[:dims.R], total.sum(axis=0)[:dims.R]
 
 
-def _backward_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
-  b_ref = refs[0] if options.has_bias else None
-  refs = refs[1 if options.has_bias else 0:]
-  y_ref, lse_ref, g_ref, g_lse_ref = refs[:4]
-  dx_ref, dw_ref = refs[-3 if options.has_bias else -2:][:2]
-  db_ref = refs[-1] if options.has_bias else None
-  t = dims.tiling
-  bt, bv, bh = t.block_rows, t.block_vocab, t.block_hidden
-  r0, v0 = pl.program_id(0) * bt, pl.program_id(1) * bv
-  g = g_ref[...]
+def _logit_grad(x_ref, x_row0, w_ref, b_ref, r0, v0, rows, dims: _Dims,
+                options: _Options):
+  """(ds, row mask, column mask): the float32 gradient of the loss with respect to the
+  tile's logits z, for ``rows`` = (labels, lse, g, g_lse) of its rows."""
+  labels, lse, g, g_lse = rows
+  s, dsdz, cols, col_ok, row_ok = _logit_tile(x_ref, x_row0, w_ref, b_ref, r0, v0, dims,
+                                              options)
+  p = jnp.where(row_ok[:, None] & col_ok[None, :],
+                _backend.exp2(options.interpret)((s - lse[:, None]) * _LOG2E), 0.0)
+  a = options.label_smoothing
+  ds = (g * (1 + 2 * options.z_loss * lse) + g_lse)[:, None] * p
+  ds = ds - jnp.where(cols[None, :] == labels[:, None], (g * (1 - a))[:, None], 0.0)
+  if a:
+    ds = ds - jnp.where(col_ok[None, :], (g * (a / dims.V))[:, None], 0.0)
+  return (ds if dsdz is None else ds * dsdz), row_ok, col_ok
 
-  @pl.when(jnp.any(g != 0) | jnp.any(g_lse_ref[...] != 0))  # skip all-ignored blocks
+
+def _operand_terms(ds, dtype):
+  """ds as the tensor cores' operands: ds rounded to the inputs' dtype, and in float16
+  also the rounding remainder as a second term. float16's 11 bits on ds put dhidden at
+  2.5x a float16 reference's error (which keeps ds in float32); the remainder brings it
+  to float32 accuracy for one more product, as the Triton attention backward does for
+  dS. bfloat16's reference rounds coarsely enough that one term suffices."""
+  high = ds.astype(dtype)
+  if dtype != jnp.float16:
+    return (high,)
+  return high, (ds - high.astype(jnp.float32)).astype(dtype)
+
+
+def _sum_products(terms, product):
+  """Σ product(term) over the operand terms of ds."""
+  out = product(terms[0])
+  for term in terms[1:]:
+    out = out + product(term)
+  return out
+
+
+def _row_loads(refs, r0=None, rows=None):
+  """(labels, lse, g, g_lse) of a block of rows: whole refs (``r0``) or row blocks."""
+  if r0 is None:
+    return tuple(ref[...] for ref in refs)
+  return tuple(ref[pl.ds(r0, rows)] for ref in refs)
+
+
+def _active(g, g_lse):
+  return jnp.any(g != 0) | jnp.any(g_lse != 0)  # blocks of ignored rows are skipped
+
+
+def _hidden_chunk(c, dims: _Dims):
+  """Columns [c·block_hidden, ...) of the hidden dim and which lie inside it."""
+  bh = dims.tiling.block_hidden
+  return pl.ds(c * bh, bh), c * bh + jnp.arange(bh, dtype=jnp.int32) < dims.H
+
+
+def _atomic_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
+  """One program per (block of rows, vocabulary tile): its products go to dhidden,
+  dweight and dbias by float32 atomic adds."""
+  b_ref = refs[0] if options.has_bias else None
+  row_refs = refs[1 if options.has_bias else 0:][:4]
+  dx_ref, dw_ref, *db_ref = refs[-3 if options.has_bias else -2:]
+  bt, bv = dims.tiling.block_rows, dims.tiling.block_vocab
+  r0, v0 = pl.program_id(0) * bt, pl.program_id(1) * bv
+  rows = _row_loads(row_refs)
+
+  @pl.when(_active(*rows[2:]))
   def _():
-    s, dsdz, cols, col_ok, row_ok = _logit_tile(x_ref, w_ref, b_ref, r0, v0, dims, options)
-    lse = lse_ref[...]
-    p = jnp.where(row_ok[:, None] & col_ok[None, :],
-                  _backend.exp2(options.interpret)((s - lse[:, None]) * _LOG2E), 0.0)
-    a = options.label_smoothing
-    coefficient = g * (1 + 2 * options.z_loss * lse) + g_lse_ref[...]
-    ds = coefficient[:, None] * p
-    ds = ds - jnp.where(cols[None, :] == y_ref[...][:, None], (g * (1 - a))[:, None], 0.0)
-    if a:
-      ds = ds - jnp.where(col_ok[None, :], (g * (a / dims.V))[:, None], 0.0)
-    if dsdz is not None:
-      ds = ds * dsdz
-    ds_in = ds.astype(x_ref.dtype)
-    if db_ref is not None:
-      _backend.atomic_add(db_ref, (pl.ds(v0, bv),), ds.sum(axis=0))
+    ds, row_ok, col_ok = _logit_grad(x_ref, 0, w_ref, b_ref, r0, v0, rows, dims, options)
+    terms = _operand_terms(ds, x_ref.dtype)
+    if db_ref:
+      _backend.atomic_add(db_ref[0], (pl.ds(v0, bv),), ds.sum(axis=0))
 
     @pl.loop(0, dims.hidden_chunks)
     def _(c):
-      h = c * bh + jnp.arange(bh, dtype=jnp.int32)
-      h_ok = h < dims.H
-      x_mask, w_mask = row_ok[:, None] & h_ok[None, :], h_ok[:, None] & col_ok[None, :]
-      x = _backend.load(x_ref.at[:, pl.ds(c * bh, bh)], mask=x_mask, other=0)
-      w = _backend.load(w_ref.at[pl.ds(c * bh, bh), pl.ds(v0, bv)], mask=w_mask, other=0)
+      h, h_ok = _hidden_chunk(c, dims)
+      x = _backend.load(x_ref.at[:, h], mask=row_ok[:, None] & h_ok[None, :], other=0)
+      w = _backend.load(w_ref.at[h, pl.ds(v0, bv)], mask=h_ok[:, None] & col_ok[None, :],
+                        other=0)
       # The accumulators are padded to whole tiles, where the masked loads and ds add 0:
       # the adds need no mask.
-      _backend.atomic_add(dx_ref, (pl.ds(r0, bt), pl.ds(c * bh, bh)),
-                          _backend.dot(ds_in, w, trans_b=True))
-      _backend.atomic_add(dw_ref, (pl.ds(c * bh, bh), pl.ds(v0, bv)),
-                          _backend.dot(x, ds_in, trans_a=True))
+      _backend.atomic_add(dx_ref, (pl.ds(r0, bt), h),
+                          _sum_products(terms, lambda d: _backend.dot(d, w, trans_b=True)))
+      _backend.atomic_add(dw_ref, (h, pl.ds(v0, bv)),
+                          _sum_products(terms, lambda d: _backend.dot(x, d, trans_a=True)))
+
+
+def _dx_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
+  """Deterministic backward, dhidden: one program per block of rows, walking every
+  vocabulary tile; it owns its rows of dhidden."""
+  b_ref = refs[0] if options.has_bias else None
+  row_refs = refs[1 if options.has_bias else 0:][:4]
+  dx_ref = refs[-1]
+  bt, bv = dims.tiling.block_rows, dims.tiling.block_vocab
+  r0 = pl.program_id(0) * bt
+  rows = _row_loads(row_refs)
+  dx_ref[...] = jnp.zeros(dx_ref.shape, jnp.float32)
+
+  @pl.when(_active(*rows[2:]))
+  def _():
+    @pl.loop(0, dims.vocab_tiles)
+    def _(j):
+      ds, _, col_ok = _logit_grad(x_ref, 0, w_ref, b_ref, r0, j * bv, rows, dims, options)
+      terms = _operand_terms(ds, x_ref.dtype)
+
+      @pl.loop(0, dims.hidden_chunks)
+      def _(c):
+        h, h_ok = _hidden_chunk(c, dims)
+        w = _backend.load(w_ref.at[h, pl.ds(j * bv, bv)],
+                          mask=h_ok[:, None] & col_ok[None, :], other=0)
+        dx_ref[:, h] = dx_ref[:, h] + _sum_products(
+            terms, lambda d: _backend.dot(d, w, trans_b=True))
+
+
+def _dw_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
+  """Deterministic backward, dweight and dbias: one program per vocabulary tile, walking
+  every block of rows; it owns its columns of dweight and dbias."""
+  b_ref = refs[0] if options.has_bias else None
+  row_refs = refs[1 if options.has_bias else 0:][:4]
+  dw_ref, *db_ref = refs[-2 if options.has_bias else -1:]
+  bt, bv = dims.tiling.block_rows, dims.tiling.block_vocab
+  v0 = pl.program_id(0) * bv
+  dw_ref[...] = jnp.zeros(dw_ref.shape, jnp.float32)
+  if db_ref:
+    db_ref[0][...] = jnp.zeros(db_ref[0].shape, jnp.float32)
+
+  @pl.loop(0, dims.row_blocks)
+  def _(i):
+    r0 = i * bt
+    rows = _row_loads(row_refs, r0, bt)
+
+    @pl.when(_active(*rows[2:]))
+    def _():
+      ds, row_ok, _ = _logit_grad(x_ref, r0, w_ref, b_ref, r0, v0, rows, dims, options)
+      terms = _operand_terms(ds, x_ref.dtype)
+      if db_ref:
+        db_ref[0][...] = db_ref[0][...] + ds.sum(axis=0)
+
+      @pl.loop(0, dims.hidden_chunks)
+      def _(c):
+        h, h_ok = _hidden_chunk(c, dims)
+        x = _backend.load(x_ref.at[pl.ds(r0, bt), h], mask=row_ok[:, None] & h_ok[None, :],
+                          other=0)
+        dw_ref[h, :] = dw_ref[h, :] + _sum_products(
+            terms, lambda d: _backend.dot(x, d, trans_a=True))
 
 
 def _backward(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options):
@@ -250,32 +362,50 @@ def _backward(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options):
   R_pad = dims.row_blocks * t.block_rows
   H_pad = dims.hidden_chunks * t.block_hidden
   V_pad = dims.vocab_tiles * t.block_vocab
-  rows = pl.BlockSpec((t.block_rows, H_pad), lambda i, j: (i, 0))
-  whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
-  row_vec = pl.BlockSpec((t.block_rows,), lambda i, j: (i,))
   pad_rows = lambda a: jnp.pad(a, (0, R_pad - dims.R))
-  in_specs = [rows, whole((H_pad, V_pad))]
-  args = [x, w]
-  if options.has_bias:
-    in_specs.append(whole((V_pad,)))
-    args.append(b)
-  in_specs += [row_vec] * 4
-  args += [pad_rows(labels), pad_rows(lse), pad_rows(g), pad_rows(g_lse)]
-  # The float32 accumulators (padded to whole tiles), zeroed and updated in place.
+  args = [x, w, *([b] if options.has_bias else []),
+          pad_rows(labels), pad_rows(lse), pad_rows(g), pad_rows(g_lse)]
   padded = [(R_pad, H_pad), (H_pad, V_pad)] + ([(V_pad,)] if options.has_bias else [])
-  first = len(args)
-  in_specs += [whole(p) for p in padded]
-  args += [jnp.zeros(p, jnp.float32) for p in padded]
-  dx, dw, *db = _backend.pallas_call(
-      functools.partial(_backward_kernel, dims=dims, options=options),
-      name="linear_cross_entropy_backward", grid=(dims.row_blocks, dims.vocab_tiles),
-      in_specs=in_specs, out_specs=[whole(p) for p in padded],
-      out_shape=[jax.ShapeDtypeStruct(p, jnp.float32) for p in padded],
-      num_warps=t.num_warps, num_stages=t.num_stages, interpret=options.interpret,
-      input_output_aliases={first + k: k for k in range(len(padded))},
-  )(*args)
-  return (dx[:dims.R, :dims.H], dw[:dims.H, :dims.V],
-          db[0][:dims.V] if db else None)
+  f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  common = dict(num_warps=t.num_warps, num_stages=t.num_stages, interpret=options.interpret)
+  statics = dict(dims=dims, options=options)
+
+  def specs(index, rows_block: bool):
+    """BlockSpecs of x, w, bias and the four row vectors."""
+    whole = lambda shape: pl.BlockSpec(shape, lambda *i: (0,) * len(shape))
+    x_spec = (pl.BlockSpec((t.block_rows, H_pad), lambda *i: (index(*i), 0)) if rows_block
+              else whole((R_pad, H_pad)))
+    row = (pl.BlockSpec((t.block_rows,), lambda *i: (index(*i),)) if rows_block
+           else whole((R_pad,)))
+    return [x_spec, whole((H_pad, V_pad)), *([whole((V_pad,))] if options.has_bias else []),
+            row, row, row, row]
+
+  if t.backward == "atomic":
+    # The float32 accumulators (padded to whole tiles), zeroed and updated in place.
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    dx, dw, *db = _backend.pallas_call(
+        functools.partial(_atomic_kernel, **statics), name="linear_cross_entropy_backward",
+        grid=(dims.row_blocks, dims.vocab_tiles),
+        in_specs=specs(lambda i, j: i, True) + [whole(p) for p in padded],
+        out_specs=[whole(p) for p in padded], out_shape=[f32(p) for p in padded],
+        input_output_aliases={len(args) + k: k for k in range(len(padded))}, **common,
+    )(*args, *(jnp.zeros(p, jnp.float32) for p in padded))
+  else:
+    dx = _backend.pallas_call(
+        functools.partial(_dx_kernel, **statics), name="linear_cross_entropy_backward_dx",
+        grid=(dims.row_blocks,), in_specs=specs(lambda i: i, True),
+        out_specs=pl.BlockSpec((t.block_rows, H_pad), lambda i: (i, 0)),
+        out_shape=f32(padded[0]), **common,
+    )(*args)
+    dw, *db = _backend.pallas_call(
+        functools.partial(_dw_kernel, **statics), name="linear_cross_entropy_backward_dw",
+        grid=(dims.vocab_tiles,), in_specs=specs(lambda j: 0, False),
+        out_specs=[pl.BlockSpec((H_pad, t.block_vocab), lambda j: (0, j)),
+                   *([pl.BlockSpec((t.block_vocab,), lambda j: (j,))]
+                     if options.has_bias else [])],
+        out_shape=[f32(p) for p in padded[1:]], **common,
+    )(*args)
+  return dx[:dims.R, :dims.H], dw[:dims.H, :dims.V], db[0][:dims.V] if db else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -2,6 +2,7 @@
 float64 truth of `jnp.dot` then cross-entropy, under the 2x rule, with sizes a multiple
 of no tile (16-row, 32-column, 16-deep tiles here; the kernels interpreted on a CPU)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -56,14 +57,16 @@ def _check(x, w, b, y, *, tiling=SMALL, **options):
     assert_2x(a, r, e, what=what)
 
 
+@pytest.mark.parametrize("backward", ["atomic", "two_kernels"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
                          ids=["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("options", [
     {}, dict(label_smoothing=0.1, z_loss=1e-3), dict(logit_soft_cap=4.0),
     dict(reduction="sum"), dict(reduction="none")],
     ids=["plain", "smoothing-zloss", "softcap", "sum", "none"])
-def test_matches_truth(key, dtype, options):
-  _check(*_inputs(key, (37,), 40, 301, dtype), **options)
+def test_matches_truth(key, dtype, options, backward):
+  _check(*_inputs(key, (37,), 40, 301, dtype),
+         tiling=dataclasses.replace(SMALL, backward=backward), **options)
 
 
 def test_no_bias_batch_axes_and_default_tiles(key):
@@ -135,6 +138,8 @@ def test_bad_input():
     lce(x, w, y, reduction="max")
   with pytest.raises(ValueError, match="block_vocab must be a power of two"):
     js.LinearCrossEntropyTiling(block_vocab=100)
+  with pytest.raises(ValueError, match="backward must be one of"):
+    js.LinearCrossEntropyTiling(backward="atomics")
 
 
 @pytest.mark.gpu
@@ -147,3 +152,16 @@ def test_matches_truth_gpu(key, rows, H, V, dtype):
   # The compiled kernels on their default tiles, with every term of the loss.
   _check(*_inputs(key, rows, H, V, dtype, ignored=(1, 2)), tiling=None,
          label_smoothing=0.1, z_loss=1e-4, logit_soft_cap=30.0)
+
+
+@pytest.mark.gpu
+def test_two_kernel_backward_gpu(key):
+  # The deterministic backward: right, and bit-identical from run to run.
+  x, w, b, y = _inputs(key, (300,), 512, 10007, jnp.bfloat16)
+  tiling = js.LinearCrossEntropyTiling(backward="two_kernels")
+  _check(x, w, b, y, tiling=tiling)
+  step = jax.jit(jax.grad(lambda x, w, b: js.linear_cross_entropy(x, w, y, bias=b,
+                                                                  tiling=tiling),
+                          argnums=(0, 1, 2)))
+  for first, second in zip(step(x, w, b), step(x, w, b)):
+    np.testing.assert_array_equal(first, second)
