@@ -296,6 +296,20 @@ def _atomic_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
                           _sum_products(terms, lambda d: _backend.dot(x, d, trans_a=True)))
 
 
+def _zero_chunks(ref, dims: _Dims, axis: int):
+  """Zeroes a program's (rows x hidden) or (hidden x vocabulary) block one hidden-dim
+  chunk at a time: a whole block is too large for one register tile."""
+  bh = dims.tiling.block_hidden
+  shape = list(ref.shape)
+  shape[axis] = bh
+
+  @pl.loop(0, dims.hidden_chunks)
+  def _(c):
+    index = [slice(None)] * 2
+    index[axis] = pl.ds(c * bh, bh)
+    ref[tuple(index)] = jnp.zeros(shape, jnp.float32)
+
+
 def _dx_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
   """Deterministic backward, dhidden: one program per block of rows, walking every
   vocabulary tile; it owns its rows of dhidden."""
@@ -305,7 +319,7 @@ def _dx_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
   bt, bv = dims.tiling.block_rows, dims.tiling.block_vocab
   r0 = pl.program_id(0) * bt
   rows = _row_loads(row_refs)
-  dx_ref[...] = jnp.zeros(dx_ref.shape, jnp.float32)
+  _zero_chunks(dx_ref, dims, axis=1)
 
   @pl.when(_active(*rows[2:]))
   def _():
@@ -331,7 +345,7 @@ def _dw_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
   dw_ref, *db_ref = refs[-2 if options.has_bias else -1:]
   bt, bv = dims.tiling.block_rows, dims.tiling.block_vocab
   v0 = pl.program_id(0) * bv
-  dw_ref[...] = jnp.zeros(dw_ref.shape, jnp.float32)
+  _zero_chunks(dw_ref, dims, axis=0)
   if db_ref:
     db_ref[0][...] = jnp.zeros(db_ref[0].shape, jnp.float32)
 
