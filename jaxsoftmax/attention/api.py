@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxsoftmax import _backend, reference
 from jaxsoftmax.attention import logits, mosaic_gpu, triton
-from jaxsoftmax.attention.call import Call
+from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import HopperBlockSizes
 from jaxsoftmax.attention.triton import BlockSizes
@@ -233,8 +233,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                          has_segments=q_seg is not None),
                 scale, logits_soft_cap, block_sizes, _backend.resolve_interpret(interpret))
     backend = select_backend(implementation, call)
-    out, lse = _attention_jit(query, key, value, (q_len, kv_len, q_seg, kv_seg), call,
-                              backend.NAME)
+    out, lse = _attention_jit(query, key, value, AuxArrays(q_len, kv_len, q_seg, kv_seg),
+                              call, backend.NAME)
     lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)))  # (B, N, T) -> (B, T, N)
   lse = lse.astype(query.dtype if residual_dtype is None else residual_dtype)
   if unbatched:

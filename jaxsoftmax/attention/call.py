@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
@@ -43,3 +43,14 @@ class Call:
   @property
   def itemsize(self) -> int:
     return jnp.dtype(self.dtype).itemsize
+
+
+class AuxArrays(NamedTuple):
+  """The optional arrays of one attention call, each None when not given: query and key
+  lengths (B,) and query and key segment ids (B, T) and (B, S), all int32. The backends
+  take them in this order, and the Triton kernels' refs come in it too (`Aux`)."""
+
+  q_lengths: Any = None
+  kv_lengths: Any = None
+  q_segments: Any = None
+  kv_segments: Any = None

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxsoftmax import _backend
 from jaxsoftmax.attention import api, logits, triton
-from jaxsoftmax.attention.call import Call
+from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.state import merge_attention_states
 
@@ -184,8 +184,8 @@ def _block_forward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg):
   """(o in float32 (B, T, N, H), lse (B, T, N)) of one kernel call."""
   call = plan.call(piece)
   backend = api.select_backend(plan.implementation, call)
-  o, m, log2_l, *o32 = backend.fwd(q, k, v, (None, None, q_seg, kv_seg), call,
-                                   float32_output=q.dtype != jnp.float32)
+  o, m, log2_l, *o32 = backend.fwd(q, k, v, AuxArrays(q_segments=q_seg, kv_segments=kv_seg),
+                                   call, float32_output=q.dtype != jnp.float32)
   o = (o32[0] if o32 else o).astype(jnp.float32)
   lse = logits.lse(m, log2_l, scale=plan.scale, softcap=plan.softcap)
   return o, jnp.transpose(lse, (0, 2, 1))
@@ -197,8 +197,9 @@ def _block_backward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg, o, lse, 
   # The kernels take the lse as (m, log2 l) with lse = m · factor + log(l).
   factor = logits.Logits(plan.scale, plan.softcap, fused=False).factor
   m = jnp.transpose(lse, (0, 2, 1)) / factor
-  return triton.bwd(q, k, v, o, m, jnp.zeros_like(m), do, (None, None, q_seg, kv_seg),
-                    call, grad_dtype=jnp.float32)
+  return triton.bwd(q, k, v, o, m, jnp.zeros_like(m), do,
+                    AuxArrays(q_segments=q_seg, kv_segments=kv_seg), call,
+                    grad_dtype=jnp.float32)
 
 
 def _rows(x, piece: _Piece):

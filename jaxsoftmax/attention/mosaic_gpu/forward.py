@@ -38,6 +38,7 @@ from jax import lax
 
 from jaxsoftmax import _backend
 from jaxsoftmax._backend.mosaic_gpu import pl, plgpu
+from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
                                         walk_block_ranges)
@@ -395,7 +396,7 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   if q_seg is not None:
     q_seg = _pad_to(q_seg, 1, T_pad, -1)
     kv_seg = _pad_to(kv_seg, 1, pl.cdiv(S, bkv) * bkv, -2)
-  aux = (q_len, kv_len, q_seg, kv_seg)
+  aux = AuxArrays(q_len, kv_len, q_seg, kv_seg)
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages

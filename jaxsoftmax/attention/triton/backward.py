@@ -122,11 +122,13 @@ def _score_grad_dot(ds, x):
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
                spec: MaskSpec, blocks: BlockSizes, aux: Aux, logits: Logits, q_block, exp2):
   aux_refs, (dq_ref,) = refs[:aux.count], refs[aux.count:]
-  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux.unpack(aux_refs)
+  aux_refs = aux.unpack(aux_refs)
+  kv_seg_ref = aux_refs.kv_segments
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   q0 = q_block(pl.program_id(0)) * bq
-  q_idx, q_ok, h_ok, q_mask, q, q_length, kv_length, q_seg = query_block(
-      q_ref, q_len_ref, kv_len_ref, q_seg_ref, q0=q0, block_q=bq, dims=dims)
+  block = query_block(q_ref, aux_refs, q0=q0, block_q=bq, dims=dims)
+  q_idx, q_ok, h_ok, q_mask, q = block.idx, block.ok, block.h_ok, block.mask, block.tile
+  q_length, kv_length, q_seg = block.q_length, block.kv_length, block.segments
   do = _backend.load(do_ref, mask=q_mask, other=0)
   m = _max_or_inf(_backend.load(m_ref, mask=q_ok, other=-jnp.inf))
   log2_l = _backend.load(log2_l_ref, mask=q_ok, other=0)

@@ -37,11 +37,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
                     blocks: BlockSizes, aux: Aux, logits: Logits, q_block, exp2):
   aux_refs, out_refs = refs[:aux.count], refs[aux.count:]
   o_ref, m_ref, log2_l_ref, *o32_ref = out_refs
-  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux.unpack(aux_refs)
+  aux_refs = aux.unpack(aux_refs)
+  kv_seg_ref = aux_refs.kv_segments
   bq, bk = blocks.block_q, blocks.block_k
   q0 = q_block(pl.program_id(0)) * bq
-  q_idx, q_ok, h_ok, q_tile_mask, q, q_length, kv_length, q_seg = query_block(
-      q_ref, q_len_ref, kv_len_ref, q_seg_ref, q0=q0, block_q=bq, dims=dims)
+  block = query_block(q_ref, aux_refs, q0=q0, block_q=bq, dims=dims)
+  q_idx, q_ok, h_ok, q_tile_mask, q = block.idx, block.ok, block.h_ok, block.mask, block.tile
+  q_length, kv_length, q_seg = block.q_length, block.kv_length, block.segments
 
   def step(j, carry, *, masked: bool):
     m, l, acc = carry

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxsoftmax import _backend
 from jaxsoftmax._backend import pl
+from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import MaskSpec, element_mask
 
@@ -168,9 +169,10 @@ class Aux:
   def count(self) -> int:
     return sum(self.present)
 
-  def unpack(self, refs):
+  def unpack(self, refs) -> AuxArrays:
+    """The kernel's aux refs by name (None where not given)."""
     refs = iter(refs)
-    return tuple(next(refs) if here else None for here in self.present)
+    return AuxArrays(*(next(refs) if here else None for here in self.present))
 
   def specs(self, *, q_rows: int, q_index, kv_rows: int, kv_index, batch_index):
     """BlockSpecs: lengths as one (1,) element per batch row; segment ids as tiles of
@@ -228,18 +230,32 @@ def block_rows(start, rows: int, total: int):
   return idx, (idx < total if total % rows else None)
 
 
-def query_block(q_ref, q_len_ref, kv_len_ref, q_seg_ref, *, q0, block_q: int, dims: Dims):
+class QueryBlock(NamedTuple):
+  """What a program that keeps a query block knows after `query_block`; the masks,
+  lengths and segment ids are None where not needed or not given."""
+
+  idx: Any  # (block_q,) row indices
+  ok: Any  # (block_q,) rows inside T
+  h_ok: Any  # (H_pad,) real head dims
+  mask: Any  # (block_q, H_pad) load/store mask of the query tile
+  tile: Any  # (block_q, H_pad) the queries
+  q_length: Any  # the batch row's query length
+  kv_length: Any  # the batch row's key length
+  segments: Any  # (block_q,) the rows' segment ids
+
+
+def query_block(q_ref, aux_refs: AuxArrays, *, q0, block_q: int, dims: Dims) -> QueryBlock:
   """The prologue of a program that keeps the query block [q0, q0 + block_q) (the
-  forward's and the dQ kernel's): (row indices, rows inside T, real head dims, the tile
-  mask, the query tile, the batch row's query and key lengths, the rows' segment ids);
-  the masks, lengths and segment ids are None where not needed or not given."""
+  forward's and the dQ kernel's)."""
   q_idx, q_ok = block_rows(q0, block_q, dims.T)
   h_ok = dims.head_ok()
   q_mask = dims.tile_mask(q_ok, h_ok, block_q)
-  q = _backend.load(q_ref, mask=q_mask, other=0)
-  q_length, kv_length = load_scalar(q_len_ref), load_scalar(kv_len_ref)
-  q_seg = None if q_seg_ref is None else _backend.load(q_seg_ref, mask=q_ok, other=-1)
-  return q_idx, q_ok, h_ok, q_mask, q, q_length, kv_length, q_seg
+  q_seg_ref = aux_refs.q_segments
+  return QueryBlock(
+      idx=q_idx, ok=q_ok, h_ok=h_ok, mask=q_mask,
+      tile=_backend.load(q_ref, mask=q_mask, other=0),
+      q_length=load_scalar(aux_refs.q_lengths), kv_length=load_scalar(aux_refs.kv_lengths),
+      segments=None if q_seg_ref is None else _backend.load(q_seg_ref, mask=q_ok, other=-1))
 
 
 def key_block(k0, block_k: int, dims: Dims, h_ok, *, masked: bool):
