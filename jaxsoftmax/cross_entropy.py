@@ -45,7 +45,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 def _forward_op(label_smoothing: float) -> RowOp:
   """Rows: (first logit of the row,) if label_smoothing, else none."""
   relative_sum = lambda t: t.x[0] - t.rows[0]
-  return RowOp("cross_entropy", lse=lambda t: t.x[0],
+  return RowOp("cross_entropy", state_of=lambda t: t.x[0],
                sums=(relative_sum,) if label_smoothing else ())
 
 

@@ -168,7 +168,7 @@ class RowOp:
 
   Attributes:
     name: prefix of the kernels' names in profiles.
-    lse: values whose online-softmax state (m, l) over the row gives the first two
+    state_of: values whose online-softmax state (m, l) over the row gives the first two
       statistics, or None.
     sums: values whose sums over the row are the next statistics.
     apply: ``apply(tile, stats)``: the output tile, with ``stats`` the row statistics,
@@ -179,14 +179,14 @@ class RowOp:
   """
 
   name: str
-  lse: Callable[[Tile], jax.Array] | None = None
+  state_of: Callable[[Tile], jax.Array] | None = None
   sums: tuple[Callable[[Tile], jax.Array], ...] = ()
   apply: Callable[[Tile, tuple[jax.Array, ...]], jax.Array] | None = None
   fill: float = 0.0
 
   @property
   def n_stats(self) -> int:
-    return 2 * (self.lse is not None) + len(self.sums)
+    return 2 * (self.state_of is not None) + len(self.sums)
 
 
 class _Refs(NamedTuple):
@@ -327,8 +327,8 @@ def _accumulate(op: RowOp, state, tile: Tile):
   new state and the tile's exp(v - m_new)."""
   m, l, sums = state
   e = None
-  if op.lse is not None:
-    v = _masked(tile.valid, op.lse(tile), -jnp.inf)
+  if op.state_of is not None:
+    v = _masked(tile.valid, op.state_of(tile), -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(v, axis=1))
     shift = safe_shift(m_new)
     e = tile.exp(v - shift[:, None])
@@ -341,16 +341,16 @@ def _accumulate(op: RowOp, state, tile: Tile):
 
 def _finish(op: RowOp, state) -> tuple[jax.Array, ...]:
   m, l, sums = state
-  return ((m, l) if op.lse is not None else ()) + sums
+  return ((m, l) if op.state_of is not None else ()) + sums
 
 
 def _store_map(op: RowOp, out_ref, tile: Tile, in_bounds, stats, *, start, block_cols: int):
   stats = tuple(s[:, None] for s in stats)
-  if op.lse is not None:
+  if op.state_of is not None:
     shift = safe_shift(stats[0])
     stats = (shift,) + stats[1:]
     if tile.e is None:  # unused values are dropped by the compiler
-      tile = tile._replace(e=tile.exp(_masked(tile.valid, op.lse(tile), -jnp.inf) - shift))
+      tile = tile._replace(e=tile.exp(_masked(tile.valid, op.state_of(tile), -jnp.inf) - shift))
   y = _masked(tile.valid, op.apply(tile, stats), op.fill)
   _backend.store(out_ref.at[:, pl.ds(start, block_cols)], y.astype(out_ref.dtype),
                  mask=in_bounds)
@@ -504,7 +504,7 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
         [pl.BlockSpec((None, br), lambda i, j: (j, i))] * op.n_stats,
         [jax.ShapeDtypeStruct((grid[1], n_rows), jnp.float32)] * op.n_stats,
     )(*inputs, *row_inputs, *where)
-    n_state = 2 * (op.lse is not None)
+    n_state = 2 * (op.state_of is not None)
     stats = (reduce_states(*parts[:2], axis=0) if n_state else ()) + tuple(
         p.sum(axis=0) for p in parts[n_state:])
   if op.apply is None:

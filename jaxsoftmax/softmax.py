@@ -44,10 +44,10 @@ from jaxsoftmax.state import probabilities, safe_shift, state_lse
 
 __all__ = ["softmax", "log_softmax", "logsumexp"]
 
-_SOFTMAX = RowOp("softmax", lse=lambda t: t.x[0], apply=lambda t, s: t.e * (1 / s[1]))
-_LOG_SOFTMAX = RowOp("log_softmax", lse=lambda t: t.x[0],
+_SOFTMAX = RowOp("softmax", state_of=lambda t: t.x[0], apply=lambda t, s: t.e * (1 / s[1]))
+_LOG_SOFTMAX = RowOp("log_softmax", state_of=lambda t: t.x[0],
                      apply=lambda t, s: (t.x[0] - s[0]) - jnp.log(s[1]), fill=-jnp.inf)
-_LOGSUMEXP = RowOp("logsumexp", lse=lambda t: t.x[0])
+_LOGSUMEXP = RowOp("logsumexp", state_of=lambda t: t.x[0])
 # Backward ops. softmax: inputs (y, dy). log_softmax: inputs (x, dy), rows (m, l).
 # logsumexp: input x, rows (g, m, l). m is the finite shift the forward used.
 _SOFTMAX_BWD = RowOp("softmax_bwd", sums=(lambda t: t.x[0] * t.x[1],),
