@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsoftmax import _backend, reference
-from jaxsoftmax.rowwise import RowOp, RowTiling, check_floating, row_call
+from jaxsoftmax.inputs import check_floating
+from jaxsoftmax.rowwise import RowOp, RowTiling, row_call
 from jaxsoftmax.linear_map import LinearMap
 from jaxsoftmax.state import probabilities, safe_shift, state_lse
 

@@ -43,7 +43,7 @@ from jax import lax
 from jaxsoftmax import _backend, reference
 from jaxsoftmax._backend import pl
 from jaxsoftmax.cross_entropy import check_labels
-from jaxsoftmax.rowwise import check_floating
+from jaxsoftmax.inputs import check_floating
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyTiling"]
 

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 
 from jaxsoftmax import _backend, reference
 from jaxsoftmax.linear_map import LinearMap
-from jaxsoftmax.rowwise import RowOp, RowTiling, RowView, check_floating, check_where, row_call
+from jaxsoftmax.inputs import RowView, check_floating, check_where
+from jaxsoftmax.rowwise import RowOp, RowTiling, row_call
 from jaxsoftmax.state import probabilities, safe_shift, state_lse
 
 __all__ = ["softmax", "log_softmax", "logsumexp"]
