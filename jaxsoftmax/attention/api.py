@@ -88,15 +88,15 @@ def select_backend(implementation: str | None, call: Call) -> ModuleType:
                    + "; ".join(reasons) + "); implementation='xla' takes the reference path")
 
 
-def _window(local_window_size) -> tuple[int, int] | None:
+def _window(local_window_size, op: str = "dot_product_attention") -> tuple[int, int] | None:
   if local_window_size is None:
     return None
   if isinstance(local_window_size, int):
     local_window_size = (local_window_size, local_window_size)
   if (not isinstance(local_window_size, Sequence) or len(local_window_size) != 2
       or not all(isinstance(w, int) and w >= 0 for w in local_window_size)):
-    raise ValueError("dot_product_attention: local_window_size must be an int >= 0 or a "
-                     f"(left, right) pair of them, got {local_window_size!r}")
+    raise ValueError(f"{op}: local_window_size must be an int >= 0 or a (left, right) "
+                     f"pair of them, got {local_window_size!r}")
   return tuple(local_window_size)
 
 
@@ -110,7 +110,7 @@ def _lengths(lengths, batch: int, name: str):
   return lengths.astype(jnp.int32)
 
 
-def _segments(segment_ids, B: int, T: int, S: int):
+def _segments(segment_ids, B: int, T: int, S: int, op: str = "dot_product_attention"):
   if segment_ids is None:
     return None, None
   if isinstance(segment_ids, (tuple, list)):
@@ -120,9 +120,9 @@ def _segments(segment_ids, B: int, T: int, S: int):
   if q_seg.shape != (B, T) or kv_seg.shape != (B, S) or not (
       jnp.issubdtype(q_seg.dtype, jnp.integer) and jnp.issubdtype(kv_seg.dtype, jnp.integer)):
     raise ValueError(
-        "dot_product_attention: segment_ids must be integer arrays of shape (B, T) for the "
-        f"queries and (B, S) for the keys (one array when T == S); got {q_seg.dtype} "
-        f"{q_seg.shape} and {kv_seg.dtype} {kv_seg.shape} for B={B}, T={T}, S={S}")
+        f"{op}: segment_ids must be integer arrays of shape (B, T) for the queries and "
+        f"(B, S) for the keys (one array when T == S); got {q_seg.dtype} {q_seg.shape} "
+        f"and {kv_seg.dtype} {kv_seg.shape} for B={B}, T={T}, S={S}")
   return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 

@@ -338,34 +338,6 @@ def _context_parallel_bwd(plan: _Plan, residuals, do):
 _context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)
 
 
-def _segments(segment_ids, B: int, T: int, S: int, op: str):
-  if segment_ids is None:
-    return None, None
-  if isinstance(segment_ids, (tuple, list)):
-    q_seg, kv_seg = (jnp.asarray(s) for s in segment_ids)
-  else:
-    q_seg = kv_seg = jnp.asarray(segment_ids)
-  if q_seg.shape != (B, T) or kv_seg.shape != (B, S) or not (
-      jnp.issubdtype(q_seg.dtype, jnp.integer) and jnp.issubdtype(kv_seg.dtype, jnp.integer)):
-    raise ValueError(f"{op}: segment_ids must be integer arrays of this device's shards, "
-                     f"(B, T) = ({B}, {T}) for the queries and (B, S) = ({B}, {S}) for "
-                     f"the keys (one array when T == S); got {q_seg.dtype} {q_seg.shape} "
-                     f"and {kv_seg.dtype} {kv_seg.shape}")
-  return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
-
-
-def _window(local_window_size, op: str):
-  if local_window_size is None:
-    return None
-  if isinstance(local_window_size, int):
-    local_window_size = (local_window_size, local_window_size)
-  if (not isinstance(local_window_size, (tuple, list)) or len(local_window_size) != 2
-      or not all(isinstance(w, int) and w >= 0 for w in local_window_size)):
-    raise ValueError(f"{op}: local_window_size must be an int >= 0 or a (left, right) "
-                     f"pair of them, got {local_window_size!r}")
-  return tuple(local_window_size)
-
-
 def _shards(axis_name, op: str) -> int:
   try:
     return lax.axis_size(axis_name)
@@ -424,7 +396,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
                      f"{implementation!r}")
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"{op}: logits_soft_cap must be > 0, got {logits_soft_cap!r}")
-  window = _window(local_window_size, op)
+  window = api._window(local_window_size, op)
   if (is_causal or window is not None or layout == "zigzag") and S != T:
     raise ValueError(f"{op}: a causal mask, a window or the zigzag layout need query and "
                      f"key shards of one length, got T={T} and S={S}")
@@ -434,7 +406,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
                        f"per device), got T={T}")
     if window is not None:
       raise ValueError(f"{op}: local_window_size needs layout='contiguous'")
-  q_seg, kv_seg = _segments(segment_ids, B, T, S, op)
+  q_seg, kv_seg = api._segments(segment_ids, B, T, S, op)
   plan = _Plan(axis_name, _shards(axis_name, op), layout, strategy, bool(is_causal), window,
                q_seg is not None, float(1 / np.sqrt(H) if scale is None else scale),
                logits_soft_cap, implementation, block_sizes,
