@@ -165,3 +165,15 @@ def test_two_kernel_backward_gpu(key):
                           argnums=(0, 1, 2)))
   for first, second in zip(step(x, w, b), step(x, w, b)):
     np.testing.assert_array_equal(first, second)
+
+
+def test_empty_and_float64_take_the_reference_path(key):
+  x, w, y = jnp.zeros((0, 8)), jnp.ones((8, 5)), jnp.zeros((0,), jnp.int32)
+  assert float(js.linear_cross_entropy(x, w, y)) == 0.0
+  assert js.linear_cross_entropy(x, w, y, reduction="none").shape == (0,)
+  with jax.enable_x64(True):
+    x, w, b, y = _inputs(key, (6,), 8, 5, jnp.float64, ignored=(5,))
+    loss = js.linear_cross_entropy(x, w, y, bias=b, logit_soft_cap=3.0, z_loss=1e-2)
+    expected = _reference(x, w, b, y, logit_soft_cap=3.0, z_loss=1e-2)
+    assert loss.dtype == jnp.float64
+    np.testing.assert_allclose(loss, expected, rtol=1e-12)
