@@ -260,7 +260,9 @@ def _row_loads(refs, r0=None, rows=None):
 
 
 def _active(g, g_lse):
-  return jnp.any(g != 0) | jnp.any(g_lse != 0)  # blocks of ignored rows are skipped
+  """Whether a block of rows has a cotangent (blocks of ignored rows are skipped). A count,
+  not jnp.any: Pallas' Triton lowering has no boolean reduction; NaN counts (!= 0)."""
+  return jnp.sum((g != 0).astype(jnp.int32) + (g_lse != 0).astype(jnp.int32)) > 0
 
 
 def _hidden_chunk(c, dims: _Dims):
