@@ -93,8 +93,9 @@ class HopperBlockSizes:
     3 stages lose 1-7% and 64-key blocks 13-19% at head dim 128; 192-key blocks win 1-2%
     without masks but lose 22% causal. The persistent launch wins only at head dim 64
     without a causal mask (444 against 404 TFLOP/s, with 3 stages): elsewhere it loses
-    1-7% to the hardware's own CTA scheduling, which balances uneven items (causal) and
-    absorbs the SMs' differing speeds, where a static assignment cannot."""
+    1-7% to the hardware's own CTA scheduling (our reading, not yet counted: that one
+    balances uneven items and absorbs the SMs' differing speeds, a static assignment
+    cannot)."""
     if head_dim <= 64 and not is_causal:
       return cls(64, 128, 3, persistent=True)
     return cls(64, 128 if head_dim <= 128 else 64, 2)
