@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 import jaxsoftmax as js
 from jaxsoftmax import reference
 from jaxsoftmax.rowwise import RowTiling, default_tiling
-from tolerance import assert_2x, truth
+from tolerance import assert_2x, assert_same_derivatives, truth
 
 OPS = {
     "softmax": (js.softmax, reference.softmax),
@@ -230,14 +230,8 @@ def test_forward_mode_and_second_order(key, name, masked, interpret=True):
     where = (jax.random.uniform(jax.random.fold_in(key, 1), x.shape) > 0.3).at[1].set(False)
   ours = _masked_objective(name, functools.partial(OPS[name][0], interpret=interpret), where)
   theirs = _masked_objective(name, getattr(jax.nn, name), where)
-  small = x[:2, :9] if where is None else x
-  for transform in (lambda f: jax.jvp(f, (x,), (jnp.cos(x),))[1],
-                    lambda f: jax.jacfwd(f)(x),
-                    lambda f: jax.jvp(jax.grad(f), (x,), (jnp.cos(x),))[1],
-                    lambda f: jax.hessian(f)(small)):
-    got, want = transform(ours), transform(theirs)
-    assert np.isfinite(np.asarray(got)).all()
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  assert_same_derivatives(ours, theirs, x,
+                          hessian_at=x[:2, :9] if where is None else x)
   kernel = functools.partial(OPS[name][0], axis=-1, where=where, interpret=interpret)
   if where is None:  # masked outputs are -inf, which finite differences cannot take
     check_grads(kernel, (x[:2, :9],), order=2, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)

@@ -1,5 +1,5 @@
-"""The one tolerance rule of the test suite (README.md, "Numerics contract"), and the
-truth it compares to.
+"""The one tolerance rule of the test suite (README.md, "Numerics contract"), the
+truth it compares to, and the derivative checks against an op's jax.nn / optax twin.
 
 A kernel result passes when its largest error against the float64 truth is at most twice
 the largest error of the same computation done by the pure-jnp reference in the input
@@ -67,3 +67,17 @@ def assert_2x(actual, in_dtype, exact, *, what: str):
   assert err <= RATIO * err_ref + floor, (
       f"{what}: max abs error {err:.3e} > {RATIO} x reference error {err_ref:.3e} "
       f"+ floor {floor:.1e}")
+
+
+def assert_same_derivatives(ours, theirs, x, *, hessian_at=None):
+  """jax.jvp, jax.jacfwd, jvp-of-grad and jax.hessian (at ``hessian_at``, default x) of
+  the scalar functions ``ours`` and ``theirs`` agree, and ours are finite: the
+  forward-mode and second-order checks of an op against its jax.nn / optax twin."""
+  hessian_at = x if hessian_at is None else hessian_at
+  for transform in (lambda f: jax.jvp(f, (x,), (jnp.cos(x),))[1],
+                    lambda f: jax.jacfwd(f)(x),
+                    lambda f: jax.jvp(jax.grad(f), (x,), (jnp.cos(x),))[1],
+                    lambda f: jax.hessian(f)(hessian_at)):
+    got, want = transform(ours), transform(theirs)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
