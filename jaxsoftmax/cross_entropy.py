@@ -40,7 +40,7 @@ from jaxsoftmax.state import probabilities, safe_shift, state_lse
 
 __all__ = ["cross_entropy"]
 
-_REDUCTIONS = ("mean", "sum", "none")
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def _forward_op(label_smoothing: float) -> RowOp:
@@ -204,10 +204,10 @@ def _cross_entropy(logits, labels, where, *, ignore_index, label_smoothing, z_lo
   flat = lambda a: None if a is None else a.reshape(-1, n_classes)
   loss, lse = _rows(flat(logits), labels.reshape(-1).astype(jnp.int32), flat(where),
                     ignore_index, label_smoothing, z_loss, tiling, interpret)
-  return _reduce(loss, labels, where, ignore_index, reduction), lse.reshape(batch_shape)
+  return reduce_losses(loss, labels, where, ignore_index, reduction), lse.reshape(batch_shape)
 
 
-def _reduce(loss, labels, where, ignore_index: int, reduction: str):
+def reduce_losses(loss, labels, where, ignore_index: int, reduction: str):
   """The per-row losses shaped like ``labels``, summed, or averaged over the rows that
   count (0 when none does)."""
   if reduction == "none":
@@ -314,8 +314,8 @@ def cross_entropy(logits, labels, axis=-1, where=None, *, ignore_index: int = -1
   if logits.shape[-1] == 0:
     raise ValueError(f"cross_entropy: logits must have a non-empty class axis, got "
                      f"{logits.shape[-1]} classes")
-  if reduction not in _REDUCTIONS:
-    raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, got "
+  if reduction not in REDUCTIONS:
+    raise ValueError(f"cross_entropy: reduction must be one of {REDUCTIONS}, got "
                      f"{reduction!r}")
   if not 0.0 <= label_smoothing <= 1.0:
     raise ValueError(f"cross_entropy: label_smoothing must lie in [0, 1], got "

@@ -42,12 +42,11 @@ from jax import lax
 
 from jaxsoftmax import _backend, reference
 from jaxsoftmax._backend import pl
-from jaxsoftmax.cross_entropy import check_labels
+from jaxsoftmax.cross_entropy import REDUCTIONS, check_labels, reduce_losses
 from jaxsoftmax.inputs import check_floating
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyTiling"]
 
-_REDUCTIONS = ("mean", "sum", "none")
 _BACKWARDS = ("atomic", "two_kernels")
 _LOG2E = math.log2(math.e)
 
@@ -389,10 +388,10 @@ def _backward(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options):
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   common = dict(num_warps=t.num_warps, num_stages=t.num_stages, interpret=options.interpret)
   statics = dict(dims=dims, options=options)
+  whole = lambda shape: pl.BlockSpec(shape, lambda *i: (0,) * len(shape))  # any grid
 
   def specs(index, rows_block: bool):
     """BlockSpecs of x, w, bias and the four row vectors."""
-    whole = lambda shape: pl.BlockSpec(shape, lambda *i: (0,) * len(shape))
     x_spec = (pl.BlockSpec((t.block_rows, H_pad), lambda *i: (index(*i), 0)) if rows_block
               else whole((R_pad, H_pad)))
     row = (pl.BlockSpec((t.block_rows,), lambda *i: (index(*i),)) if rows_block
@@ -402,7 +401,6 @@ def _backward(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options):
 
   if t.backward == "atomic":
     # The float32 accumulators (padded to whole tiles), zeroed and updated in place.
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     dx, dw, *db = _backend.pallas_call(
         functools.partial(_atomic_kernel, **statics), name="linear_cross_entropy_backward",
         grid=(dims.row_blocks, dims.vocab_tiles),
@@ -512,8 +510,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
     if bias.shape != (V,) or bias.dtype != hidden.dtype:
       raise ValueError(f"{op}: bias must have shape ({V},) and dtype {hidden.dtype}, got "
                        f"{bias.dtype} {bias.shape}")
-  if reduction not in _REDUCTIONS:
-    raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+  if reduction not in REDUCTIONS:
+    raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
   if not 0.0 <= label_smoothing <= 1.0:
     raise ValueError(f"{op}: label_smoothing must lie in [0, 1], got {label_smoothing!r}")
   if z_loss < 0:
@@ -525,7 +523,6 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
   check_labels(labels, V, ignore_index, op)
 
   flat_labels = labels.reshape(-1).astype(jnp.int32)
-  active = flat_labels != ignore_index
   if hidden.dtype == jnp.float64 or hidden.size == 0 or labels.size == 0:
     logits = jnp.dot(hidden, weight, preferred_element_type=hidden.dtype)
     if bias is not None:
@@ -541,11 +538,6 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
                      None if logit_soft_cap is None else float(logit_soft_cap),
                      bias is not None, _backend.resolve_interpret(interpret))
   loss, lse = _rows(hidden.reshape(-1, H), weight, bias, flat_labels, dims, options)
-  loss = jnp.where(active, loss, 0.0)
-  if reduction == "none":
-    loss = loss.reshape(labels.shape)
-  elif reduction == "sum":
-    loss = jnp.sum(loss)
-  else:
-    loss = jnp.sum(loss) / jnp.maximum(jnp.sum(active), 1).astype(jnp.float32)
+  loss = reduce_losses(jnp.where(flat_labels != ignore_index, loss, 0.0), labels, None,
+                       ignore_index, reduction)
   return (loss, lse.reshape(labels.shape)) if return_lse else loss
