@@ -425,8 +425,8 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name,
   are permuted into the zigzag order and back here, on each tensor's whole sequence (one
   gather and one reshard each way); a training loop saves that by keeping its tokens
   zigzag-permuted (`zigzag_permute`) and calling `ring_attention` in its own
-  `shard_map`. ``segment_ids`` is (B, T) or a
-  (query, key) pair of global arrays; other keywords go to `ring_attention`."""
+  `shard_map`. ``segment_ids`` is (B, T) or a (query, key) pair of global arrays; other
+  keywords go to `ring_attention`."""
   op = "context_parallel_attention"
   for name, axis in (("axis_name", axis_name), ("batch_axis", batch_axis),
                      ("head_axis", head_axis)):
@@ -444,16 +444,31 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name,
   pair = isinstance(segment_ids, (tuple, list))
   segments = None if segment_ids is None else (
       tuple(jnp.asarray(s) for s in segment_ids) if pair else jnp.asarray(segment_ids))
+  # One jitted program per configuration, so that repeated calls reuse its compilation.
+  options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                         for k, v in kwargs.items()))
+  run = _sharded_program(mesh, axis_name, layout, batch_axis, head_axis,
+                         None if segments is None else pair, options)
+  return run(query, key, value, *([] if segments is None else [segments]))
+
+
+@functools.cache
+def _sharded_program(mesh, axis_name, layout: str, batch_axis, head_axis,
+                     segment_pair: bool | None, options: tuple):
+  """The jitted global-array program of `context_parallel_attention` for one
+  configuration (``segment_pair``: None without segment ids, else whether they are a
+  (query, key) pair)."""
+  P = mesh.shape[axis_name]
   tokens = PartitionSpec(batch_axis, axis_name, head_axis, None)
   ids = PartitionSpec(batch_axis, axis_name)
 
   def local(query, key, value, *segments):
     return ring_attention(query, key, value, axis_name=axis_name, layout=layout,
-                          segment_ids=segments[0] if segments else None, **kwargs)
+                          segment_ids=segments[0] if segments else None, **dict(options))
 
-  args, in_specs = (query, key, value), (tokens, tokens, tokens)
-  if segments is not None:
-    args, in_specs = (*args, segments), (*in_specs, jax.tree.map(lambda _: ids, segments))
+  in_specs = (tokens, tokens, tokens)
+  if segment_pair is not None:
+    in_specs = (*in_specs, (ids, ids) if segment_pair else ids)
   # check_vma=False: the Pallas kernels inside declare no varying mesh axes.
   sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens,
                           check_vma=False)
@@ -476,4 +491,4 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name,
       out = place(zigzag_unpermute(place(out, whole_sequence(tokens)), P), tokens)
     return out
 
-  return run(*args)
+  return run
