@@ -22,6 +22,7 @@ from jaxsoftmax._backend import mosaic_gpu as mosaic_device
 from jaxsoftmax.attention import BlockSizes, HopperBlockSizes, api
 from jaxsoftmax.attention.call import Call
 from jaxsoftmax.attention.masks import MaskSpec
+from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
 from tolerance import assert_2x, truth
 
@@ -195,21 +196,51 @@ def test_matches_truth_gpu(key, backend, B, T, S, N, K, H, options, dtype):
          **options)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_two_runs_bit_identical_gpu(key, backend):
-  q, k, v, do = _inputs(key, 2, 1000, 1000, 4, 2, 128, jnp.bfloat16)
-
+def _train_step(backend, deterministic=None):
+  """A jitted step: output and gradients of causal attention under ``backend``."""
   @jax.jit
   def step(q, k, v, do):
     attention = functools.partial(js.dot_product_attention, is_causal=True,
-                                  implementation=backend)
+                                  implementation=backend, deterministic=deterministic)
     o, vjp = jax.vjp(attention, q, k, v)
     return (o, *vjp(do))
+  return step
 
-  first, second = step(q, k, v, do), step(q, k, v, do)
-  for a, b in zip(first, second):
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_runs_bit_identical_gpu(key, backend):
+  # deterministic=True: every output and gradient is identical from run to run (the
+  # Hopper forward then pairs with the Triton backward).
+  inputs = _inputs(key, 2, 1000, 1000, 4, 2, 128, jnp.bfloat16)
+  step = _train_step(backend, deterministic=True)
+  for a, b in zip(step(*inputs), step(*inputs)):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_hopper_backward_atomic_spread_gpu(key):
+  # The Hopper backward adds each key tile's dQ into float32 by atomic adds, in an order
+  # that varies: O, dK and dV stay identical, and dQ of two runs differs by at most one
+  # unit in the last place of bfloat16 (its float32 sums differ by rounding only).
+  inputs = _inputs(key, 2, 1000, 1000, 4, 2, 128, jnp.bfloat16)
+  step = _train_step("mosaic_gpu")
+  (o1, dq1, dk1, dv1), (o2, dq2, dk2, dv2) = step(*inputs), step(*inputs)
+  for a, b in ((o1, o2), (dk1, dk2), (dv1, dv2)):
+    np.testing.assert_array_equal(a, b)
+  dq1, dq2 = (np.asarray(x, np.float32) for x in (dq1, dq2))
+  magnitude = np.maximum(np.abs(dq1), np.abs(dq2))
+  ulp = np.exp2(np.floor(np.log2(np.maximum(magnitude, np.finfo(np.float32).tiny))) - 7)
+  assert np.all(np.abs(dq1 - dq2) <= ulp)
+
+
+@pytest.mark.gpu
+def test_hopper_check_grads_gpu(key):
+  # Finite differences of the float16 forward against the Hopper backward's VJP.
+  q, k, v, _ = _inputs(key, 1, 200, 190, 2, 1, 64, jnp.float16)
+  f = functools.partial(js.dot_product_attention, is_causal=True,
+                        implementation="mosaic_gpu")
+  check_grads(f, (q, k, v), order=1, modes=("rev",), atol=5e-2, rtol=5e-2, eps=5e-2)
 
 
 @pytest.mark.gpu
@@ -272,6 +303,33 @@ def test_hopper_forward_lowers_for_cuda(H, options, persistent):
           *(a for a in aux if a is not None))
   lowered = jax.jit(forward).trace(*args).lower(lowering_platforms=("cuda",))
   assert "attention_forward_mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("H, dtype, options", [
+    (128, jnp.bfloat16, dict(is_causal=True)),
+    (64, jnp.float16, dict(has_segments=True)),
+    (96, jnp.bfloat16, dict(window_left=100, window_right=20)),
+])
+def test_hopper_backward_lowers_for_cuda(H, dtype, options):
+  # As the forward above: the Hopper backward lowers for CUDA on any machine.
+  B, T, S, N, K = 2, 1000, 777, 4, 2
+  spec = MaskSpec(T, S, **options)
+  i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+  aux = ((None, None, i32((B, T)), i32((B, S))) if spec.has_segments
+         else (i32((B,)), i32((B,)), None, None))
+
+  def backward(q, k, v, o, m, log2_l, do, *aux_arrays):
+    arrays = iter(aux_arrays)
+    return mosaic_backward.backward(
+        q, k, v, o, m, log2_l, do, tuple(None if a is None else next(arrays) for a in aux),
+        spec=spec, scale=0.1, softcap=None)
+
+  x, f32 = (functools.partial(jax.ShapeDtypeStruct, dtype=t) for t in (dtype, jnp.float32))
+  args = (x((B, T, N, H)), x((B, S, K, H)), x((B, S, K, H)), f32((B, T, N, H)),
+          f32((B, N, T)), f32((B, N, T)), x((B, T, N, H)),
+          *(a for a in aux if a is not None))
+  lowered = jax.jit(backward).trace(*args).lower(lowering_platforms=("cuda",))
+  assert "attention_backward_mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
@@ -496,6 +554,17 @@ def test_backend_declarations(monkeypatch):
   assert api.select_backend(None, hopper_tiles) is mosaic
   assert "take jaxsoftmax.BlockSizes" in triton.unsupported(hopper_tiles)
   assert api.select_backend(None, _call(block_sizes=SMALL_BLOCKS)) is triton
+  # The Hopper forward's own backward up to head dim 128, unless asked to be
+  # deterministic; the Triton backward differentiates everything else.
+  for H in (64, 80, 128):
+    for dtype in ("bfloat16", "float16"):
+      assert api.select_backward(_call(H=H, dtype=dtype), "mosaic_gpu") is mosaic, (H, dtype)
+  assert "head dims up to 128" in mosaic.backward_unsupported(_call(H=256))
+  assert api.select_backward(_call(H=256), "mosaic_gpu") is triton
+  deterministic = dataclasses.replace(_call(), deterministic=True)
+  assert "atomic adds" in mosaic.backward_unsupported(deterministic)
+  assert api.select_backward(deterministic, "mosaic_gpu") is triton
+  assert api.select_backward(_call(), "triton") is triton
 
 
 @pytest.mark.skipif(mosaic_device.hopper_device(), reason="needs a device that is no Hopper")

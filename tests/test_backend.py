@@ -39,3 +39,15 @@ def test_users_do_not_see_the_triton_deprecation_warning():
                        capture_output=True, text=True, check=True)
   assert abs(float(run.stdout) - 1.0) < 1e-6
   assert "Pallas Triton backend is deprecated" not in run.stderr
+
+
+def test_deterministic_follows_xla_flags(monkeypatch):
+  # The argument wins; else XLA's own determinism flag decides.
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  assert _backend.resolve_deterministic(None) is False
+  assert _backend.resolve_deterministic(True) is True
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true --xla_foo=1")
+  assert _backend.resolve_deterministic(None) is True
+  assert _backend.resolve_deterministic(False) is False
+  with pytest.raises(TypeError, match="deterministic must be a bool or None"):
+    _backend.resolve_deterministic(1)

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 __all__ = ["pl", "load", "store", "dot", "exp2", "pallas_call", "atomic_add",
-           "resolve_interpret", "num_cores"]
+           "resolve_interpret", "resolve_deterministic", "num_cores"]
 
 # The Triton lowering warns on every compilation that it is deprecated. That is a
 # message for kernel authors (this file is where the move will happen), not for users
@@ -47,6 +47,22 @@ def load(ref, *, mask=None, other=None):
   return plgpu.load(ref, mask=mask, other=None if mask is None else other)
 
 _ENV = "JAXSOFTMAX_INTERPRET"
+
+
+# XLA's own switches for run-to-run identical results on the GPU.
+_DETERMINISTIC_XLA_FLAGS = ("--xla_gpu_deterministic_ops=true",
+                            "--xla_gpu_exclude_nondeterministic_ops=true")
+
+
+def resolve_deterministic(deterministic: bool | None) -> bool:
+  """Whether kernels must give bit-identical results from run to run (no atomic adds):
+  the argument when not None, else whether XLA_FLAGS asks XLA for the same."""
+  if deterministic is not None:
+    if not isinstance(deterministic, bool):
+      raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
+    return deterministic
+  flags = os.environ.get("XLA_FLAGS", "").lower().split()
+  return any(flag in flags for flag in _DETERMINISTIC_XLA_FLAGS)
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

@@ -9,9 +9,11 @@ values instead). ``bias`` and ``mask`` take the pure-jnp path of `reference`, sl
 O(T·S) in memory, with exact values and gradients (dbias included).
 
 Backends: each kernel backend (a folder beside this module) declares what it can run
-(``unsupported(call)`` gives the reason it cannot) and runs the forward (``fwd``); the
-Triton backward (``bwd``) differentiates every forward, since all of them save the same
-residuals. ``implementation=None`` takes the first of `BACKENDS` that can run the call.
+(``unsupported(call)`` gives the reason it cannot) and runs the forward (``fwd``).
+``implementation=None`` takes the first of `BACKENDS` that can run the call. All
+forwards save the same residuals: a backend's own backward differentiates its forward
+where it can (``backward_unsupported``), and the Triton backward everything else
+(`select_backward`).
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ __all__ = ["dot_product_attention", "select_backend", "BACKENDS", "BlockSizes",
 BACKENDS: tuple[ModuleType, ...] = (mosaic_gpu, triton)
 _BY_NAME = {backend.NAME: backend for backend in BACKENDS}
 IMPLEMENTATIONS = (None, *_BY_NAME, "xla")
-# The one backward; it takes any forward's residuals (o, m, log2 l).
-_BACKWARD = triton
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -57,15 +57,24 @@ def _attention_fwd(q, k, v, aux, call: Call, backend: str, *, for_backward=True)
 
 
 def _attention_bwd(call: Call, backend: str, res, cotangents):
-  del backend
   q, k, v, aux, o, m, log2_l = res
   do, _ = cotangents  # the public lse is under stop_gradient, as in jax.nn
-  dq, dk, dv = _BACKWARD.bwd(q, k, v, o, m, log2_l, do, aux, call)
+  dq, dk, dv = select_backward(call, backend).bwd(q, k, v, o, m, log2_l, do, aux, call)
   return dq, dk, dv, jax.tree.map(lambda _: None, aux)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 _attention_jit = jax.jit(_attention, static_argnums=(4, 5))
+
+
+def select_backward(call: Call, backend: str) -> ModuleType:
+  """The backward for a forward that ``backend`` ran: the backend's own where it has one
+  that can differentiate the call, else the Triton backward, which takes any forward's
+  residuals (o, m, log2 l) and is deterministic."""
+  own = _BY_NAME[backend]
+  if hasattr(own, "backward_unsupported") and own.backward_unsupported(call) is None:
+    return own
+  return triton
 
 
 def select_backend(implementation: str | None, call: Call) -> ModuleType:
@@ -155,7 +164,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           implementation=None, return_residual=False,
                           logits_soft_cap=None, segment_ids=None,
                           block_sizes: BlockSizes | HopperBlockSizes | None = None,
-                          residual_dtype=None, interpret: bool | None = None):
+                          residual_dtype=None, interpret: bool | None = None,
+                          deterministic: bool | None = None):
   """Scaled dot-product attention, as jax.nn.dot_product_attention.
 
   Args:
@@ -176,13 +186,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     segment_ids: (B, T) ints when T == S, or a (query (B, T), key (B, S)) pair: a query
       sees only keys of its segment (packed sequences).
     block_sizes: optional tiles for tuning: a `BlockSizes` (Triton backend) or a
-      `HopperBlockSizes` (Mosaic GPU backend; its backward runs on the Triton defaults).
+      `HopperBlockSizes` (Mosaic GPU backend's forward; its backward has one tiling).
       With ``implementation=None`` the type picks the backend.
     residual_dtype: the dtype of the returned log-sum-exp; None for the inputs' dtype.
       ``jnp.float32`` keeps the kernels' float32 statistics, which merging partial
       results (across devices, `jaxsoftmax.merge_attention_states`) wants.
     interpret: run the kernels in Pallas interpret mode (see `jaxsoftmax.softmax`);
       only the Triton backend has one.
+    deterministic: gradients bit-identical from run to run. The Hopper backward sums
+      dQ with atomic adds, whose order varies (results agree to float32 rounding);
+      True takes the Triton backward instead. None: True when XLA_FLAGS holds
+      ``--xla_gpu_deterministic_ops=true`` (or ``..._exclude_nondeterministic_ops``).
 
   Returns:
     The output, shaped and typed like ``query``, and with ``return_residual`` the lse.
@@ -231,7 +245,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     call = Call(B, T, S, N, key.shape[2], H, jnp.dtype(query.dtype).name,
                 MaskSpec(T, S, bool(is_causal), *(window or (None, None)),
                          has_segments=q_seg is not None),
-                scale, logits_soft_cap, block_sizes, _backend.resolve_interpret(interpret))
+                scale, logits_soft_cap, block_sizes, _backend.resolve_interpret(interpret),
+                _backend.resolve_deterministic(deterministic))
     backend = select_backend(implementation, call)
     out, lse = _attention_jit(query, key, value, AuxArrays(q_len, kv_len, q_seg, kv_seg),
                               call, backend.NAME)

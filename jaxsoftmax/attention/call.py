@@ -25,6 +25,7 @@ class Call:
     scale: the logits' scale; softcap: the soft cap, or None.
     block_sizes: the caller's tiles for a backend, or None for its defaults.
     interpret: run the kernels in Pallas interpret mode.
+    deterministic: the gradients must be bit-identical from run to run (no atomic adds).
   """
 
   B: int
@@ -39,6 +40,7 @@ class Call:
   softcap: float | None
   block_sizes: Any
   interpret: bool
+  deterministic: bool = False
 
   @property
   def itemsize(self) -> int:

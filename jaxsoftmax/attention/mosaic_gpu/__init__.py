@@ -1,15 +1,18 @@
-"""The Hopper backend: FlashAttention-3's forward schedule (TMA, wgmma, warp
-specialization) in Pallas Mosaic GPU, for compute capability 9.x (H100, H200).
+"""The Hopper backend: FlashAttention-3's schedules (TMA, wgmma, warp specialization) in
+Pallas Mosaic GPU, for compute capability 9.x (H100, H200).
 
-Forward only, for bfloat16 and float16 inputs and head dims up to 256 (padded to a
-multiple of 64). Its residuals are the Triton forward's, so the Triton backward
-differentiates it. It has no interpret mode (see `jaxsoftmax._backend.mosaic_gpu`).
+The forward takes bfloat16 and float16 inputs and head dims up to 256 (padded to a
+multiple of 64); the backward head dims up to 128, and sums dQ with atomic adds. Its
+residuals are the Triton forward's, so the Triton backward differentiates what this one
+does not (head dims above 128, and ``deterministic=True``). It has no interpret mode
+(see `jaxsoftmax._backend.mosaic_gpu`).
 """
 
 from __future__ import annotations
 
 from jaxsoftmax._backend import mosaic_gpu as _device
 from jaxsoftmax.attention.call import Call
+from jaxsoftmax.attention.mosaic_gpu import backward as _backward
 from jaxsoftmax.attention.mosaic_gpu import forward as _forward
 from jaxsoftmax.attention.mosaic_gpu.forward import SMEM_BYTES, HopperBlockSizes, pad_head_dim
 
@@ -53,4 +56,19 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):
                           float32_output=float32_output)
 
 
-__all__ = ["NAME", "HopperBlockSizes", "unsupported", "fwd"]
+def backward_unsupported(call: Call) -> str | None:
+  """Why the Hopper backward cannot differentiate ``call`` (run by this forward), or
+  None when it can."""
+  if call.deterministic:
+    return ("its dQ is a sum of atomic adds, whose order varies from run to run "
+            "(deterministic=True)")
+  return _backward.unsupported(call.H, call.dtype)
+
+
+def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call):
+  """(dq, dk, dv) from this forward's residuals; see `mosaic_gpu.backward`."""
+  return _backward.backward(q, k, v, o, m, log2_l, do, aux_arrays, spec=call.spec,
+                            scale=call.scale, softcap=call.softcap)
+
+
+__all__ = ["NAME", "HopperBlockSizes", "unsupported", "fwd", "backward_unsupported", "bwd"]

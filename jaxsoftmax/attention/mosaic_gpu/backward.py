@@ -1,0 +1,356 @@
+"""FlashAttention backward for Hopper GPUs (FlashAttention-3's schedule) in Pallas Mosaic GPU.
+
+The math is the Triton backward's (`triton.backward`), with the row statistics folded
+into one per query, lse₂ = m · c + log2(l) (+inf for a row with no allowed key, so that
+its probabilities are exactly 0):
+
+    Pᵀ = 2^(Sᵀ · c - lse₂);  dV += Pᵀ dO;  dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ - delta)
+    dK += dSᵀ Q;  dQ += dS K;  (dK and dQ times the logits' scale at the end)
+
+One CTA per (key tile of 2 · block_kv keys, K/V head, batch row), three warpgroups:
+
+- the producer (warpgroup 2) loads the CTA's K and V once, then streams, for every query
+  head of the K/V head's group and every query block that may see the CTA's keys
+  (`masks.query_block_ranges`), Q with lse₂ and dO with delta by TMA into a ring of
+  ``num_stages`` slots; a slot is free again once both consumers are done with it;
+- two consumers each own block_kv of the keys and hold their dK and dV in float32
+  registers. Per query block each computes Sᵀ = K Qᵀ, Pᵀ, dV, dPᵀ, dSᵀ and dK (Pᵀ and
+  dSᵀ are the register operands of the dV and dK products), and writes dSᵀ to shared
+  memory. Once both halves are there, dQ = dS K over the CTA's 2 · block_kv keys is split
+  into 64-column chunks of the head dim, taken by the two consumers in turn; each chunk
+  leaves through shared memory by a TMA copy with an add reduction into a float32 dQ in
+  global memory (FlashAttention-3, section 3.3: dQ accumulated by atomic adds, so each
+  block pair costs 5 tile products instead of the 7 of separate dK/dV and dQ kernels).
+
+The order of the adds into dQ varies from run to run: results agree to float32 rounding,
+not bit for bit. The Triton backward is the deterministic one (see `select_backward` in
+`attention.api`).
+
+Masks as in the forward: element masks only on the boundary query blocks, and on every
+block of a key tile that holds keys past the key length or past S (their probabilities
+must be 0 for dQ, which sums over keys). In float16, dS goes into its products as two
+float16 terms (see `triton.backward._score_grad_dot`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsoftmax._backend.mosaic_gpu import pl, plgpu
+from jaxsoftmax.attention.call import AuxArrays
+from jaxsoftmax.attention.logits import LOG2E, Logits
+from jaxsoftmax.attention.masks import MaskSpec, element_mask, query_block_ranges, walk_block_ranges
+from jaxsoftmax.attention.mosaic_gpu.forward import SMEM_BYTES, pad_head_dim
+
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per key (a row of Sᵀ)
+_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per query (a column of Sᵀ)
+_CONSUMERS = 2
+# Registers per thread: 2 · 128 · 240 + 128 · 24 = 64512 of an SM's 64K. A consumer
+# holds dK and dV (2 · 64 at head dim 128) beside Sᵀ, dPᵀ and a dQ chunk (32 each).
+_CONSUMER_REGISTERS = 240
+_PRODUCER_REGISTERS = 24
+# dQ leaves in chunks of this many head-dim columns (one 128-byte swizzle of 16-bit K).
+_CHUNK = 64
+MAX_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperBackwardBlockSizes:
+  """Tiles of the Hopper backward: block_q query rows per streamed block, block_kv keys
+  per consumer (a CTA holds 2 · block_kv), num_stages slots of the Q/dO ring."""
+
+  block_q: int = 64
+  block_kv: int = 64
+  num_stages: int = 2
+
+  def smem_bytes(self, head_dim: int, itemsize: int, terms: int) -> int:
+    """Shared memory at this (padded) head dim: K and V, the Q/dO ring with its row
+    statistics, two buffers of dSᵀ (``terms`` float16 terms each), the consumers' dQ
+    chunks, and 1 KiB for barriers and alignment."""
+    kv = 2 * _CONSUMERS * self.block_kv * head_dim * itemsize
+    ring = self.num_stages * (2 * self.block_q * head_dim * itemsize + 2 * self.block_q * 4)
+    ds = 2 * terms * _CONSUMERS * self.block_kv * self.block_q * itemsize
+    dq = _CONSUMERS * self.block_q * _CHUNK * 4
+    return kv + ring + ds + dq + 1024
+
+
+BLOCKS = HopperBackwardBlockSizes()
+
+
+def terms_of(dtype) -> int:
+  """float16 dS goes into its products as two terms (see the module docstring)."""
+  return 2 if jnp.dtype(dtype) == jnp.float16 else 1
+
+
+def unsupported(head_dim: int, dtype) -> str | None:
+  """Why the Hopper backward cannot run this head dim and dtype, or None."""
+  if pad_head_dim(head_dim) > MAX_HEAD_DIM:
+    return (f"the Hopper backward takes head dims up to {MAX_HEAD_DIM} (a consumer holds "
+            f"dK and dV of its keys in registers), got {head_dim}")
+  needed = BLOCKS.smem_bytes(pad_head_dim(head_dim), jnp.dtype(dtype).itemsize,
+                             terms_of(dtype))
+  if needed > SMEM_BYTES:
+    return f"it needs {needed} bytes of shared memory, more than {SMEM_BYTES}"
+  return None
+
+
+def _iota(shape, dimension: int):
+  return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
+
+
+def _cols(x, shape):
+  """A per-query vector broadcast along the keys (rows) of an Sᵀ tile."""
+  return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
+            spec: MaskSpec, blocks: HopperBackwardBlockSizes, logits: Logits, group: int,
+            terms: int):
+  n_aux = sum(aux_present)
+  aux_refs, refs = refs[:n_aux], refs[n_aux:]
+  aux_iter = iter(aux_refs)
+  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = (
+      next(aux_iter) if here else None for here in aux_present)
+  (dq_ref, dk_ref, dv_ref, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring, ds_smem,
+   dq_smem, kv_loaded, q_loaded, do_loaded, slot_free, ds_ready, done) = refs
+
+  bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
+  head_dim = k_smem.shape[-1]
+  n_chunks = head_dim // _CHUNK
+  wg = lax.axis_index("wg")
+  b, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  k0 = lax.axis_index("kv_tiles") * (_CONSUMERS * bkv)
+  q_length = None if q_len_ref is None else q_len_ref[b]
+  kv_length = None if kv_len_ref is None else kv_len_ref[b]
+  lo, full_lo, full_hi, hi = query_block_ranges(
+      spec, k0, bq, _CONSUMERS * bkv, kv_length, q_length, pl.cdiv(spec.q_len, bq))
+  # A key tile that reaches past the key length (or past S) masks every block: dQ sums
+  # over its keys, so theirs must have probability 0 everywhere.
+  keys_end = spec.kv_len if kv_length is None else jnp.minimum(kv_length, spec.kv_len)
+  partial = k0 + _CONSUMERS * bkv > keys_end
+  full_lo = jnp.where(partial, hi, full_lo)
+  full_hi = jnp.where(partial, hi, full_hi)
+  ranges = (lo, full_lo, full_hi, hi)
+  blocks_per_head = hi - lo
+
+  def query_head(g):
+    return kv_head * group + g
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    key0 = k0 + wg * bkv  # this consumer's keys
+    k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+    shape = (bkv, bq)
+    k_seg = None
+    if kv_seg_ref is not None:
+      k_seg = lax.broadcast_in_dim(
+          plgpu.load(kv_seg_ref.at[b, pl.ds(key0, bkv)], layout=_ROW, optimized=False),
+          shape, [0])
+    plgpu.barrier_wait(kv_loaded)
+
+    def compute(dk_acc, dv_acc):
+      def step(i, g, *, masked: bool):
+        """The products of query block i of query head g, the step-th of the CTA."""
+        n = query_head(g)
+        step_index = g * blocks_per_head + i - lo
+        s = lax.rem(step_index, stages)
+        buf = lax.rem(step_index, 2)
+        q_tile, do_tile = q_ring.at[s], do_ring.at[s]
+
+        plgpu.barrier_wait(q_loaded.at[s])
+
+        def scores(acc):
+          plgpu.wgmma(acc, k_tile, q_tile.T)
+          return acc[...]
+
+        x, tanh = logits.cap(pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32)))
+        lse2 = plgpu.load(lse2_ring.at[s], layout=_COL)
+        p = jnp.exp2(x * (logits.factor * LOG2E) - _cols(lse2, shape))
+        if masked:
+          q_seg = None
+          if q_seg_ref is not None:
+            q_seg = _cols(plgpu.load(q_seg_ref.at[b, pl.ds(i * bq, bq)], layout=_COL,
+                                     optimized=False), shape)
+          allowed = element_mask(spec, i * bq + _iota(shape, 1), key0 + _iota(shape, 0),
+                                 kv_length, q_seg, k_seg)
+          p = jnp.where(allowed, p, 0.0)
+
+        plgpu.barrier_wait(do_loaded.at[s])
+
+        def value_grads(acc):
+          plgpu.wgmma(acc, v_tile, do_tile.T)
+          plgpu.wgmma(dv_acc, p.astype(do_tile.dtype), do_tile)
+          return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dPᵀ; dV may still run
+
+        dp = pl.run_scoped(value_grads, plgpu.ACC(shape, jnp.float32))
+        delta = plgpu.load(delta_ring.at[s], layout=_COL)
+        ds = p * (dp - _cols(delta, shape))
+        if tanh is not None:
+          ds = ds * (1.0 - tanh * tanh)
+        ds_terms = [ds.astype(q_tile.dtype)]
+        if terms == 2:
+          ds_terms.append((ds - ds_terms[0].astype(jnp.float32)).astype(q_tile.dtype))
+        for t, term in enumerate(ds_terms):
+          plgpu.wgmma(dk_acc, term, q_tile)
+          ds_smem.at[buf, t, wg][...] = term
+        plgpu.commit_smem()  # dSᵀ visible to both consumers' products
+        plgpu.barrier_arrive(ds_ready.at[buf])
+        plgpu.barrier_wait(ds_ready.at[buf])
+
+        for c in range(n_chunks):  # chunk c of this step's dQ is consumer (c + step)'s
+          @pl.when(lax.rem(step_index + c, _CONSUMERS) == wg)
+          def _():
+            columns = pl.ds(c * _CHUNK, _CHUNK)
+
+            def query_grads(acc):
+              for t in range(terms):
+                for half in range(_CONSUMERS):
+                  plgpu.wgmma(acc, ds_smem.at[buf, t, half].T,
+                              k_smem.at[half, :, columns])
+              return acc[...]
+
+            dq = pl.run_scoped(query_grads, plgpu.ACC((bq, _CHUNK), jnp.float32))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk has left
+            dq_smem.at[wg][...] = dq
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dq_smem.at[wg],
+                                    dq_ref.at[b, pl.ds(i * bq, bq), n, columns],
+                                    reduction_op="add")
+
+        plgpu.wgmma_wait(0)  # dK's product has read Q
+        plgpu.barrier_arrive(slot_free.at[s])
+
+      def head(g, carry):
+        def block(i, carry, *, masked: bool):
+          step(i, g, masked=masked)
+          return carry
+        return walk_block_ranges(ranges, block, carry)
+
+      lax.fori_loop(0, group, head, 0)
+      return dk_acc[...], dv_acc[...]
+
+    acc = plgpu.ACC((bkv, head_dim), jnp.float32)
+    dk, dv = pl.run_scoped(compute, acc, acc)
+    # Both consumers are done reading each other's K (the dQ products) before K and V
+    # take the gradients on their way out.
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)
+    k_tile[...] = (dk * logits.scale).astype(k_tile.dtype)
+    v_tile[...] = dv.astype(v_tile.dtype)
+    plgpu.commit_smem()
+    rows = (b, pl.ds(key0, bkv), kv_head)
+    plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[rows], commit_group=False)
+    plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    for c in range(_CONSUMERS):
+      rows = (b, pl.ds(k0 + c * bkv, bkv), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[c], kv_loaded)
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[c], kv_loaded)
+
+    def head(g, carry):
+      n = query_head(g)
+
+      def block(i, carry):
+        step_index = g * blocks_per_head + i - lo
+        s = lax.rem(step_index, stages)
+        rows = pl.ds(i * bq, bq)
+        pl.when(step_index >= stages)(lambda: plgpu.barrier_wait(slot_free.at[s]))
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, n], q_ring.at[s], q_loaded.at[s])
+        plgpu.copy_gmem_to_smem(lse2_ref.at[b, n, rows], lse2_ring.at[s], q_loaded.at[s])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, n], do_ring.at[s], do_loaded.at[s])
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, n, rows], delta_ring.at[s],
+                                do_loaded.at[s])
+        return carry
+
+      return lax.fori_loop(lo, hi, block, carry)
+
+    lax.fori_loop(0, group, head, 0)
+
+
+def _pad_to(x, axis: int, size: int, value=0):
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: float,
+             softcap: float | None, blocks: HopperBackwardBlockSizes = BLOCKS):
+  """(dq, dk, dv) in the inputs' dtype, from the forward's inputs (bfloat16 or float16),
+  its output o (float32 where the forward wrote one) and row statistics m and log2_l
+  (B, N, T); ``aux_arrays`` as the forward takes them."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  H_pad = pad_head_dim(H)
+  bq, bkv = blocks.block_q, blocks.block_kv
+  logits = Logits(scale, softcap, fused=True)
+  # delta = rowsum(dO ∘ O) and lse₂ in one fused XLA pass each, padded to whole query
+  # blocks: the padding rows have lse₂ = +inf, so they take no part.
+  T_pad = pl.cdiv(T, bq) * bq
+  delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
+  c = logits.factor * LOG2E
+  lse2 = jnp.where(m == -jnp.inf, jnp.inf, m * c + log2_l)
+  delta, lse2 = _pad_to(delta, 2, T_pad), _pad_to(lse2, 2, T_pad, jnp.inf)
+  # TMA moves (8, 64) tiles: sequences padded to a multiple of 8 rows, the head dim to
+  # one of 64, as in the forward (zeros, which change no product).
+  T8, S8 = -(-T // 8) * 8, -(-S // 8) * 8
+  q, do = (_pad_to(_pad_to(x, 1, T8), 3, H_pad) for x in (q, do))
+  k, v = (_pad_to(_pad_to(x, 1, S8), 3, H_pad) for x in (k, v))
+  q_len, kv_len, q_seg, kv_seg = aux_arrays
+  n_kv_tiles = pl.cdiv(S, _CONSUMERS * bkv)
+  if q_seg is not None:  # vector loads from global memory have no bounds
+    q_seg = _pad_to(q_seg, 1, T_pad, -1)
+    kv_seg = _pad_to(kv_seg, 1, n_kv_tiles * _CONSUMERS * bkv, -2)
+  aux = AuxArrays(q_len, kv_len, q_seg, kv_seg)
+
+  terms = terms_of(q.dtype)
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  stages = blocks.num_stages
+  scratch = [
+      plgpu.SMEM((_CONSUMERS, bkv, H_pad), k.dtype, transforms=tiled),  # K, then dK
+      plgpu.SMEM((_CONSUMERS, bkv, H_pad), v.dtype, transforms=tiled),  # V, then dV
+      plgpu.SMEM((stages, bq, H_pad), q.dtype, transforms=tiled),
+      plgpu.SMEM((stages, bq, H_pad), do.dtype, transforms=tiled),
+      plgpu.SMEM((stages, bq), jnp.float32),  # lse₂
+      plgpu.SMEM((stages, bq), jnp.float32),  # delta
+      plgpu.SMEM((2, terms, _CONSUMERS, bkv, bq), q.dtype, transforms=tiled),  # dSᵀ
+      plgpu.SMEM((_CONSUMERS, bq, _CHUNK), jnp.float32),  # dQ chunks on their way out
+      plgpu.Barrier(num_arrivals=2 * _CONSUMERS),  # K and V loaded
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # Q and lse₂ loaded
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # dO and delta loaded
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # slot free
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),  # both halves of dSᵀ written
+      plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
+  ]
+  kv_type = jax.ShapeDtypeStruct((B, S8, K, H_pad), q.dtype)
+  kernel = functools.partial(
+      _kernel, aux_present=tuple(a is not None for a in aux), spec=spec, blocks=blocks,
+      logits=logits, group=N // K, terms=terms)
+  # dQ is summed in place by every key tile's CTA: a zeroed float32 array it aliases.
+  dq32 = jax.new_ref(jnp.zeros((B, T8, N, H_pad), jnp.float32))
+  dk, dv = plgpu.kernel(
+      kernel,
+      out_type=(kv_type, kv_type),
+      scratch_types=scratch,
+      grid=(K, n_kv_tiles, B),
+      grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=softcap is None,
+                                           unsafe_no_auto_barriers=True,
+                                           reduction_scratch_bytes=0),
+      kernel_name="attention_backward_mosaic_gpu",
+  )(q, k, v, do, lse2, delta, *(a for a in aux if a is not None), dq32)
+  dq = (jax.freeze(dq32) * scale).astype(q.dtype)
+  return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :H]
