@@ -23,8 +23,10 @@ One CTA per (key tile of 2 · block_kv keys, K/V head, batch row), three warpgro
   block pair costs 5 tile products instead of the 7 of separate dK/dV and dQ kernels).
 
 The order of the adds into dQ varies from run to run: results agree to float32 rounding,
-not bit for bit. The Triton backward is the deterministic one (see `select_backward` in
-`attention.api`).
+not bit for bit. ``deterministic=True`` runs the same kernel without dQ and then a dQ
+kernel of its own (one CTA per query tile, laid out as the forward, recomputing S and
+dP: 7 tile products per block pair); dispatch does not select it yet, and deterministic
+calls take the Triton backward (see `select_backward` in `attention.api`).
 
 Masks as in the forward: element masks only on the boundary query blocks, and on every
 block of a key tile that holds keys past the key length or past S (their probabilities
@@ -44,11 +46,14 @@ from jax import lax
 from jaxsoftmax._backend.mosaic_gpu import pl, plgpu
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import LOG2E, Logits
-from jaxsoftmax.attention.masks import MaskSpec, element_mask, query_block_ranges, walk_block_ranges
+from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
+                                        query_block_ranges, walk_block_ranges)
 from jaxsoftmax.attention.mosaic_gpu.forward import SMEM_BYTES, pad_head_dim
 
-_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per key (a row of Sᵀ)
-_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per query (a column of Sᵀ)
+# One value per row, and per column, of a wgmma tile: the dK/dV kernel works on
+# Sᵀ = K Qᵀ (a row per key, a column per query), the dQ kernel on S = Q Kᵀ.
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
 _CONSUMERS = 2
 # Registers per thread: 2 · 128 · 240 + 128 · 24 = 64512 of an SM's 64K. A consumer
 # holds dK and dV (2 · 64 at head dim 128) beside Sᵀ, dPᵀ and a dQ chunk (32 each).
@@ -108,16 +113,19 @@ def _cols(x, shape):
   return lax.broadcast_in_dim(x, shape, [1])
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
-            spec: MaskSpec, blocks: HopperBackwardBlockSizes, logits: Logits, group: int,
-            terms: int):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
+                 spec: MaskSpec, blocks: HopperBackwardBlockSizes, logits: Logits,
+                 group: int, terms: int, atomic_dq: bool, k_smem, v_smem, q_ring, do_ring,
+                 lse2_ring, delta_ring, kv_loaded, q_loaded, do_loaded, slot_free,
+                 ds_smem=None, dq_smem=None, ds_ready=None, done=None):
+  """dK and dV of a key tile; with ``atomic_dq`` also its share of dQ, added into the
+  float32 dQ ref (the last input)."""
   n_aux = sum(aux_present)
   aux_refs, refs = refs[:n_aux], refs[n_aux:]
   aux_iter = iter(aux_refs)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = (
       next(aux_iter) if here else None for here in aux_present)
-  (dq_ref, dk_ref, dv_ref, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring, ds_smem,
-   dq_smem, kv_loaded, q_loaded, do_loaded, slot_free, ds_ready, done) = refs
+  dq_ref, dk_ref, dv_ref = refs if atomic_dq else (None, *refs)
 
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
   head_dim = k_smem.shape[-1]
@@ -130,7 +138,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present
   lo, full_lo, full_hi, hi = query_block_ranges(
       spec, k0, bq, _CONSUMERS * bkv, kv_length, q_length, pl.cdiv(spec.q_len, bq))
   # A key tile that reaches past the key length (or past S) masks every block: dQ sums
-  # over its keys, so theirs must have probability 0 everywhere.
+  # over its keys, and dK, dV of keys past the length must come out 0, so theirs must
+  # have probability 0 everywhere.
   keys_end = spec.kv_len if kv_length is None else jnp.minimum(kv_length, spec.kv_len)
   partial = k0 + _CONSUMERS * bkv > keys_end
   full_lo = jnp.where(partial, hi, full_lo)
@@ -160,7 +169,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present
         n = query_head(g)
         step_index = g * blocks_per_head + i - lo
         s = lax.rem(step_index, stages)
-        buf = lax.rem(step_index, 2)
         q_tile, do_tile = q_ring.at[s], do_ring.at[s]
 
         plgpu.barrier_wait(q_loaded.at[s])
@@ -196,8 +204,19 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present
         ds_terms = [ds.astype(q_tile.dtype)]
         if terms == 2:
           ds_terms.append((ds - ds_terms[0].astype(jnp.float32)).astype(q_tile.dtype))
-        for t, term in enumerate(ds_terms):
+        for term in ds_terms:
           plgpu.wgmma(dk_acc, term, q_tile)
+        if atomic_dq:
+          query_grads(i, n, step_index, ds_terms)
+        plgpu.wgmma_wait(0)  # dK's product has read Q
+        plgpu.barrier_arrive(slot_free.at[s])
+
+      def query_grads(i, n, step_index, ds_terms):
+        """This consumer's chunks of dQ for query block i of head n: dSᵀ goes to shared
+        memory, and once both consumers' halves are there, dQ = dS K over the CTA's keys
+        in 64-column chunks, each added into the float32 dQ by TMA."""
+        buf = lax.rem(step_index, 2)
+        for t, term in enumerate(ds_terms):
           ds_smem.at[buf, t, wg][...] = term
         plgpu.commit_smem()  # dSᵀ visible to both consumers' products
         plgpu.barrier_arrive(ds_ready.at[buf])
@@ -208,23 +227,20 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present
           def _():
             columns = pl.ds(c * _CHUNK, _CHUNK)
 
-            def query_grads(acc):
+            def chunk(acc):
               for t in range(terms):
                 for half in range(_CONSUMERS):
                   plgpu.wgmma(acc, ds_smem.at[buf, t, half].T,
                               k_smem.at[half, :, columns])
               return acc[...]
 
-            dq = pl.run_scoped(query_grads, plgpu.ACC((bq, _CHUNK), jnp.float32))
+            dq = pl.run_scoped(chunk, plgpu.ACC((bq, _CHUNK), jnp.float32))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk has left
             dq_smem.at[wg][...] = dq
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dq_smem.at[wg],
                                     dq_ref.at[b, pl.ds(i * bq, bq), n, columns],
                                     reduction_op="add")
-
-        plgpu.wgmma_wait(0)  # dK's product has read Q
-        plgpu.barrier_arrive(slot_free.at[s])
 
       def head(g, carry):
         def block(i, carry, *, masked: bool):
@@ -237,10 +253,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present
 
     acc = plgpu.ACC((bkv, head_dim), jnp.float32)
     dk, dv = pl.run_scoped(compute, acc, acc)
-    # Both consumers are done reading each other's K (the dQ products) before K and V
-    # take the gradients on their way out.
-    plgpu.barrier_arrive(done)
-    plgpu.barrier_wait(done)
+    if atomic_dq:  # both consumers are done reading each other's K (the dQ products)
+      plgpu.barrier_arrive(done)  # before K and V take the gradients on their way out
+      plgpu.barrier_wait(done)
     k_tile[...] = (dk * logits.scale).astype(k_tile.dtype)
     v_tile[...] = dv.astype(v_tile.dtype)
     plgpu.commit_smem()
@@ -277,6 +292,118 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present
     lax.fori_loop(0, group, head, 0)
 
 
+def _rows(x, shape):
+  """A per-query vector broadcast along the keys (columns) of an S tile."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
+               spec: MaskSpec, blocks: HopperBackwardBlockSizes, logits: Logits,
+               group: int, terms: int, q_tiles, do_tiles, k_ring, v_ring, q_loaded,
+               k_loaded, v_loaded, k_free, v_free):
+  """dQ of a query tile (the deterministic backward's second kernel): the forward's
+  layout (a producer streaming K/V blocks, two consumers of block_q rows each), with
+  S = Q Kᵀ, P, dP = dO Vᵀ, dS and dQ += dS K per key block."""
+  n_aux = sum(aux_present)
+  aux_refs, (dq_ref,) = refs[:n_aux], refs[n_aux:]
+  aux_iter = iter(aux_refs)
+  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = (
+      next(aux_iter) if here else None for here in aux_present)
+  bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
+  wg = lax.axis_index("wg")
+  b, n = lax.axis_index("batch"), lax.axis_index("heads")
+  q0 = lax.axis_index("q_tiles") * (_CONSUMERS * bq)
+  q_length = None if q_len_ref is None else q_len_ref[b]
+  kv_length = None if kv_len_ref is None else kv_len_ref[b]
+  ranges = key_block_ranges(spec, q0, _CONSUMERS * bq, bkv, kv_length, q_length)
+  lo, hi = ranges[0], ranges[3]
+
+  def slot(j):
+    return lax.rem(j - lo, stages)
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    row0 = q0 + wg * bq
+    q_tile, do_tile = q_tiles.at[wg], do_tiles.at[wg]
+    shape = (bq, bkv)
+    rows = pl.ds(row0, bq)
+    lse2 = _rows(plgpu.load(lse2_ref.at[b, n, rows], layout=_ROW, optimized=False), shape)
+    delta = _rows(plgpu.load(delta_ref.at[b, n, rows], layout=_ROW, optimized=False),
+                  shape)
+    q_seg = None
+    if q_seg_ref is not None:
+      q_seg = _rows(plgpu.load(q_seg_ref.at[b, rows], layout=_ROW, optimized=False), shape)
+    plgpu.barrier_wait(q_loaded.at[wg])
+
+    def compute(dq_acc):
+      def step(j, carry, *, masked: bool):
+        s = slot(j)
+        plgpu.barrier_wait(k_loaded.at[s])
+
+        def scores(acc):
+          plgpu.wgmma(acc, q_tile, k_ring.at[s].T)
+          return acc[...]
+
+        x, tanh = logits.cap(pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32)))
+        p = jnp.exp2(x * (logits.factor * LOG2E) - lse2)
+        if masked:
+          k_seg = None
+          if kv_seg_ref is not None:
+            k_seg = lax.broadcast_in_dim(
+                plgpu.load(kv_seg_ref.at[b, pl.ds(j * bkv, bkv)], layout=_COL,
+                           optimized=False), shape, [1])
+          allowed = element_mask(spec, row0 + _iota(shape, 0), j * bkv + _iota(shape, 1),
+                                 kv_length, q_seg, k_seg)
+          p = jnp.where(allowed, p, 0.0)
+        plgpu.barrier_wait(v_loaded.at[s])
+
+        def value_grads(acc):
+          plgpu.wgmma(acc, do_tile, v_ring.at[s].T)
+          return acc[...]
+
+        dp = pl.run_scoped(value_grads, plgpu.ACC(shape, jnp.float32))
+        plgpu.barrier_arrive(v_free.at[s])
+        ds = p * (dp - delta)
+        if tanh is not None:
+          ds = ds * (1.0 - tanh * tanh)
+        high = ds.astype(q_tile.dtype)
+        plgpu.wgmma(dq_acc, high, k_ring.at[s])
+        if terms == 2:
+          plgpu.wgmma(dq_acc, (ds - high.astype(jnp.float32)).astype(q_tile.dtype),
+                      k_ring.at[s])
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(k_free.at[s])
+        return carry
+
+      walk_block_ranges(ranges, step, 0)
+      return dq_acc[...]
+
+    dq = pl.run_scoped(compute, plgpu.ACC(q_tile.shape, jnp.float32))
+    q_tile[...] = (dq * logits.scale).astype(q_tile.dtype)  # no product reads Q now
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[b, rows, n])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    for c in range(_CONSUMERS):
+      rows = (b, pl.ds(q0 + c * bq, bq), n)
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_tiles.at[c], q_loaded.at[c])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_tiles.at[c], q_loaded.at[c])
+    kv_head = lax.div(n, group)
+
+    @pl.loop(lo, hi)
+    def _(j):
+      s = slot(j)
+      rows = (b, pl.ds(j * bkv, bkv), kv_head)
+      pl.when(j - lo >= stages)(lambda: plgpu.barrier_wait(k_free.at[s]))
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_ring.at[s], k_loaded.at[s])
+      pl.when(j - lo >= stages)(lambda: plgpu.barrier_wait(v_free.at[s]))
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_ring.at[s], v_loaded.at[s])
+
+
 def _pad_to(x, axis: int, size: int, value=0):
   if x.shape[axis] == size:
     return x
@@ -286,18 +413,20 @@ def _pad_to(x, axis: int, size: int, value=0):
 
 
 def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: float,
-             softcap: float | None, blocks: HopperBackwardBlockSizes = BLOCKS):
+             softcap: float | None, deterministic: bool = False,
+             blocks: HopperBackwardBlockSizes = BLOCKS):
   """(dq, dk, dv) in the inputs' dtype, from the forward's inputs (bfloat16 or float16),
   its output o (float32 where the forward wrote one) and row statistics m and log2_l
-  (B, N, T); ``aux_arrays`` as the forward takes them."""
+  (B, N, T); ``aux_arrays`` as the forward takes them. ``deterministic``: dQ from a
+  kernel of its own (7 tile products per block pair instead of 5), with no atomic adds."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   H_pad = pad_head_dim(H)
   bq, bkv = blocks.block_q, blocks.block_kv
   logits = Logits(scale, softcap, fused=True)
-  # delta = rowsum(dO ∘ O) and lse₂ in one fused XLA pass each, padded to whole query
-  # blocks: the padding rows have lse₂ = +inf, so they take no part.
-  T_pad = pl.cdiv(T, bq) * bq
+  # delta = rowsum(dO ∘ O) and lse₂ in one fused XLA pass each, padded to whole tiles
+  # of queries: the padding rows have lse₂ = +inf, so they take no part.
+  T_pad = pl.cdiv(T, _CONSUMERS * bq) * _CONSUMERS * bq
   delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
   c = logits.factor * LOG2E
   lse2 = jnp.where(m == -jnp.inf, jnp.inf, m * c + log2_l)
@@ -313,44 +442,74 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     q_seg = _pad_to(q_seg, 1, T_pad, -1)
     kv_seg = _pad_to(kv_seg, 1, n_kv_tiles * _CONSUMERS * bkv, -2)
   aux = AuxArrays(q_len, kv_len, q_seg, kv_seg)
+  aux_inputs = tuple(a for a in aux if a is not None)
 
   terms = terms_of(q.dtype)
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages
-  scratch = [
-      plgpu.SMEM((_CONSUMERS, bkv, H_pad), k.dtype, transforms=tiled),  # K, then dK
-      plgpu.SMEM((_CONSUMERS, bkv, H_pad), v.dtype, transforms=tiled),  # V, then dV
-      plgpu.SMEM((stages, bq, H_pad), q.dtype, transforms=tiled),
-      plgpu.SMEM((stages, bq, H_pad), do.dtype, transforms=tiled),
-      plgpu.SMEM((stages, bq), jnp.float32),  # lse₂
-      plgpu.SMEM((stages, bq), jnp.float32),  # delta
-      plgpu.SMEM((2, terms, _CONSUMERS, bkv, bq), q.dtype, transforms=tiled),  # dSᵀ
-      plgpu.SMEM((_CONSUMERS, bq, _CHUNK), jnp.float32),  # dQ chunks on their way out
-      plgpu.Barrier(num_arrivals=2 * _CONSUMERS),  # K and V loaded
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # Q and lse₂ loaded
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # dO and delta loaded
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # slot free
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),  # both halves of dSᵀ written
-      plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
-  ]
+  statics = dict(aux_present=tuple(a is not None for a in aux), spec=spec, blocks=blocks,
+                 logits=logits, group=N // K, terms=terms)
+  compiler_params = plgpu.CompilerParams(approx_math=softcap is None,
+                                         unsafe_no_auto_barriers=True,
+                                         reduction_scratch_bytes=0)
+  scratch = dict(
+      k_smem=plgpu.SMEM((_CONSUMERS, bkv, H_pad), k.dtype, transforms=tiled),  # then dK
+      v_smem=plgpu.SMEM((_CONSUMERS, bkv, H_pad), v.dtype, transforms=tiled),  # then dV
+      q_ring=plgpu.SMEM((stages, bq, H_pad), q.dtype, transforms=tiled),
+      do_ring=plgpu.SMEM((stages, bq, H_pad), do.dtype, transforms=tiled),
+      lse2_ring=plgpu.SMEM((stages, bq), jnp.float32),
+      delta_ring=plgpu.SMEM((stages, bq), jnp.float32),
+      kv_loaded=plgpu.Barrier(num_arrivals=2 * _CONSUMERS),  # K and V of both consumers
+      q_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # Q and lse₂
+      do_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # dO and delta
+      slot_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+  )
+  if not deterministic:
+    scratch.update(
+        ds_smem=plgpu.SMEM((2, terms, _CONSUMERS, bkv, bq), q.dtype, transforms=tiled),
+        dq_smem=plgpu.SMEM((_CONSUMERS, bq, _CHUNK), jnp.float32),  # chunks on their way out
+        ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),  # both halves of dSᵀ
+        done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
+    )
   kv_type = jax.ShapeDtypeStruct((B, S8, K, H_pad), q.dtype)
-  kernel = functools.partial(
-      _kernel, aux_present=tuple(a is not None for a in aux), spec=spec, blocks=blocks,
-      logits=logits, group=N // K, terms=terms)
-  # dQ is summed in place by every key tile's CTA: a zeroed float32 array it aliases.
-  dq32 = jax.new_ref(jnp.zeros((B, T8, N, H_pad), jnp.float32))
-  dk, dv = plgpu.kernel(
-      kernel,
+  dkdv_kernel = plgpu.kernel(
+      functools.partial(_dkdv_kernel, atomic_dq=not deterministic, **statics),
       out_type=(kv_type, kv_type),
       scratch_types=scratch,
       grid=(K, n_kv_tiles, B),
       grid_names=("heads", "kv_tiles", "batch"),
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=softcap is None,
-                                           unsafe_no_auto_barriers=True,
-                                           reduction_scratch_bytes=0),
+      compiler_params=compiler_params,
       kernel_name="attention_backward_mosaic_gpu",
-  )(q, k, v, do, lse2, delta, *(a for a in aux if a is not None), dq32)
-  dq = (jax.freeze(dq32) * scale).astype(q.dtype)
+  )
+  inputs = (q, k, v, do, lse2, delta, *aux_inputs)
+  if deterministic:
+    dk, dv = dkdv_kernel(*inputs)
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, **statics),
+        out_type=jax.ShapeDtypeStruct((B, T8, N, H_pad), q.dtype),
+        scratch_types=dict(
+            q_tiles=plgpu.SMEM((_CONSUMERS, bq, H_pad), q.dtype, transforms=tiled),
+            do_tiles=plgpu.SMEM((_CONSUMERS, bq, H_pad), do.dtype, transforms=tiled),
+            k_ring=plgpu.SMEM((stages, bkv, H_pad), k.dtype, transforms=tiled),
+            v_ring=plgpu.SMEM((stages, bkv, H_pad), v.dtype, transforms=tiled),
+            q_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),  # Q and dO
+            k_loaded=plgpu.Barrier(num_barriers=stages),
+            v_loaded=plgpu.Barrier(num_barriers=stages),
+            k_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+            v_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+        ),
+        grid=(N, T_pad // (_CONSUMERS * bq), B),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=compiler_params,
+        kernel_name="attention_backward_dq_mosaic_gpu",
+    )(*inputs)
+  else:
+    # dQ is summed in place by every key tile's CTA: a zeroed float32 array it aliases.
+    dq32 = jax.new_ref(jnp.zeros((B, T8, N, H_pad), jnp.float32))
+    dk, dv = dkdv_kernel(*inputs, dq32)
+    dq = (jax.freeze(dq32) * scale).astype(q.dtype)
   return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :H]
