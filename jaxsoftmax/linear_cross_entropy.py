@@ -14,20 +14,32 @@ keeps the online-softmax state (m, l), the label's logit and Σ s_j per row, and
 those four numbers per row for its range. The ranges merge in float32 (the
 `merge_states` rule), so nothing R x V reaches memory.
 
-Backward kernel: one program per (block of rows, vocabulary tile). It recomputes its
-logit tile, forms ds = g·[(1 + 2ζ·lse)·p - (1 - a)·[j = y] - a / V] + g_lse·p with
-p = exp(s - lse) (times 1 - (s/c)² under a soft cap) in registers, and adds ds · Wᵀ to
-dhidden, xᵀ · ds to dweight and Σ_rows ds to dbias with float32 atomic adds (Cut
-Cross-Entropy's scheme, Wijmans et al. 2024): the float32 gradient accumulators are the
-only buffers beyond the inputs. ds enters the products in the inputs' dtype (in float16
-as two terms, `_operand_terms`). Atomic adds make the last bits of the gradients vary
-from run to run; ``LinearCrossEntropyTiling(backward="two_kernels")`` is deterministic:
-a dhidden kernel over blocks of rows and a dweight kernel over vocabulary tiles, each
-recomputing the logit tiles (one more product per tile) and owning what it writes.
+Backward: the gradient with respect to the logits is
+
+    ds = g·[(1 + 2ζ·lse)·p - (1 - a)·[j = y] - a / V] + g_lse·p,   p = exp(s - lse)
+
+(times 1 - (s/c)² under a soft cap), then dhidden = ds · Wᵀ, dweight = xᵀ · ds and
+dbias = Σ_rows ds. Three ways, ``LinearCrossEntropyTiling.backward``:
+
+- "chunked" (the default): the vocabulary in chunks of ``chunk_vocab`` columns; per
+  chunk, XLA's matrix products (cuBLAS on a GPU) recompute its logits in float32 and
+  form its dweight columns (complete: every row contributes) and its share of a float32
+  dhidden, with ds formed in between and rounded to the inputs' dtype. A T x chunk
+  block of logits and of ds is the only buffer beyond the gradients and the float32
+  dhidden. Deterministic.
+- "atomic": one Pallas kernel per (block of rows, vocabulary tile) recomputes its logit
+  tile and forms ds in registers, then adds ds · Wᵀ, xᵀ · ds and Σ_rows ds into float32
+  accumulators with atomic adds (Cut Cross-Entropy's scheme, Wijmans et al. 2024).
+- "two_kernels": a dhidden kernel over blocks of rows and a dweight kernel over
+  vocabulary tiles, each recomputing the logit tiles and owning what it writes.
+
+On the H200 the two kernel variants measured 6-8x slower than XLA's unfused loss (their
+updates of the float32 accumulators in global memory, per tile, dominate); "chunked"
+spends its time in the vendor's matrix products instead. ds enters every product in the
+inputs' dtype (in float16 scaled and as two terms, `_operand_terms`).
 
 FLOPs: forward 2·R·H·V; backward 6·R·H·V (logits again, dhidden, dweight), 8·R·H·V with
-two kernels. Memory beyond the inputs: float32 dhidden and dweight (R·H + H·V floats)
-and a few floats per row.
+two kernels.
 """
 
 from __future__ import annotations
@@ -47,7 +59,9 @@ from jaxsoftmax.inputs import check_floating
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyTiling"]
 
-_BACKWARDS = ("atomic", "two_kernels")
+_BACKWARDS = ("chunked", "atomic", "two_kernels")
+# The chunked backward's default chunk: about this many logits (64 MiB in float32).
+_CHUNK_LOGITS = 1 << 24
 _LOG2E = math.log2(math.e)
 
 
@@ -62,9 +76,13 @@ class LinearCrossEntropyTiling:
     vocab_splits: vocabulary ranges of the forward (programs per block of rows); None
       picks enough programs to fill the GPU.
     num_warps, num_stages: Triton launch parameters.
-    backward: "atomic" (one kernel; float32 atomic adds, run-to-run differences in the
-      last bits) or "two_kernels" (deterministic: a dhidden kernel over blocks of rows
-      and a dweight kernel over vocabulary tiles, each recomputing the logits).
+    backward: "chunked" (XLA's matrix products over vocabulary chunks), "atomic" (one
+      kernel; float32 atomic adds, run-to-run differences in the last bits) or
+      "two_kernels" (a dhidden kernel over blocks of rows and a dweight kernel over
+      vocabulary tiles, each recomputing the logits); None: "chunked" for 16-bit
+      inputs, "two_kernels" for float32 (see `_backward_chunked`).
+    chunk_vocab: vocabulary columns per chunk of the chunked backward; None picks about
+      2**24 logits per chunk (a power of two, at least 1024 columns).
   """
 
   block_rows: int = 64
@@ -73,7 +91,8 @@ class LinearCrossEntropyTiling:
   vocab_splits: int | None = None
   num_warps: int = 4
   num_stages: int = 2
-  backward: str = "atomic"
+  backward: str | None = None
+  chunk_vocab: int | None = None
 
   def __post_init__(self):
     for name in ("block_rows", "block_vocab", "block_hidden"):
@@ -81,9 +100,13 @@ class LinearCrossEntropyTiling:
       if not (isinstance(value, int) and value >= 16 and value & (value - 1) == 0):
         raise ValueError(f"LinearCrossEntropyTiling.{name} must be a power of two >= 16, "
                          f"got {value!r}")
-    if self.backward not in _BACKWARDS:
+    if self.backward is not None and self.backward not in _BACKWARDS:
       raise ValueError(f"LinearCrossEntropyTiling.backward must be one of {_BACKWARDS}, "
                        f"got {self.backward!r}")
+    if self.chunk_vocab is not None and not (isinstance(self.chunk_vocab, int)
+                                             and self.chunk_vocab >= 1):
+      raise ValueError("LinearCrossEntropyTiling.chunk_vocab must be a positive int or "
+                       f"None, got {self.chunk_vocab!r}")
     if self.vocab_splits is not None and not (isinstance(self.vocab_splits, int)
                                               and self.vocab_splits >= 1):
       raise ValueError("LinearCrossEntropyTiling.vocab_splits must be a positive int or "
@@ -108,6 +131,14 @@ class _Dims:
   @property
   def hidden_chunks(self) -> int:
     return pl.cdiv(self.H, self.tiling.block_hidden)
+
+  @property
+  def chunk(self) -> int:
+    """Vocabulary columns per chunk of the chunked backward."""
+    if self.tiling.chunk_vocab is not None:
+      return min(self.tiling.chunk_vocab, self.V)
+    columns = 1 << max(10, (_CHUNK_LOGITS // self.R).bit_length() - 1)
+    return min(columns, self.V)
 
   def splits(self) -> tuple[int, int]:
     """(vocabulary ranges, tiles per range) of the forward; every range holds a tile."""
@@ -243,6 +274,31 @@ def _operand_terms(ds, dtype):
   return high, (ds - high.astype(jnp.float32)).astype(dtype)
 
 
+# float16 ds is scaled by a power of two that brings its largest magnitude to about
+# 2^_F16_TOP: a mean over many rows makes ds as small as 1e-8 (g = 1/rows times
+# probabilities over a large vocabulary), below float16's smallest normal number (6e-5),
+# where its rounding keeps no digits (on the H200: dhidden at 32x a float16 reference's
+# error, 256 rows, V = 256000). A power of two rescales exactly, and 2^14 keeps the
+# float16 operands below their largest value (65504). bfloat16 has float32's exponent
+# range and needs no scale.
+_F16_TOP = 14
+
+
+def _power_of_two_scale(largest, top: int):
+  """2^k with largest · 2^k in (2^(top - 1), 2^top], or 1 for a largest of 0 or NaN."""
+  ok = jnp.isfinite(largest) & (largest > 0)
+  return jnp.exp2(jnp.where(ok, top - jnp.ceil(jnp.log2(jnp.where(ok, largest, 1.0))), 0.0))
+
+
+def _scaled_terms(ds, dtype):
+  """(terms, unscale): `_operand_terms` of ds, scaled in float16 (see _F16_TOP), and
+  the factor that takes the products back."""
+  if dtype != jnp.float16:
+    return _operand_terms(ds, dtype), 1.0
+  scale = _power_of_two_scale(jnp.max(jnp.abs(ds)), _F16_TOP)
+  return _operand_terms(ds * scale, dtype), 1.0 / scale
+
+
 def _sum_products(terms, product):
   """Σ product(term) over the operand terms of ds."""
   out = product(terms[0])
@@ -375,8 +431,85 @@ def _dw_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
             terms, lambda d: _backend.dot(x, d, trans_a=True))
 
 
+def _logit_grad_chunk(z, start, labels, lse, g, g_lse, dims: _Dims, options: _Options):
+  """ds (rows, chunk) in float32 for the logits z = x W + b of the columns
+  [start, start + chunk); `_logit_grad` for a whole chunk, in XLA."""
+  if options.softcap is not None:
+    t = jnp.tanh(z / options.softcap)
+    s, dsdz = options.softcap * t, 1.0 - t * t
+  else:
+    s, dsdz = z, None
+  cols = start + jnp.arange(z.shape[1], dtype=jnp.int32)
+  p = jnp.exp(s - lse[:, None])
+  a = options.label_smoothing
+  ds = (g * (1 + 2 * options.z_loss * lse) + g_lse)[:, None] * p
+  ds = ds - jnp.where(cols[None, :] == labels[:, None], (g * (1 - a))[:, None], 0.0)
+  if a:
+    ds = ds - (g * (a / dims.V))[:, None]
+  return ds if dsdz is None else ds * dsdz
+
+
+def _backward_chunked(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options):
+  """(dx float32, dw in w's dtype, db float32 or None) over vocabulary chunks; the last
+  chunk ends at V and overlaps the one before, whose columns it leaves out of dx and
+  db and rewrites, with the same values, in dw.
+
+  Its logits are XLA's product, not the forward kernel's: the two round their float32
+  sums differently, so p = exp(s - lse) of a row sums to 1 only up to that difference.
+  For 16-bit inputs that is far below their own rounding; for float32 inputs it put
+  dhidden at 2-3x a float32 reference's error (whose softmax is normalized by its own
+  sum), so float32 defaults to the "two_kernels" backward, whose logit tiles are the
+  forward's."""
+  chunk = dims.chunk
+  n_chunks = pl.cdiv(dims.V, chunk)
+  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+
+  def step(carry, c):
+    dx, dw, db = carry
+    start = jnp.minimum(c * chunk, dims.V - chunk)
+    w_c = lax.dynamic_slice_in_dim(w, start, chunk, axis=1)
+    z = dot(x, w_c)
+    if b is not None:
+      z = z + lax.dynamic_slice_in_dim(b, start, chunk).astype(jnp.float32)[None, :]
+    ds = _logit_grad_chunk(z, start, labels, lse, g, g_lse, dims, options)
+    terms, unscale = _scaled_terms(ds, x.dtype)
+    dw_c = _sum_products(terms, lambda d: dot(x.T, d)) * unscale
+    dw = lax.dynamic_update_slice_in_dim(dw, dw_c.astype(dw.dtype), start, axis=1)
+    new = (start + jnp.arange(chunk, dtype=jnp.int32) >= c * chunk)[None, :]
+    terms, unscale = _scaled_terms(jnp.where(new, ds, 0.0), x.dtype)
+    dx = dx + _sum_products(terms, lambda d: dot(d, w_c.T)) * unscale
+    if db is not None:
+      db = lax.dynamic_update_slice_in_dim(db, ds.sum(axis=0), start, axis=0)
+    return (dx, dw, db), None
+
+  init = (jnp.zeros((dims.R, dims.H), jnp.float32), jnp.zeros(w.shape, w.dtype),
+          None if b is None else jnp.zeros((dims.V,), jnp.float32))
+  (dx, dw, db), _ = lax.scan(step, init, jnp.arange(n_chunks, dtype=jnp.int32))
+  return dx, dw, db
+
+
 def _backward(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options):
   """float32 (dx, dw, db or None)."""
+  t = dims.tiling
+  backward = t.backward or ("two_kernels" if x.dtype == jnp.float32 else "chunked")
+  if backward == "chunked":
+    return _backward_chunked(x, w, b, labels, lse, g, g_lse, dims, options)
+  # The kernels form ds in registers: in float16 the cotangents are scaled instead (ds
+  # is linear in them), leaving room for |ds / g| up to 2^8.
+  scale = 1.0
+  if x.dtype == jnp.float16:
+    scale = _power_of_two_scale(jnp.maximum(jnp.max(jnp.abs(g)), jnp.max(jnp.abs(g_lse))),
+                                _F16_TOP - 8)
+    g, g_lse = g * scale, g_lse * scale
+  dx, dw, db = _backward_kernels(x, w, b, labels, lse, g, g_lse, dims, options,
+                                 atomic=backward == "atomic")
+  return dx / scale, dw / scale, None if db is None else db / scale
+
+
+def _backward_kernels(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options, *,
+                      atomic: bool):
+  """float32 (dx, dw, db or None) from the "atomic" or "two_kernels" Pallas kernels."""
   t = dims.tiling
   R_pad = dims.row_blocks * t.block_rows
   H_pad = dims.hidden_chunks * t.block_hidden
@@ -399,7 +532,7 @@ def _backward(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options):
     return [x_spec, whole((H_pad, V_pad)), *([whole((V_pad,))] if options.has_bias else []),
             row, row, row, row]
 
-  if t.backward == "atomic":
+  if atomic:
     # The float32 accumulators (padded to whole tiles), zeroed and updated in place.
     dx, dw, *db = _backend.pallas_call(
         functools.partial(_atomic_kernel, **statics), name="linear_cross_entropy_backward",
