@@ -219,10 +219,19 @@ class _Layout:
 _LOG2E = 1.4426950408889634
 
 
-def exp_for(interpret: bool) -> Callable[[jax.Array], jax.Array]:
-  """exp as one multiply and the backend's exp2 (`_backend.exp2`): libdevice's expf costs
-  several instructions more, which bounds bfloat16 kernels by issue rate. Callers pass
-  x - m, never x·log2e - m·log2e, so large |x| costs no accuracy."""
+def exp_for(interpret: bool, dtype) -> Callable[[jax.Array], jax.Array]:
+  """exp on the float32 tiles of an op whose inputs are ``dtype``.
+
+  16-bit inputs: one multiply and the backend's exp2 (`_backend.exp2`); libdevice's expf
+  costs several instructions more, which bounds bfloat16 kernels by issue rate. Callers
+  pass x - m, never x·log2e - m·log2e, so large |x| costs no accuracy. float32 inputs:
+  jnp.exp (libdevice's expf). The multiply rounds its argument t = x - m, which costs
+  the result about |t|·log2(e) ulps (12 at t = -8.5, a probability of 1/5000): on the
+  H200 that put float32 log_softmax's gradient at (2, 5000) at 3.5x XLA's error.
+  float32 moves half as many elements per byte as bfloat16, which leaves room for the
+  extra instructions (not yet measured on the GPU)."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return jnp.exp
   exp2 = _backend.exp2(interpret)
   return lambda x: exp2(x * _LOG2E)
 
@@ -459,7 +468,7 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
   br, bc = tiling.block_rows, tiling.block_cols
   out_shape = jax.ShapeDtypeStruct((n_rows, n_cols), out_dtype)
   stat_shape = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
-  exp = exp_for(interpret)
+  exp = exp_for(interpret, inputs[0].dtype)
 
   def call(kernel, suffix, grid, tile_spec, row_spec, n_rows_in, out_specs, out_shapes):
     in_specs = ([tile_spec] * layout.n_in + [row_spec] * n_rows_in

@@ -45,6 +45,8 @@ GPU_CASES = [
     pytest.param((4, 1_000_003), None, id="split-default"),
     pytest.param((5, 1000), RowTiling("online", 2, 128), id="online-forced"),
     pytest.param((3, 4097), RowTiling("split", 1, 256, 3), id="split-forced"),
+    # float32 log_softmax's gradient here was 3.5x XLA's error with exp as ex2.approx.
+    pytest.param((2, 5000), None, id="resident-2x5000"),
 ]
 
 
