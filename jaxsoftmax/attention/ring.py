@@ -44,6 +44,7 @@ from jaxsoftmax import _backend
 from jaxsoftmax.attention import api, logits, triton
 from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
+from jaxsoftmax.attention.triton import backward as backward_kernels
 from jaxsoftmax.state import merge_attention_states
 
 __all__ = ["ring_attention", "context_parallel_attention", "zigzag_permute",
@@ -191,15 +192,16 @@ def _block_forward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg):
   return o, jnp.transpose(lse, (0, 2, 1))
 
 
-def _block_backward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg, o, lse, do):
-  """float32 (dq, dk, dv) of one kernel call, from the global output o and lse."""
+def _block_backward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg, delta, lse, do):
+  """float32 (dq, dk, dv) of one kernel call, from the global lse and
+  delta = rowsum(dO ∘ O) of the global output, both (B, T, N)."""
   call = plan.call(piece)
   # The kernels take the lse as (m, log2 l) with lse = m · factor + log(l).
   factor = logits.Logits(plan.scale, plan.softcap, fused=False).factor
   m = jnp.transpose(lse, (0, 2, 1)) / factor
-  return triton.bwd(q, k, v, o, m, jnp.zeros_like(m), do,
+  return triton.bwd(q, k, v, None, m, jnp.zeros_like(m), do,
                     AuxArrays(q_segments=q_seg, kv_segments=kv_seg), call,
-                    grad_dtype=jnp.float32)
+                    grad_dtype=jnp.float32, delta=jnp.transpose(delta, (0, 2, 1)))
 
 
 def _rows(x, piece: _Piece):
@@ -233,7 +235,7 @@ def _forward_pieces(plan: _Plan, pieces, q, q_seg, k, v, kv_seg):
   return o, lse
 
 
-def _backward_pieces(plan: _Plan, pieces, q, q_seg, k, v, kv_seg, o, lse, do):
+def _backward_pieces(plan: _Plan, pieces, q, q_seg, k, v, kv_seg, delta, lse, do):
   """float32 (dq, dk, dv) of the local queries against one key/value block."""
   dq = jnp.zeros(q.shape, jnp.float32)
   dk = jnp.zeros(k.shape, jnp.float32)
@@ -241,7 +243,7 @@ def _backward_pieces(plan: _Plan, pieces, q, q_seg, k, v, kv_seg, o, lse, do):
   for piece in pieces:
     dq_p, dk_p, dv_p = _block_backward(
         plan, piece, _rows(q, piece), _keys(k, piece), _keys(v, piece), _rows(q_seg, piece),
-        _keys(kv_seg, piece), _rows(o, piece), _rows(lse, piece), _rows(do, piece))
+        _keys(kv_seg, piece), _rows(delta, piece), _rows(lse, piece), _rows(do, piece))
     dq = dq + _padded(dq_p, piece.q0, q.shape[1])
     dk = dk + _padded(dk_p, piece.k0, k.shape[1])
     dv = dv + _padded(dv_p, piece.k0, v.shape[1])
@@ -292,11 +294,13 @@ def _backward(plan: _Plan, q, k, v, q_seg, kv_seg, o, lse, do):
   """float32 (dq, dk, dv) of the local shards."""
   d = lax.axis_index(plan.axis_name)
   run = functools.partial(_backward_pieces, plan)
+  # delta of the local queries once, for every step and piece: (B, T, N), as lse.
+  delta = jnp.transpose(backward_kernels.row_delta(o, do), (0, 2, 1))
   if plan.strategy == "all_gather":
     k_all, v_all, kv_seg_all = (None if x is None else _gather(plan, x)
                                 for x in (k, v, kv_seg))
     dq, dk, dv = _choose(d, tuple(plan.gathered()), run, q, q_seg, k_all, v_all,
-                         kv_seg_all, o, lse, do)
+                         kv_seg_all, delta, lse, do)
     if plan.layout == "zigzag":
       dk, dv = (zigzag_permute(x, plan.shards) for x in (dk, dv))
     dk, dv = (lax.psum_scatter(x, plan.axis_name, scatter_dimension=1, tiled=True)
@@ -310,7 +314,7 @@ def _backward(plan: _Plan, q, k, v, q_seg, kv_seg, o, lse, do):
     if s + 1 < plan.shards:
       next_block = _next_device(plan, block)
     dq_s, dk_s, dv_s = _choose((d < s).astype(jnp.int32), plan.ring_step(s), run, q, q_seg,
-                               *block, o, lse, do)
+                               *block, delta, lse, do)
     dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
     # The accumulators go on with their block; after the P-th hop they are home.
     dk, dv = _next_device(plan, (dk, dv))

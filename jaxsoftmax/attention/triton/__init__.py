@@ -37,11 +37,12 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):
                           interpret=call.interpret, float32_output=float32_output)
 
 
-def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call, *, grad_dtype=None):
+def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call, *, grad_dtype=None,
+        delta=None):
   """(dq, dk, dv) from any backend's forward residuals; see `triton.backward`."""
   return _backward.backward(q, k, v, o, m, log2_l, do, aux_arrays, spec=call.spec,
                             blocks=blocks(call), scale=call.scale, softcap=call.softcap,
-                            interpret=call.interpret, grad_dtype=grad_dtype)
+                            interpret=call.interpret, grad_dtype=grad_dtype, delta=delta)
 
 
 __all__ = ["NAME", "BlockSizes", "unsupported", "fwd", "bwd"]

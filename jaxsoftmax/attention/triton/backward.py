@@ -39,6 +39,11 @@ from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, block_row
                                                 query_block, query_block_launch, scores)
 
 
+def row_delta(o, do):
+  """delta = rowsum(dO ∘ O), (B, N, T) float32, for o and do (B, T, N, H)."""
+  return jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
+
+
 def _max_or_inf(m):
   """m with -inf (no allowed key) read as +inf, so that exp(s - lse) is exactly 0."""
   return jnp.where(m == -jnp.inf, jnp.inf, m)
@@ -155,16 +160,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
 
 
 def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes,
-             scale: float, softcap: float | None, interpret: bool, grad_dtype=None):
+             scale: float, softcap: float | None, interpret: bool, grad_dtype=None,
+             delta=None):
   """(dq, dk, dv) for the forward's inputs, its output o (float32 where it has one) and
   its row statistics m and log2_l (B, N, T); in the inputs' dtype, or in ``grad_dtype``
-  (float32 for partial gradients that are summed afterwards, as context parallelism's)."""
+  (float32 for partial gradients that are summed afterwards, as context parallelism's).
+  ``delta``: rowsum(dO ∘ O) (B, N, T) where the caller has it (then o is not read)."""
   grad_dtype = q.dtype if grad_dtype is None else grad_dtype
   dims = Dims.of(q, k)
   aux, aux_arrays = Aux.of(aux_arrays)
   group = dims.N // dims.K
-  # delta = rowsum(dO ∘ O): one fused XLA pass over O and dO.
-  delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
+  if delta is None:  # one fused XLA pass over O and dO
+    delta = row_delta(o, do)
   statics = dict(dims=dims, spec=spec, blocks=blocks, aux=aux,
                  logits=Logits(scale, softcap, fused=q.dtype != jnp.float32),
                  exp2=_backend.exp2(interpret))
