@@ -2,8 +2,8 @@
 
 Drop-in replacements for jax.nn.softmax / log_softmax / logsumexp /
 dot_product_attention and for optax's integer-label softmax cross-entropy, with custom
-VJPs whose backward passes recompute from the saved row statistics. README.md states
-the numerics contract.
+VJPs whose backward passes recompute from the saved row statistics. docs/math.md has
+the math, docs/numerics.md the numerics contract.
 """
 
 from jaxsoftmax.attention import (BlockSizes, HopperBlockSizes, context_parallel_attention,

@@ -2,7 +2,7 @@
 
 Each function computes in the dtype of its input, so the tests evaluate it twice: in
 float64 for the truth, and in the input's own dtype for the error that dtype allows
-(the 2x rule: README.md, "Numerics contract", and `tests/tolerance.py`). They follow
+(the 2x rule: docs/testing.md and `tests/tolerance.py`). They follow
 jax.nn / optax semantics, including `where` and -inf handling, and are also the path
 jaxsoftmax takes for float64 inputs.
 """

@@ -1,4 +1,4 @@
-"""Online-softmax states and their merges (the math of every kernel here).
+"""Online-softmax states and their merges (the math of every kernel here; docs/math.md).
 
 A softmax state over a set of values x_i is the pair (m, l): m = max_i x_i and
 l = sum_i exp(x_i - m), where a non-finite m is replaced by 0 inside the exp (so the

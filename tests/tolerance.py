@@ -1,4 +1,4 @@
-"""The one tolerance rule of the test suite (README.md, "Numerics contract"), the
+"""The one tolerance rule of the test suite (docs/testing.md, "The 2x rule"), the
 truth it compares to, and the derivative checks against an op's jax.nn / optax twin.
 
 A kernel result passes when its largest error against the float64 truth is at most twice
