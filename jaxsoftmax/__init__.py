@@ -11,6 +11,7 @@ from jaxsoftmax.attention import (BlockSizes, HopperBlockSizes, context_parallel
                                   zigzag_permute, zigzag_unpermute)
 from jaxsoftmax.cross_entropy import cross_entropy
 from jaxsoftmax.linear_cross_entropy import LinearCrossEntropyTiling, linear_cross_entropy
+from jaxsoftmax.norms import layer_norm, rms_norm
 from jaxsoftmax.rowwise import RowTiling
 from jaxsoftmax.softmax import log_softmax, logsumexp, softmax
 from jaxsoftmax.state import (merge_attention_states, merge_states, reduce_lse, reduce_states,
@@ -23,6 +24,8 @@ __all__ = [
     "cross_entropy",
     "linear_cross_entropy",
     "LinearCrossEntropyTiling",
+    "layer_norm",
+    "rms_norm",
     "dot_product_attention",
     "flax_attention",
     "ring_attention",

@@ -3,9 +3,11 @@
 Every op here views its input as R rows of C columns (the reduced axis last) and does,
 per row:
 
-1. statistics: at most one online-softmax state (m, l) (defined in `state.py`), plus
-   any number of plain sums, each of a function of the row's elements;
-2. a map: each output element from the input elements and the row's statistics.
+1. statistics: at most one online-softmax state (m, l), at most one Welford state
+   (n, mean, M2) (both defined in `state.py`, docs/math.md), plus any number of plain
+   sums, each of a function of the row's elements;
+2. a map: each element of one or more outputs from the input elements, the row's
+   statistics and per-column inputs (a normalization's scale and bias).
 
 A `RowOp` says what to compute; `row_call` runs it with one of three kernel variants,
 picked from the shape by `default_tiling` or forced with a `RowTiling`:
@@ -47,7 +49,7 @@ from jax.custom_batching import custom_vmap
 
 from jaxsoftmax import _backend
 from jaxsoftmax._backend import pl
-from jaxsoftmax.state import safe_shift, reduce_states
+from jaxsoftmax.state import merge_moments, reduce_moments, reduce_states, safe_shift
 
 __all__ = ["RowOp", "RowTiling", "Tile", "default_tiling", "exp_for", "row_call"]
 
@@ -150,6 +152,7 @@ class Tile(NamedTuple):
     exp: the exp to use on the tile (see `exp_for`).
     e: for ops with a state, in ``apply`` only: exp(lse values - m), 0 where not valid;
       the resident variant reuses the exps of the statistics sweep.
+    colvals: the op's per-column (C,) inputs, upcast to float32, shape (1, block_cols).
   """
 
   x: tuple[jax.Array, ...]
@@ -158,6 +161,7 @@ class Tile(NamedTuple):
   valid: jax.Array | None
   exp: Callable[[jax.Array], jax.Array]
   e: jax.Array | None = None
+  colvals: tuple[jax.Array, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,50 +172,62 @@ class RowOp:
     name: prefix of the kernels' names in profiles.
     state_of: values whose online-softmax state (m, l) over the row gives the first two
       statistics, or None.
+    moments_of: values whose Welford state (n, mean, M2) over the row gives the next
+      three statistics, or None.
     sums: values whose sums over the row are the next statistics.
-    apply: ``apply(tile, stats)``: the output tile, with ``stats`` the row statistics,
-      each of shape (block_rows, 1): m (made finite: 0 for a row without finite values,
-      so that exp(x - m) / l is NaN-free where it should be), l, then the sums. None for
-      no output.
+    apply: ``apply(tile, stats)``: the output tile, or a tuple of ``outputs`` tiles,
+      with ``stats`` the row statistics, each of shape (block_rows, 1): m (made finite:
+      0 for a row without finite values, so that exp(x - m) / l is NaN-free where it
+      should be), l, then n, mean, M2, then the sums. None for no output.
+    outputs: how many (R, C) outputs ``apply`` gives.
     fill: output value where ``where`` masks an element.
   """
 
   name: str
   state_of: Callable[[Tile], jax.Array] | None = None
+  moments_of: Callable[[Tile], jax.Array] | None = None
   sums: tuple[Callable[[Tile], jax.Array], ...] = ()
-  apply: Callable[[Tile, tuple[jax.Array, ...]], jax.Array] | None = None
+  apply: Callable[[Tile, tuple[jax.Array, ...]], jax.Array | tuple] | None = None
+  outputs: int = 1
   fill: float = 0.0
 
   @property
   def n_stats(self) -> int:
-    return 2 * (self.state_of is not None) + len(self.sums)
+    return (2 * (self.state_of is not None) + 3 * (self.moments_of is not None)
+            + len(self.sums))
+
+  @property
+  def n_out(self) -> int:
+    return 0 if self.apply is None else self.outputs
 
 
 class _Refs(NamedTuple):
   inputs: tuple
   rows: tuple
+  cols: tuple
   where: object
-  out: object
+  outs: tuple
   stats: tuple
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-  """Order of a pallas_call's operands: inputs, row inputs, where; out, stats."""
+  """Order of a pallas_call's operands: inputs, row inputs, column inputs, where;
+  outputs, stats."""
 
   n_in: int
   n_rows_in: int
+  n_cols_in: int
   has_where: bool
-  has_out: bool
+  n_out: int
   n_stats: int
 
   def unpack(self, refs) -> _Refs:
     refs = list(refs)
     take = lambda n: tuple(refs.pop(0) for _ in range(n))
-    inputs, rows = take(self.n_in), take(self.n_rows_in)
+    inputs, rows, cols = take(self.n_in), take(self.n_rows_in), take(self.n_cols_in)
     where = refs.pop(0) if self.has_where else None
-    out = refs.pop(0) if self.has_out else None
-    return _Refs(inputs, rows, where, out, take(self.n_stats))
+    return _Refs(inputs, rows, cols, where, take(self.n_out), take(self.n_stats))
 
 
 # --- kernel building blocks ------------------------------------------------------------
@@ -264,6 +280,13 @@ class _Bounds:
     rows = block_index * self.block_rows + jnp.arange(self.block_rows, dtype=jnp.int32)
     return rows < self.n_rows
 
+  def cols_ok(self, col0):
+    """Which columns of the tile at ``col0`` lie inside the array, (block_cols,), or
+    None when all can."""
+    if not self.col_mask:
+      return None
+    return col0 + jnp.arange(self.block_cols, dtype=jnp.int32) < self.n_cols
+
   def tile(self, rows_ok, col0):
     """Global columns (1, block_cols) of the tile at global column ``col0``, and its
     in-bounds mask (None when nothing can be out of bounds)."""
@@ -284,27 +307,32 @@ def _load_rows(row_refs, rows_ok) -> tuple[jax.Array, ...]:
 
 
 class _Block(NamedTuple):
-  """What a program loads for one tile: its inputs as float32 and its `where` values."""
+  """What a program loads for one tile: its inputs as float32, its `where` values and
+  its columns of the per-column inputs, as float32."""
 
   xs: tuple[jax.Array, ...]
   where: jax.Array | None
+  colvals: tuple[jax.Array, ...]
 
 
-def _load_block(refs: _Refs, start, in_bounds, block_cols: int) -> _Block:
+def _load_block(refs: _Refs, start, in_bounds, block_cols: int, cols_ok=None) -> _Block:
   local = pl.ds(start, block_cols)
   xs = tuple(_backend.load(r.at[:, local], mask=in_bounds, other=0).astype(jnp.float32)
              for r in refs.inputs)
   where = None
   if refs.where is not None:
     where = _backend.load(refs.where.at[:, local], mask=in_bounds, other=False)
-  return _Block(xs, where)
+  colvals = tuple(_backend.load(r.at[local], mask=cols_ok, other=0).astype(jnp.float32)
+                  for r in refs.cols)
+  return _Block(xs, where, colvals)
 
 
 def _tile(block: _Block, rows, cols, in_bounds, exp) -> Tile:
   valid = in_bounds
   if block.where is not None:
     valid = block.where if valid is None else valid & block.where
-  return Tile(block.xs, tuple(r[:, None] for r in rows), cols, valid, exp)
+  return Tile(block.xs, tuple(r[:, None] for r in rows), cols, valid, exp,
+              colvals=tuple(c[None, :] for c in block.colvals))
 
 
 def _pipelined(n_blocks: int, load, consume, carry):
@@ -325,14 +353,24 @@ def _pipelined(n_blocks: int, load, consume, carry):
 
 def _empty_state(op: RowOp, block_rows: int):
   m = jnp.full((block_rows,), -jnp.inf, jnp.float32)
-  l = jnp.zeros((block_rows,), jnp.float32)
-  return m, l, tuple(jnp.zeros((block_rows,), jnp.float32) for _ in op.sums)
+  zeros = lambda: jnp.zeros((block_rows,), jnp.float32)
+  return m, zeros(), (zeros(), zeros(), zeros()), tuple(zeros() for _ in op.sums)
+
+
+def _tile_moments(values, valid):
+  """The Welford state (n, mean, M2) of each row of one tile, in two passes over its
+  registers: the mean first, then the squared deviations from it (exact)."""
+  ones = jnp.ones(values.shape, jnp.float32)
+  n = jnp.sum(_masked(valid, ones, 0.0), axis=1)
+  mean = jnp.sum(_masked(valid, values, 0.0), axis=1) / jnp.maximum(n, 1.0)
+  deviation = _masked(valid, values - mean[:, None], 0.0)
+  return n, mean, jnp.sum(deviation * deviation, axis=1)
 
 
 def _accumulate(op: RowOp, state, tile: Tile):
-  """Merges one tile into the running (m, l, sums) of its rows (`state.py`). Returns the
-  new state and the tile's exp(v - m_new)."""
-  m, l, sums = state
+  """Merges one tile into the running (m, l, moments, sums) of its rows (`state.py`).
+  Returns the new state and the tile's exp(v - m_new)."""
+  m, l, moments, sums = state
   e = None
   if op.state_of is not None:
     v = _masked(tile.valid, op.state_of(tile), -jnp.inf)
@@ -341,26 +379,31 @@ def _accumulate(op: RowOp, state, tile: Tile):
     e = tile.exp(v - shift[:, None])
     l = l * tile.exp(m - shift) + jnp.sum(e, axis=1)
     m = m_new
+  if op.moments_of is not None:
+    moments = merge_moments(*moments, *_tile_moments(op.moments_of(tile), tile.valid))
   sums = tuple(s + jnp.sum(_masked(tile.valid, f(tile), 0.0), axis=1)
                for s, f in zip(sums, op.sums))
-  return (m, l, sums), e
+  return (m, l, moments, sums), e
 
 
 def _finish(op: RowOp, state) -> tuple[jax.Array, ...]:
-  m, l, sums = state
-  return ((m, l) if op.state_of is not None else ()) + sums
+  m, l, moments, sums = state
+  return (((m, l) if op.state_of is not None else ())
+          + (moments if op.moments_of is not None else ()) + sums)
 
 
-def _store_map(op: RowOp, out_ref, tile: Tile, in_bounds, stats, *, start, block_cols: int):
+def _store_map(op: RowOp, out_refs, tile: Tile, in_bounds, stats, *, start,
+               block_cols: int):
   stats = tuple(s[:, None] for s in stats)
   if op.state_of is not None:
     shift = safe_shift(stats[0])
     stats = (shift,) + stats[1:]
     if tile.e is None:  # unused values are dropped by the compiler
       tile = tile._replace(e=tile.exp(_masked(tile.valid, op.state_of(tile), -jnp.inf) - shift))
-  y = _masked(tile.valid, op.apply(tile, stats), op.fill)
-  _backend.store(out_ref.at[:, pl.ds(start, block_cols)], y.astype(out_ref.dtype),
-                 mask=in_bounds)
+  ys = op.apply(tile, stats)
+  for out_ref, y in zip(out_refs, ys if op.outputs > 1 else (ys,)):
+    _backend.store(out_ref.at[:, pl.ds(start, block_cols)],
+                   _masked(tile.valid, y, op.fill).astype(out_ref.dtype), mask=in_bounds)
 
 
 # --- kernels ---------------------------------------------------------------------------
@@ -374,7 +417,7 @@ def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_bloc
   rows_ok = bounds.rows_ok(pl.program_id(0))
   rows = _load_rows(refs.rows, rows_ok)
   tile_bounds = lambda b: bounds.tile(rows_ok, b * bc)
-  load = lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc)
+  load = lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc, bounds.cols_ok(b * bc))
 
   if n_col_blocks == 1:
     # resident: the row is read once and stays in registers for the map.
@@ -382,8 +425,8 @@ def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_bloc
     tile = _tile(load(0), rows, cols, in_bounds, exp)
     state, e = _accumulate(op, _empty_state(op, bounds.block_rows), tile)
     stats = _finish(op, state)
-    if refs.out is not None:
-      _store_map(op, refs.out, tile._replace(e=e), in_bounds, stats, start=0, block_cols=bc)
+    if refs.outs:
+      _store_map(op, refs.outs, tile._replace(e=e), in_bounds, stats, start=0, block_cols=bc)
   else:
     # online: sweep 1 merges the state block by block; sweep 2 re-reads and maps.
     def accumulate(b, block, state):
@@ -391,11 +434,11 @@ def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_bloc
 
     stats = _finish(op, _pipelined(n_col_blocks, load, accumulate,
                                    _empty_state(op, bounds.block_rows)))
-    if refs.out is not None:
+    if refs.outs:
 
       def map_block(b, block, carry):
         cols, in_bounds = tile_bounds(b)
-        _store_map(op, refs.out, _tile(block, rows, cols, in_bounds, exp), in_bounds, stats,
+        _store_map(op, refs.outs, _tile(block, rows, cols, in_bounds, exp), in_bounds, stats,
                    start=b * bc, block_cols=bc)
         return carry
 
@@ -417,8 +460,9 @@ def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
   def accumulate(b, block, state):
     return _accumulate(op, state, _tile(block, rows, *tile_bounds(b), exp))[0]
 
-  state = _pipelined(chunk_blocks, lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc),
-                     accumulate, _empty_state(op, bounds.block_rows))
+  load = lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc,
+                               bounds.cols_ok(col0 + b * bc))
+  state = _pipelined(chunk_blocks, load, accumulate, _empty_state(op, bounds.block_rows))
   for ref, s in zip(refs.stats, _finish(op, state)):
     _backend.store(ref, s, mask=rows_ok)
 
@@ -438,12 +482,13 @@ def _map_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, chunk_blocks
 
   def map_block(b, block, carry):
     cols, in_bounds = tile_bounds(b)
-    _store_map(op, refs.out, _tile(block, rows, cols, in_bounds, exp), in_bounds, stats,
+    _store_map(op, refs.outs, _tile(block, rows, cols, in_bounds, exp), in_bounds, stats,
                start=b * bc, block_cols=bc)
     return carry
 
-  _pipelined(chunk_blocks, lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc),
-             map_block, ())
+  load = lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc,
+                               bounds.cols_ok(col0 + b * bc))
+  _pipelined(chunk_blocks, load, map_block, ())
 
 
 # --- pallas_calls ----------------------------------------------------------------------
@@ -458,10 +503,13 @@ def _check_tiling(tiling: RowTiling, op: RowOp, n_cols: int):
 
 def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interpret: bool,
          *arrays):
-  """Runs ``op`` on (inputs..., row inputs..., [where]); returns (out or None, stats)."""
+  """Runs ``op`` on (inputs..., row inputs..., column inputs..., [where]); returns
+  (out, or a tuple of ``op.outputs`` outs, or None; stats)."""
   inputs = arrays[:layout.n_in]
   row_inputs = arrays[layout.n_in:layout.n_in + layout.n_rows_in]
-  where = arrays[layout.n_in + layout.n_rows_in:]
+  col_inputs = arrays[layout.n_in + layout.n_rows_in:
+                      layout.n_in + layout.n_rows_in + layout.n_cols_in]
+  where = arrays[layout.n_in + layout.n_rows_in + layout.n_cols_in:]
   n_rows, n_cols = inputs[0].shape
   tiling = tiling or default_tiling(n_rows, n_cols, inputs[0].dtype, reduces=op.n_stats > 0)
   _check_tiling(tiling, op, n_cols)
@@ -470,9 +518,10 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
   stat_shape = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
   exp = exp_for(interpret, inputs[0].dtype)
 
-  def call(kernel, suffix, grid, tile_spec, row_spec, n_rows_in, out_specs, out_shapes):
+  def call(kernel, suffix, grid, tile_spec, row_spec, col_spec, n_rows_in, out_specs,
+           out_shapes):
     in_specs = ([tile_spec] * layout.n_in + [row_spec] * n_rows_in
-                + [tile_spec] * layout.has_where)
+                + [col_spec] * layout.n_cols_in + [tile_spec] * layout.has_where)
     return _backend.pallas_call(
         kernel, name=f"{op.name}_{suffix}", grid=grid, in_specs=in_specs,
         out_specs=out_specs, out_shape=out_shapes, num_warps=tiling.num_warps,
@@ -480,56 +529,64 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
         # which only acts on loops feeding dots, gets nothing to do.
         num_stages=1, interpret=interpret)
 
+  n_out = op.n_out
+
+  def result(outs):
+    return None if not n_out else outs[0] if op.outputs == 1 else tuple(outs)
+
   if op.n_stats and tiling.variant in ("resident", "online"):
     n_col_blocks = pl.cdiv(n_cols, bc)
     tile_spec = pl.BlockSpec((br, n_col_blocks * bc), lambda i: (i, 0))
     row_spec = pl.BlockSpec((br,), lambda i: (i,))
-    has_out = op.apply is not None
-    fused = dataclasses.replace(layout, has_out=has_out, n_stats=op.n_stats)
+    col_spec = pl.BlockSpec((n_col_blocks * bc,), lambda i: (0,))
+    fused = dataclasses.replace(layout, n_out=n_out, n_stats=op.n_stats)
     bounds = _Bounds(n_rows, n_cols, br, bc, span=n_col_blocks * bc)
     outs = call(
         functools.partial(_fused_kernel, op=op, layout=fused, bounds=bounds,
                           n_col_blocks=n_col_blocks, exp=exp),
-        tiling.variant, (pl.cdiv(n_rows, br),), tile_spec, row_spec, layout.n_rows_in,
-        [tile_spec] * has_out + [row_spec] * op.n_stats,
-        [out_shape] * has_out + [stat_shape] * op.n_stats,
-    )(*inputs, *row_inputs, *where)
-    return (outs[0] if has_out else None), tuple(outs[has_out:])
+        tiling.variant, (pl.cdiv(n_rows, br),), tile_spec, row_spec, col_spec,
+        layout.n_rows_in, [tile_spec] * n_out + [row_spec] * op.n_stats,
+        [out_shape] * n_out + [stat_shape] * op.n_stats,
+    )(*inputs, *row_inputs, *col_inputs, *where)
+    return result(outs[:n_out]), tuple(outs[n_out:])
 
   chunk = tiling.chunk_blocks * bc
   grid = (pl.cdiv(n_rows, br), pl.cdiv(n_cols, chunk))
   tile_spec = pl.BlockSpec((br, chunk), lambda i, j: (i, j))
   row_spec = pl.BlockSpec((br,), lambda i, j: (i,))
+  col_spec = pl.BlockSpec((chunk,), lambda i, j: (j,))
   bounds = _Bounds(n_rows, n_cols, br, bc, span=chunk)
   stats = ()
   if op.n_stats:
-    phase1 = dataclasses.replace(layout, has_out=False, n_stats=op.n_stats)
+    phase1 = dataclasses.replace(layout, n_out=0, n_stats=op.n_stats)
     parts = call(
         functools.partial(_partial_stats_kernel, op=op, layout=phase1, bounds=bounds,
                           chunk_blocks=tiling.chunk_blocks, exp=exp),
-        "split_stats", grid, tile_spec, row_spec, layout.n_rows_in,
+        "split_stats", grid, tile_spec, row_spec, col_spec, layout.n_rows_in,
         [pl.BlockSpec((None, br), lambda i, j: (j, i))] * op.n_stats,
         [jax.ShapeDtypeStruct((grid[1], n_rows), jnp.float32)] * op.n_stats,
-    )(*inputs, *row_inputs, *where)
-    n_state = 2 * (op.state_of is not None)
-    stats = (reduce_states(*parts[:2], axis=0) if n_state else ()) + tuple(
-        p.sum(axis=0) for p in parts[n_state:])
+    )(*inputs, *row_inputs, *col_inputs, *where)
+    n_state, n_moments = 2 * (op.state_of is not None), 3 * (op.moments_of is not None)
+    stats = ((reduce_states(*parts[:2], axis=0) if n_state else ())
+             + (reduce_moments(*parts[n_state:n_state + 3], axis=0) if n_moments else ())
+             + tuple(p.sum(axis=0) for p in parts[n_state + n_moments:]))
   if op.apply is None:
     return None, stats
+  # The statistics go in as row inputs, after the op's own and before column inputs.
   phase2 = dataclasses.replace(layout, n_rows_in=layout.n_rows_in + len(stats),
-                               has_out=True, n_stats=0)
-  out = call(
+                               n_out=n_out, n_stats=0)
+  outs = call(
       functools.partial(_map_kernel, op=op, layout=phase2, bounds=bounds,
                         chunk_blocks=tiling.chunk_blocks, n_stats=len(stats), exp=exp),
-      "split_map" if op.n_stats else "map", grid, tile_spec, row_spec, phase2.n_rows_in,
-      tile_spec, out_shape,
-  )(*inputs, *row_inputs, *stats, *where)
-  return out, stats
+      "split_map" if op.n_stats else "map", grid, tile_spec, row_spec, col_spec,
+      phase2.n_rows_in, [tile_spec] * n_out, [out_shape] * n_out,
+  )(*inputs, *row_inputs, *stats, *col_inputs, *where)
+  return result(outs), stats
 
 
 def row_call(op: RowOp, inputs: Sequence[jax.Array], row_inputs: Sequence[jax.Array] = (),
-             where: jax.Array | None = None, *, out_dtype=None,
-             tiling: RowTiling | None = None, interpret: bool = False):
+             where: jax.Array | None = None, *, col_inputs: Sequence[jax.Array] = (),
+             out_dtype=None, tiling: RowTiling | None = None, interpret: bool = False):
   """Runs a RowOp over (R, C) arrays.
 
   Args:
@@ -537,34 +594,48 @@ def row_call(op: RowOp, inputs: Sequence[jax.Array], row_inputs: Sequence[jax.Ar
     inputs: (R, C) arrays of one floating dtype.
     row_inputs: (R,) arrays, one value per row (labels, saved statistics, cotangents).
     where: optional (R, C) bool mask; False elements take part in no statistic.
+    col_inputs: (C,) arrays, one value per column (a normalization's scale and bias).
     out_dtype: dtype of the output (default: the inputs' dtype).
     tiling: a RowTiling, or None for `default_tiling`.
     interpret: run the kernels in Pallas interpret mode.
 
   Returns:
-    ``(out, stats)``: the (R, C) output, or None for ops without ``apply``, and the row
-    statistics, each (R,) float32: the state (m, l) first if the op has one (m as the
-    row maximum, -inf for an empty row; `state.state_lse` gives the lse), then the sums.
+    ``(out, stats)``: the (R, C) output (a tuple of them for ops with several), or None
+    for ops without ``apply``, and the row statistics, each (R,) float32: the state
+    (m, l) first if the op has one (m as the row maximum, -inf for an empty row;
+    `state.state_lse` gives the lse), then the Welford state (n, mean, M2) if it has
+    one, then the sums.
 
   Under ``jax.vmap`` the mapped axes are folded into the rows, so any number of nested
-  vmaps runs the same 1-D or 2-D grid.
+  vmaps runs the same 1-D or 2-D grid (column inputs must then be the same for every
+  batch element).
   """
-  inputs = tuple(inputs)
-  arrays = inputs + tuple(row_inputs) + ((where,) if where is not None else ())
+  inputs, col_inputs = tuple(inputs), tuple(col_inputs)
+  arrays = (inputs + tuple(row_inputs) + col_inputs
+            + ((where,) if where is not None else ()))
   out_dtype = inputs[0].dtype if out_dtype is None else out_dtype
-  layout = _Layout(len(inputs), len(row_inputs), where is not None, False, 0)
+  layout = _Layout(len(inputs), len(row_inputs), len(col_inputs), where is not None, 0, 0)
   run = custom_vmap(functools.partial(_run, op, tiling, out_dtype, layout, interpret))
+  first_col = len(inputs) + len(row_inputs)
+  is_col = lambda i: first_col <= i < first_col + len(col_inputs)
 
   @run.def_vmap
   def _fold_batch_into_rows(axis_size, in_batched, *batched_arrays):
     flat = []
-    for a, is_batched in zip(batched_arrays, in_batched):
+    for i, (a, is_batched) in enumerate(zip(batched_arrays, in_batched)):
+      if is_col(i):
+        if is_batched:
+          raise NotImplementedError(
+              f"{op.name}: vmap over a per-column input (a scale or bias) is not "
+              "supported; map over the rows' inputs only")
+        flat.append(a)
+        continue
       if not is_batched:
         a = jnp.broadcast_to(a, (axis_size,) + a.shape)
       flat.append(a.reshape((-1,) + a.shape[2:]))
     out, stats = run(*flat)
     unfold = lambda v: None if v is None else v.reshape((axis_size, -1) + v.shape[1:])
-    result = (unfold(out), tuple(unfold(s) for s in stats))
+    result = (jax.tree.map(unfold, out), tuple(unfold(s) for s in stats))
     return result, jax.tree.map(lambda _: True, result)
 
   return run(*arrays)

@@ -26,7 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["merge_states", "reduce_states", "state_lse", "merge_attention_states", "reduce_lse"]
+__all__ = ["merge_states", "reduce_states", "state_lse", "merge_attention_states", "reduce_lse",
+           "merge_moments", "reduce_moments"]
 
 
 def safe_shift(m: jax.Array) -> jax.Array:
@@ -103,3 +104,22 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b) -> tuple[jax.Array, jax.Array
   w_b = jnp.where(empty, 0.0, jnp.exp(lse_b - lse))[..., None]
   o = w_a * o_a.astype(jnp.float32) + w_b * o_b.astype(jnp.float32)
   return o.astype(o_a.dtype), lse
+
+
+def merge_moments(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+  """Merges two Welford states (count, mean, M2 = sum of squared deviations) of disjoint
+  sets elementwise (docs/math.md, "Mean and variance"); an empty state (n = 0) is the
+  identity."""
+  n = n_a + n_b
+  delta = mean_b - mean_a
+  share = jnp.where(n > 0, n_b / jnp.where(n > 0, n, 1.0), 0.0)
+  return n, mean_a + delta * share, m2_a + m2_b + delta * delta * n_a * share
+
+
+def reduce_moments(n, mean, m2, axis: int = 0):
+  """Merges the Welford states stacked along ``axis`` (exactly: the overall mean first,
+  then each part's M2 plus its count times its mean's squared distance from it)."""
+  total = jnp.sum(n, axis=axis)
+  mean_all = jnp.sum(n * mean, axis=axis) / jnp.where(total > 0, total, 1.0)
+  spread = n * jnp.square(mean - jnp.expand_dims(mean_all, axis))
+  return total, mean_all, jnp.sum(m2 + spread, axis=axis)

@@ -1,0 +1,248 @@
+"""Layer normalization and RMS normalization on the row engine, the residual add fused.
+
+For each row h of C values (h = x + residual when a residual is given: added in float32,
+rounded once to x's dtype, and returned, so that a pre-norm block's
+``h = x + residual; y = norm(h)`` reads and writes each array once):
+
+    layer_norm:  y = (h - mean) · rstd · scale + bias,      rstd = 1 / sqrt(var + ε)
+    rms_norm:    y = h · rstd · (scale_offset + scale),     rstd = 1 / sqrt(mean(h²) + ε)
+
+Statistics in float32: layer_norm's mean and variance from Welford states (n, mean, M2)
+merged across column blocks and split programs, which keep the variance exact under a
+large mean (docs/math.md, "Mean and variance"); rms_norm's mean square from a plain sum.
+Outputs in x's dtype.
+
+Backward (`jax.custom_vjp`), from the saved per-row (mean, rstd), with x̂ = (h - mean)·rstd
+(mean = 0 for rms_norm) and g = dy · γ (γ the effective scale):
+
+    layer_norm:  dh = rstd · (g - (Σ g + x̂ · Σ g x̂) / C)
+    rms_norm:    dh = rstd · (g - x̂ · Σ g x̂ / C)
+    dscale = Σ_rows dy · x̂,   dbias = Σ_rows dy
+
+one row-engine kernel for dh (the two row sums, then the map); the returned h's own
+cotangent adds to dh, and dx = dresidual = dh. dscale and dbias are column sums that XLA
+computes from x̂ and dy in one more pass (not yet fused into the dh kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsoftmax import _backend
+from jaxsoftmax.inputs import RowView, check_floating
+from jaxsoftmax.rowwise import RowOp, RowTiling, row_call
+
+__all__ = ["layer_norm", "rms_norm"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Norm:
+  """The static choices of one normalization call."""
+
+  rms: bool  # rms_norm (no mean, no bias) rather than layer_norm
+  epsilon: float
+  scale_offset: float
+  n_cols: int
+  dtype: str  # x's dtype: h is rounded to it
+  has_residual: bool
+  has_scale: bool
+  has_bias: bool
+  tiling: RowTiling | None
+  interpret: bool
+
+  def gamma(self, colvals):
+    """The effective scale scale_offset + scale, (1, block_cols); only with a scale."""
+    return colvals[0] + self.scale_offset
+
+  def h(self, tile):
+    """h as the kernels normalize it: x (+ residual, added in float32 and rounded to x's
+    dtype, as it is returned)."""
+    if not self.has_residual:
+      return tile.x[0]
+    return (tile.x[0] + tile.x[1]).astype(self.dtype).astype(jnp.float32)
+
+  def rstd(self, stats):
+    """rstd per row, (rows, 1) or (rows,), from the forward statistics."""
+    if self.rms:
+      (sum_squares,) = stats
+      return lax.rsqrt(sum_squares / self.n_cols + self.epsilon)
+    n, _, m2 = stats
+    return lax.rsqrt(m2 / n + self.epsilon)
+
+
+def _forward_op(norm: _Norm) -> RowOp:
+  def apply(tile, stats):
+    h = norm.h(tile)
+    y = h * norm.rstd(stats) if norm.rms else (h - stats[1]) * norm.rstd(stats)
+    if norm.has_scale:
+      y = y * norm.gamma(tile.colvals)
+    if norm.has_bias:
+      y = y + tile.colvals[-1]
+    return (y, h) if norm.has_residual else y
+
+  name = "rms_norm" if norm.rms else "layer_norm"
+  if norm.rms:
+    return RowOp(name, sums=(lambda t: jnp.square(norm.h(t)),), apply=apply,
+                 outputs=1 + norm.has_residual)
+  return RowOp(name, moments_of=norm.h, apply=apply, outputs=1 + norm.has_residual)
+
+
+def _backward_op(norm: _Norm) -> RowOp:
+  """dh from inputs (h, dy[, dh of the returned h]) and row inputs (mean, rstd)."""
+
+  def xhat(t):
+    mean, rstd = t.rows
+    return (t.x[0] - mean) * rstd
+
+  def g(t):
+    return t.x[1] if not norm.has_scale else t.x[1] * norm.gamma(t.colvals)
+
+  def apply(t, stats):
+    _, rstd = t.rows
+    if norm.rms:
+      (sum_gx,) = stats
+      dh = rstd * (g(t) - xhat(t) * sum_gx / norm.n_cols)
+    else:
+      sum_g, sum_gx = stats
+      dh = rstd * (g(t) - (sum_g + xhat(t) * sum_gx) / norm.n_cols)
+    return dh + t.x[2] if norm.has_residual else dh
+
+  sums = (lambda t: g(t) * xhat(t),)
+  if not norm.rms:
+    sums = (g,) + sums
+  return RowOp(("rms_norm" if norm.rms else "layer_norm") + "_bwd", sums=sums, apply=apply)
+
+
+def _stats(norm: _Norm, stats):
+  """(mean, rstd) per row, float32, from the forward kernel's statistics."""
+  if norm.rms:
+    return jnp.zeros_like(stats[0]), norm.rstd(stats)
+  return stats[1], norm.rstd(stats)
+
+
+def _columns(scale, bias):
+  return tuple(c for c in (scale, bias) if c is not None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _normalize(x, residual, scale, bias, norm: _Norm):
+  return _normalize_fwd(x, residual, scale, bias, norm)[0]
+
+
+def _normalize_fwd(x, residual, scale, bias, norm: _Norm):
+  inputs = (x,) if residual is None else (x, residual)
+  outs, stats = row_call(_forward_op(norm), inputs, col_inputs=_columns(scale, bias),
+                         tiling=norm.tiling, interpret=norm.interpret)
+  y, h = outs if norm.has_residual else (outs, x)
+  mean, rstd = _stats(norm, stats)
+  return (y, h if norm.has_residual else None), (h, scale, bias, mean, rstd)
+
+
+def _normalize_bwd(norm: _Norm, saved, cotangents):
+  h, scale, bias, mean, rstd = saved
+  dy, dh_out = cotangents
+  inputs = (h, dy) + ((dh_out,) if norm.has_residual else ())
+  dh, _ = row_call(_backward_op(norm), inputs, (mean, rstd),
+                   col_inputs=(scale,) if norm.has_scale else (), tiling=norm.tiling,
+                   interpret=norm.interpret)
+  dy32 = dy.astype(jnp.float32)
+  xhat = (h.astype(jnp.float32) - mean[:, None]) * rstd[:, None]
+  dscale = None if scale is None else jnp.sum(dy32 * xhat, axis=0).astype(scale.dtype)
+  dbias = None if bias is None else jnp.sum(dy32, axis=0).astype(bias.dtype)
+  dresidual = dh.astype(h.dtype) if norm.has_residual else None
+  return dh, dresidual, dscale, dbias
+
+
+_normalize.defvjp(_normalize_fwd, _normalize_bwd)
+
+
+def _reference(x, residual, scale, bias, *, rms: bool, epsilon: float, scale_offset: float,
+               view: RowView):
+  """The pure-jnp path (float64 inputs, empty arrays), in x's dtype."""
+  h = x if residual is None else (x + residual).astype(x.dtype)
+  axes = view.axes
+  if rms:
+    y = h * lax.rsqrt(jnp.mean(jnp.square(h), axis=axes, keepdims=True) + epsilon)
+  else:
+    mean = jnp.mean(h, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(h - mean), axis=axes, keepdims=True)
+    y = (h - mean) * lax.rsqrt(var + epsilon)
+  shape = tuple(x.shape[a] if a in axes else 1 for a in range(x.ndim))
+  if scale is not None:
+    y = y * (scale.reshape(shape) + scale_offset)
+  if bias is not None:
+    y = y + bias.reshape(shape)
+  y = y.astype(x.dtype)
+  return y if residual is None else (y, h)
+
+
+def _norm(op: str, x, residual, scale, bias, *, epsilon, axis, scale_offset, rms: bool,
+          tiling, interpret):
+  x = check_floating(x, "x", op)
+  view = RowView.of(x.shape, axis, fn=op)
+  features = tuple(x.shape[a] for a in view.axes)
+  if residual is not None:
+    residual = check_floating(residual, "residual", op)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+      raise ValueError(f"{op}: residual must have x's shape and dtype {x.dtype} {x.shape}, "
+                       f"got {residual.dtype} {residual.shape}")
+  for name, param in (("scale", scale), ("bias", bias)):
+    if param is not None:
+      param = check_floating(param, name, op)
+      if param.shape not in (features, (view.n_cols,)):
+        raise ValueError(f"{op}: {name} must have the normalized axes' shape {features}, "
+                         f"got {param.shape} (x {x.shape}, axis {axis!r})")
+  if not (isinstance(epsilon, (int, float)) and epsilon >= 0):
+    raise ValueError(f"{op}: epsilon must be a number >= 0, got {epsilon!r}")
+  if tiling is not None and not isinstance(tiling, RowTiling):
+    raise TypeError(f"{op}: tiling must be a RowTiling, got {tiling!r}")
+  scale = None if scale is None else jnp.asarray(scale)
+  bias = None if bias is None else jnp.asarray(bias)
+  if x.dtype == jnp.float64 or x.size == 0:
+    return _reference(x, residual, scale, bias, rms=rms, epsilon=float(epsilon),
+                      scale_offset=float(scale_offset), view=view)
+  norm = _Norm(rms, float(epsilon), float(scale_offset), view.n_cols, jnp.dtype(x.dtype).name,
+               residual is not None, scale is not None, bias is not None, tiling,
+               _backend.resolve_interpret(interpret))
+  rows = lambda a: None if a is None else view.to_rows(a)
+  cols = lambda a: None if a is None else a.reshape(view.n_cols)
+  y, h = _normalize(rows(x), rows(residual), cols(scale), cols(bias), norm)
+  y = view.from_rows(y)
+  return y if residual is None else (y, view.from_rows(h))
+
+
+def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, axis=-1, residual=None,
+               tiling: RowTiling | None = None, interpret: bool | None = None):
+  """Layer normalization over ``axis``: (h - mean) / sqrt(var + epsilon) · scale + bias.
+
+  Args:
+    x: float32, bfloat16 or float16 (float64 and empty arrays take the pure-jnp path).
+    scale, bias: optional, the shape of x along ``axis``.
+    epsilon: added to the variance.
+    axis: the normalized axis (or axes).
+    residual: optional, x's shape and dtype: the kernel normalizes h = x + residual
+      (added in float32, rounded to x's dtype) and returns ``(y, h)``.
+    tiling: optional `RowTiling` (see `jaxsoftmax.softmax`).
+    interpret: run the kernels in Pallas interpret mode; see `jaxsoftmax.softmax`.
+
+  Returns:
+    y in x's dtype, or ``(y, h)`` with a residual.
+  """
+  return _norm("layer_norm", x, residual, scale, bias, epsilon=epsilon, axis=axis,
+               scale_offset=0.0, rms=False, tiling=tiling, interpret=interpret)
+
+
+def rms_norm(x, scale=None, *, epsilon: float = 1e-6, axis=-1, residual=None,
+             scale_offset: float = 0.0, tiling: RowTiling | None = None,
+             interpret: bool | None = None):
+  """RMS normalization over ``axis``: h / sqrt(mean(h²) + epsilon) · (scale_offset + scale).
+
+  ``scale_offset=1.0`` gives Gemma's (1 + scale). Other arguments as `layer_norm`.
+  """
+  return _norm("rms_norm", x, residual, scale, None, epsilon=epsilon, axis=axis,
+               scale_offset=scale_offset, rms=True, tiling=tiling, interpret=interpret)

@@ -1,0 +1,156 @@
+"""layer_norm and rms_norm: outputs and the gradients of x, residual, scale and bias
+against the float64 truth under the 2x rule (docs/testing.md), on every kernel variant
+of the row engine (interpreted on a CPU), with and without the fused residual add."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsoftmax as js
+from jaxsoftmax import RowTiling
+from tolerance import assert_2x, truth
+
+ON_GPU = jax.default_backend() == "gpu"
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+TILINGS = [
+    pytest.param(None, id="default"),
+    pytest.param(RowTiling("online", 4, 64), id="online"),
+    pytest.param(RowTiling("split", 2, 64, 2), id="split"),
+]
+
+
+def _reference(x, scale, bias, residual, *, rms, epsilon=1e-6, scale_offset=0.0):
+  """Pure jnp in x's dtype (float64 for the truth)."""
+  h = x if residual is None else (x + residual).astype(x.dtype)
+  if rms:
+    y = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + epsilon)
+  else:
+    mean = jnp.mean(h, axis=-1, keepdims=True)
+    y = (h - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+                                   + epsilon)
+  column = lambda c: c.reshape((1,) * (y.ndim - 1) + c.shape)
+  if scale is not None:
+    y = y * column(scale + scale_offset)
+  if bias is not None:
+    y = y + column(bias)
+  return y.astype(x.dtype), h
+
+
+def _ours(x, scale, bias, residual, *, rms, tiling, **options):
+  fn = js.rms_norm if rms else js.layer_norm
+  extra = {} if rms else dict(bias=bias)
+  out = fn(x, scale, residual=residual, tiling=tiling, interpret=not ON_GPU, **extra,
+           **options)
+  return out if residual is not None else (out, x)
+
+
+def _inputs(key, shape, dtype, *, residual=True, mean=0.0, spread=1.0):
+  kx, kr, ks, kb, ky, kh = jax.random.split(key, 6)
+  x = (mean + spread * jax.random.normal(kx, shape)).astype(dtype)
+  r = jax.random.normal(kr, shape).astype(dtype) if residual else None
+  scale = (1 + 0.3 * jax.random.normal(ks, shape[-1:])).astype(dtype)
+  bias = (0.3 * jax.random.normal(kb, shape[-1:])).astype(dtype)
+  dy = jax.random.normal(ky, shape).astype(dtype)
+  dh = jax.random.normal(kh, shape).astype(dtype)
+  return x, r, scale, bias, dy, dh
+
+
+def _check(x, r, scale, bias, dy, dh, *, rms, tiling=None, baseline_dtype=None, **options):
+  """The 2x rule; ``baseline_dtype``: compute the reference whose error sets the bound in
+  that dtype (then round it to x's), for inputs where x's own dtype overflows."""
+  has_r = r is not None
+  bias = None if rms else bias  # rms_norm has no bias
+
+  def run(norm, x, r, scale, bias):
+    def f(x, r, scale, bias):
+      return norm(x, scale, bias, r, rms=rms, **options)
+    (y, h), vjp = jax.vjp(f, x, r, scale, bias)
+    grads = vjp((dy.astype(y.dtype), dh.astype(h.dtype) if has_r else jnp.zeros_like(h)))
+    return (y, h, *grads)
+
+  ours = functools.partial(_ours, tiling=tiling)
+  got = jax.jit(functools.partial(run, ours))(x, r, scale, bias)
+  if baseline_dtype is None:
+    in_dtype = jax.jit(functools.partial(run, _reference))(x, r, scale, bias)
+  else:
+    cast = lambda a, t: None if a is None else a.astype(t)
+    wide = jax.jit(functools.partial(run, _reference))(
+        *(cast(a, baseline_dtype) for a in (x, r, scale, bias)))
+    in_dtype = [cast(a, x.dtype) for a in wide]
+  exact = truth(functools.partial(run, _reference), x, r, scale, bias)
+  names = ("y", "h", "dx", "dresidual", "dscale", "dbias")
+  for what, a, b, c in zip(names, got, in_dtype, exact):
+    if a is None or (not has_r and what in ("h", "dresidual")):
+      continue
+    assert a.dtype == x.dtype, what
+    assert_2x(a, b, c, what=what)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("tiling", TILINGS)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_matches_truth(key, rms, dtype, tiling, residual):
+  _check(*_inputs(key, (37, 300), dtype, residual=residual), rms=rms, tiling=tiling)
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_large_mean_keeps_the_variance(key, tiling):
+  # A mean of 1e4 with unit variance: Σx² - n·mean² would lose the variance in float32;
+  # merged Welford states keep it.
+  x, _, scale, bias, dy, _ = _inputs(key, (9, 1000), jnp.float32, residual=False,
+                                     mean=1e4)
+  _check(x, None, scale, bias, dy, None, rms=False, tiling=tiling)
+
+
+def test_constant_rows_and_gemma_offset(key):
+  # Variance 0: y is the bias exactly; rms_norm with Gemma's (1 + scale).
+  x = jnp.full((3, 50), 7.0)
+  y = js.layer_norm(x, jnp.ones(50), jnp.arange(50.0), interpret=not ON_GPU)
+  np.testing.assert_array_equal(y, jnp.broadcast_to(jnp.arange(50.0), (3, 50)))
+  x, _, scale, _, dy, _ = _inputs(key, (5, 130), jnp.bfloat16, residual=False)
+  _check(x, None, scale, None, dy, None, rms=True, scale_offset=1.0)
+
+
+def test_huge_float16_values(key):
+  # 2e4² overflows float16, where the reference in float16 gives NaN; the kernels'
+  # statistics are float32: within 2x of the float32 computation rounded to float16.
+  x, r, scale, bias, dy, dh = _inputs(key, (4, 256), jnp.float16, spread=2e4)
+  _check(x, r, scale, bias, dy, dh, rms=False, baseline_dtype=jnp.float32)
+  _check(x, r, scale, bias, dy, dh, rms=True, baseline_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("n", [1, 7, 4097])
+def test_row_lengths(key, n):
+  x, r, scale, bias, dy, dh = _inputs(key, (3, n), jnp.bfloat16)
+  _check(x, r, scale, bias, dy, dh, rms=False)
+
+
+def test_no_scale_jit_vmap_and_axes(key):
+  x = jax.random.normal(key, (2, 3, 40))
+  ref = _reference(x, None, None, None, rms=False)[0]
+  f = functools.partial(js.layer_norm, interpret=not ON_GPU)
+  np.testing.assert_allclose(jax.jit(f)(x), ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(jax.vmap(f)(x), ref, rtol=1e-5, atol=1e-5)
+  moved = f(jnp.moveaxis(x, -1, 0), axis=0)
+  np.testing.assert_allclose(jnp.moveaxis(moved, 0, -1), ref, rtol=1e-5, atol=1e-5)
+  with jax.enable_x64(True):  # float64 takes the pure-jnp path
+    x64 = x.astype(jnp.float64)
+    np.testing.assert_allclose(js.rms_norm(x64), _reference(x64, None, None, None,
+                                                            rms=True)[0], rtol=1e-12)
+
+
+def test_bad_input():
+  x = jnp.ones((4, 8))
+  with pytest.raises(TypeError, match="layer_norm: x must have a real floating dtype"):
+    js.layer_norm(jnp.ones((4, 8), jnp.int32))
+  with pytest.raises(ValueError, match=r"rms_norm: scale must have the normalized axes' "
+                                       r"shape \(8,\), got \(4,\)"):
+    js.rms_norm(x, jnp.ones(4))
+  with pytest.raises(ValueError, match="layer_norm: residual must have x's shape"):
+    js.layer_norm(x, residual=jnp.ones((4, 9)))
+  with pytest.raises(ValueError, match="epsilon must be a number >= 0"):
+    js.layer_norm(x, epsilon=-1.0)
