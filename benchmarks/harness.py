@@ -163,10 +163,10 @@ def read_kernel(x: jax.Array) -> jax.Array:
 
 
 def float64_truth(fn: Callable, *args):
-  """``fn`` on float64 copies of the floating ``args``, on the device."""
+  """``fn`` on float64 copies of the floating ``args`` (None passes), on the device."""
   with jax.enable_x64(True):
-    cast = [a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
-            for a in args]
+    cast = [a.astype(jnp.float64) if a is not None and jnp.issubdtype(a.dtype, jnp.floating)
+            else a for a in args]
     return jax.block_until_ready(jax.jit(fn)(*cast))
 
 

@@ -12,7 +12,8 @@
 # the Mosaic GPU forward's tiles; TUNE_ONLY picks shapes), example (the transformer
 # example at GPU size, with its profiler trace), ring-tests, ring-bench (RING_ONLY picks
 # shapes) and ring-example (context parallelism on every visible GPU), lce-tests and
-# lce-bench (linear_cross_entropy). Each is bounded by a timeout so that one hung stage still leaves the
+# lce-bench (linear_cross_entropy), norm-tests and norm-bench (layer_norm, rms_norm;
+# NORM_ONLY picks shapes). Each is bounded by a timeout so that one hung stage still leaves the
 # others' results. Everything is also packed into $OUT/run.tgz, since only a few files
 # come back from the machine.
 #
@@ -99,6 +100,14 @@ for stage in ${STAGES:-tests tune bench}; do
     lce-bench)
       timeout 400 $python benchmarks/bench_linear_cross_entropy.py --out "$out" 2>&1 \
         | tee "$out/lce_bench.log" | tail -n 3 | tee -a "$out/summary.log" ;;
+    norm-tests)
+      timeout 300 $python -m pytest -m gpu -q -p no:cacheprovider -rfEs \
+        tests/test_norms.py 2>&1 | tee "$out/norm_tests.log" | tail -n 6 \
+        | tee -a "$out/summary.log" ;;
+    norm-bench)
+      timeout 400 $python benchmarks/bench_norms.py --out "$out" \
+        ${NORM_ONLY:+--only "$NORM_ONLY"} 2>&1 | tee "$out/norm_bench.log" | tail -n 3 \
+        | tee -a "$out/summary.log" ;;
     ring-tests)
       # Context parallelism on every visible GPU (the nvidia-h200-x2 machine).
       timeout 300 $python -m pytest -m gpu -q -p no:cacheprovider -rfEs \

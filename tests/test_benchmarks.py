@@ -66,3 +66,14 @@ def test_bench_linear_cross_entropy_smoke(tmp_path):
     rows = json.load(f)["rows"]
   assert len(rows) == 10 and all(r["median_us"] > 0 and r["max_rel_err"] < 1e-5
                                 for r in rows)
+
+
+def test_bench_norms_smoke(tmp_path):
+  pytest.importorskip("matplotlib")
+  _run("benchmarks/bench_norms.py", "--smoke", "--out", str(tmp_path))
+  with open(tmp_path / "norms.json") as f:
+    rows = json.load(f)["rows"]
+  ours = [r for r in rows if r["impl"] == "jaxsoftmax"]
+  # layer_norm and rms_norm, plain and with the residual, forward and backward.
+  assert len(ours) == 8 and all(r["max_rel_err"] < 1e-4 for r in ours)
+  assert all(r["note"] for r in rows if r["median_us"] is None)

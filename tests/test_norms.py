@@ -154,3 +154,50 @@ def test_bad_input():
     js.layer_norm(x, residual=jnp.ones((4, 9)))
   with pytest.raises(ValueError, match="epsilon must be a number >= 0"):
     js.layer_norm(x, epsilon=-1.0)
+
+
+@pytest.mark.parametrize("module", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_flax_nnx_parity(key, module, dtype):
+  # Same constructor, same parameters: the same outputs and gradients as Flax's module
+  # (bfloat16 inputs with float32 parameters promote to float32 in both).
+  nnx = pytest.importorskip("flax.nnx")
+  jsnnx = pytest.importorskip("jaxsoftmax.nnx")
+  kx, kp, kd = jax.random.split(key, 3)
+  x = jax.random.normal(kx, (6, 5, 96)).astype(dtype)
+  ours, theirs = (getattr(m, module)(96, epsilon=1e-5, rngs=nnx.Rngs(0))
+                  for m in (jsnnx, nnx))
+  for m in (ours, theirs):  # the same non-trivial parameters in both
+    m.scale[...] = 1 + 0.3 * jax.random.normal(kp, (96,))
+    if module == "LayerNorm":
+      m.bias[...] = 0.2 * jax.random.normal(kd, (96,))
+  assert "pallas_call" in str(jax.make_jaxpr(lambda x: ours(x))(x))  # the kernel path
+  y_ours, y_theirs = ours(x), theirs(x)
+  assert y_ours.dtype == y_theirs.dtype == jnp.float32
+  np.testing.assert_allclose(y_ours, y_theirs, rtol=2e-5, atol=2e-5)
+
+  def loss(model, x):
+    return jnp.sum(model(x) * jnp.cos(jnp.arange(96.0))[None, None, :])
+
+  g_ours = nnx.grad(loss, argnums=(0, 1))(ours, x)
+  g_theirs = nnx.grad(loss, argnums=(0, 1))(theirs, x)
+  np.testing.assert_allclose(g_ours[1], g_theirs[1], rtol=2e-4, atol=2e-4)
+  np.testing.assert_allclose(g_ours[0].scale[...], g_theirs[0].scale[...], rtol=2e-4,
+                             atol=2e-4)
+  # Flax's own code where the kernels do not apply: normalizing two axes, one feature axis.
+  wide = jsnnx.LayerNorm(5, reduction_axes=(-2, -1), feature_axes=-2, rngs=nnx.Rngs(0))
+  flax_wide = nnx.LayerNorm(5, reduction_axes=(-2, -1), feature_axes=-2, rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(wide(x), flax_wide(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("shape, dtype", [
+    ((1000, 4096), jnp.float32),  # resident
+    ((65537, 33), jnp.bfloat16),  # many rows per program
+    ((300, 40001), jnp.bfloat16),  # online
+    ((3, 1_000_003), jnp.float16),  # split
+], ids=["resident", "many-rows", "online", "split"])
+def test_matches_truth_gpu(key, rms, shape, dtype):
+  # The compiled kernels on the default tilings, with the residual add.
+  _check(*_inputs(key, shape, dtype), rms=rms)

@@ -1,0 +1,137 @@
+"""layer_norm and rms_norm on the GPU beside XLA, Flax's modules, Pallas' own kernels and
+the copy / read ceilings.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_norms.py --out benchmarks/results
+
+Rows x columns: 4096x4096 float32, 16384x8192 bfloat16, 8192x16384 float32 and 65536x1024
+bfloat16; each op plain and with the residual add ("+res": h = x + residual, y =
+norm(h), both returned). Forward and forward + backward (the VJP for a random dy, and a
+random cotangent of h with the residual). Minimum traffic in units of one (rows, C)
+array: plain 2 (read x, write y) and 5 with the backward (read x and dy, write dx); with
+the residual 4 and 8 (read h, dy and h's cotangent, write dx). Scale and bias are C
+values: not counted. % is of the copy ceiling.
+
+Implementations: ours; XLA (`jax.jit` of plain jnp, the residual add included); Flax's
+`nnx.LayerNorm` / `nnx.RMSNorm` under `jax.jit`; Pallas' own `layer_norm` / `rms_norm`
+(jax.experimental.pallas.ops.gpu; plain only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+import harness
+import jaxsoftmax as js
+
+SHAPES = [((4096, 4096), jnp.float32), ((16384, 8192), jnp.bfloat16),
+          ((8192, 16384), jnp.float32), ((65536, 1024), jnp.bfloat16)]
+SMOKE_SHAPES = [((16, 300), jnp.float32)]
+EPS = 1e-6
+
+
+def _jnp_norm(x, scale, bias, residual, *, rms):
+  """XLA's path: plain jnp, statistics in float32 (float64 for the truth), output in x's
+  dtype."""
+  h = x if residual is None else x + residual
+  h32 = h.astype(jnp.promote_types(x.dtype, jnp.float32))
+  if rms:
+    y = h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, axis=-1, keepdims=True) + EPS)
+  else:
+    mean = jnp.mean(h32, axis=-1, keepdims=True)
+    y = (h32 - mean) * jax.lax.rsqrt(jnp.var(h32, axis=-1, keepdims=True) + EPS)
+  y = y * scale[None, :]
+  if bias is not None:
+    y = y + bias[None, :]
+  y = y.astype(x.dtype)
+  return y if residual is None else (y, h)
+
+
+def _ours(x, scale, bias, residual, *, rms):
+  if rms:
+    return js.rms_norm(x, scale, epsilon=EPS, residual=residual)
+  return js.layer_norm(x, scale, bias, epsilon=EPS, residual=residual)
+
+
+def _flax(x, scale, bias, residual, *, rms):
+  from flax import nnx
+  C = x.shape[-1]
+  module = (nnx.RMSNorm(C, epsilon=EPS, dtype=x.dtype, param_dtype=x.dtype, rngs=nnx.Rngs(0))
+            if rms else nnx.LayerNorm(C, epsilon=EPS, dtype=x.dtype, param_dtype=x.dtype,
+                                      rngs=nnx.Rngs(0)))
+  module.scale[...] = scale
+  if not rms:
+    module.bias[...] = bias
+  return module(x)
+
+
+def _pallas(x, scale, bias, residual, *, rms):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from jax.experimental.pallas.ops.gpu import layer_norm, rms_norm
+  op = rms_norm.rms_norm if rms else layer_norm.layer_norm
+  return op(x, scale, jnp.zeros_like(scale) if bias is None else bias, eps=EPS)
+
+
+def _vjp(fn, residual: bool):
+  """The forward + backward of ``fn(x, scale, bias, r)`` for cotangents dy (and dh)."""
+  def run(x, scale, bias, r, dy, dh):
+    out, vjp = jax.vjp(fn, x, scale, bias, r)
+    return out, vjp((dy, dh) if residual else dy)
+  return run
+
+
+def bench_shape(report: harness.Report, shape, dtype):
+  rows, C = shape
+  n_bytes = math.prod(shape) * jnp.dtype(dtype).itemsize
+  n_sets = harness.rotations(8 * n_bytes)
+  keys = jax.random.split(jax.random.PRNGKey(0), n_sets)
+  arrays = lambda k: [jax.random.normal(kk, shape, jnp.float32).astype(dtype)
+                      for kk in jax.random.split(k, 4)]
+  sets = [arrays(k) for k in keys]
+  kp = jax.random.split(jax.random.PRNGKey(1), 2)
+  scale = (1 + 0.1 * jax.random.normal(kp[0], (C,))).astype(dtype)
+  bias = (0.1 * jax.random.normal(kp[1], (C,))).astype(dtype)
+  copy, _ = harness.measure_ceilings(report, [(s[0],) for s in sets], shape=shape,
+                                     dtype=dtype)
+  common = dict(shape=shape, dtype=jnp.dtype(dtype).name, ceiling_gbps=copy)
+  for rms in (False, True):
+    name = "rms_norm" if rms else "layer_norm"
+    b = None if rms else bias
+    impls = {"jaxsoftmax": _ours, "xla": jax.jit(_jnp_norm, static_argnames="rms"),
+             "flax nnx": _flax, "pallas": _pallas}
+    for residual in (False, True):
+      op = name + (" +res" if residual else "")
+      reference = functools.partial(_jnp_norm, rms=rms)
+      for impl, fn in impls.items():
+        if residual and impl in ("flax nnx", "pallas"):
+          continue  # no fused residual there: XLA's row stands for adding it first
+        fn = functools.partial(fn, rms=rms)
+        if "fwd" in report.modes:
+          fwd = lambda x, r, fn=fn: fn(x, scale, b, r if residual else None)
+          truth = harness.float64_truth(lambda x, r: reference(x, scale, b,
+                                                               r if residual else None),
+                                        sets[0][0], sets[0][1])
+          report.measure(op=op, impl=impl, mode="fwd", fn=fwd,
+                         arg_sets=[(s[0], s[1]) for s in sets],
+                         nbytes=(4 if residual else 2) * n_bytes, truth=truth, **common)
+        if "fwd+bwd" in report.modes:
+          both = _vjp(lambda x, sc, bi, r, fn=fn: fn(x, sc, bi, r if residual else None),
+                      residual)
+          truth = harness.float64_truth(
+              lambda *a: _vjp(lambda x, sc, bi, r: reference(x, sc, bi, r if residual
+                                                             else None), residual)(*a),
+              sets[0][0], scale, b, sets[0][1], sets[0][2], sets[0][3])
+          report.measure(op=op, impl=impl, mode="fwd+bwd",
+                         fn=lambda x, r, dy, dh, both=both: both(x, scale, b, r, dy, dh),
+                         arg_sets=[tuple(s) for s in sets],
+                         nbytes=(8 if residual else 5) * n_bytes, truth=truth, **common)
+
+
+if __name__ == "__main__":
+  harness.run("norms", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
+              lambda shape, dtype: 2 + 2 * 2 * (4 + 2))
