@@ -48,7 +48,7 @@ from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import LOG2E, Logits
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
                                         query_block_ranges, walk_block_ranges)
-from jaxsoftmax.attention.mosaic_gpu.forward import SMEM_BYTES, pad_head_dim
+from jaxsoftmax.attention.mosaic_gpu.forward import SMEM_BYTES, pad_head_dim, pad_to
 
 # One value per row, and per column, of a wgmma tile: the dK/dV kernel works on
 # Sᵀ = K Qᵀ (a row per key, a column per query), the dQ kernel on S = Q Kᵀ.
@@ -404,14 +404,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_ring.at[s], v_loaded.at[s])
 
 
-def _pad_to(x, axis: int, size: int, value=0):
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths, constant_values=value)
-
-
 def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: float,
              softcap: float | None, deterministic: bool = False,
              blocks: HopperBackwardBlockSizes = BLOCKS):
@@ -430,17 +422,17 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
   c = logits.factor * LOG2E
   lse2 = jnp.where(m == -jnp.inf, jnp.inf, m * c + log2_l)
-  delta, lse2 = _pad_to(delta, 2, T_pad), _pad_to(lse2, 2, T_pad, jnp.inf)
+  delta, lse2 = pad_to(delta, 2, T_pad), pad_to(lse2, 2, T_pad, jnp.inf)
   # TMA moves (8, 64) tiles: sequences padded to a multiple of 8 rows, the head dim to
   # one of 64, as in the forward (zeros, which change no product).
   T8, S8 = -(-T // 8) * 8, -(-S // 8) * 8
-  q, do = (_pad_to(_pad_to(x, 1, T8), 3, H_pad) for x in (q, do))
-  k, v = (_pad_to(_pad_to(x, 1, S8), 3, H_pad) for x in (k, v))
+  q, do = (pad_to(pad_to(x, 1, T8), 3, H_pad) for x in (q, do))
+  k, v = (pad_to(pad_to(x, 1, S8), 3, H_pad) for x in (k, v))
   q_len, kv_len, q_seg, kv_seg = aux_arrays
   n_kv_tiles = pl.cdiv(S, _CONSUMERS * bkv)
   if q_seg is not None:  # vector loads from global memory have no bounds
-    q_seg = _pad_to(q_seg, 1, T_pad, -1)
-    kv_seg = _pad_to(kv_seg, 1, n_kv_tiles * _CONSUMERS * bkv, -2)
+    q_seg = pad_to(q_seg, 1, T_pad, -1)
+    kv_seg = pad_to(kv_seg, 1, n_kv_tiles * _CONSUMERS * bkv, -2)
   aux = AuxArrays(q_len, kv_len, q_seg, kv_seg)
   aux_inputs = tuple(a for a in aux if a is not None)
 

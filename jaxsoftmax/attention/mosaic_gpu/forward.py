@@ -366,7 +366,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
     work.for_each(item_body, jnp.int32(0))
 
 
-def _pad_to(x, axis: int, size: int, value=0):
+def pad_to(x, axis: int, size: int, value=0):
+  """x padded along ``axis`` to ``size`` with ``value`` (no copy when it has that size)."""
   if x.shape[axis] == size:
     return x
   widths = [(0, 0)] * x.ndim
@@ -386,8 +387,8 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   # multiple of 8 rows (a copy only for such lengths), the head dim to one of 64; the
   # zeros change no product, and the padding keys are masked.
   T8, S8 = -(-T // 8) * 8, -(-S // 8) * 8
-  q = _pad_to(_pad_to(q, 1, T8), 3, H_pad)
-  k, v = (_pad_to(_pad_to(x, 1, S8), 3, H_pad) for x in (k, v))
+  q = pad_to(pad_to(q, 1, T8), 3, H_pad)
+  k, v = (pad_to(pad_to(x, 1, S8), 3, H_pad) for x in (k, v))
   bq, bkv = blocks.block_q, blocks.block_kv
   n_q_tiles = pl.cdiv(T, _CONSUMERS * bq)
   T_pad = n_q_tiles * _CONSUMERS * bq
@@ -395,8 +396,8 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   # Vector loads from global memory have no bounds: segment ids are padded to whole
   # tiles (the padding keys are masked by position anyway).
   if q_seg is not None:
-    q_seg = _pad_to(q_seg, 1, T_pad, -1)
-    kv_seg = _pad_to(kv_seg, 1, pl.cdiv(S, bkv) * bkv, -2)
+    q_seg = pad_to(q_seg, 1, T_pad, -1)
+    kv_seg = pad_to(kv_seg, 1, pl.cdiv(S, bkv) * bkv, -2)
   aux = AuxArrays(q_len, kv_len, q_seg, kv_seg)
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
