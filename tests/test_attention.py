@@ -20,7 +20,7 @@ import jaxsoftmax as js
 from jaxsoftmax import reference
 from jaxsoftmax._backend import mosaic_gpu as mosaic_device
 from jaxsoftmax.attention import BlockSizes, HopperBlockSizes, api
-from jaxsoftmax.attention.call import Call
+from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
@@ -259,6 +259,31 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, B, T, S, N, K, H, d
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_hopper_backward_float32_grads_gpu(key, deterministic):
+  # Context parallelism's partial gradients: float32 from the Hopper backward, with the
+  # caller's delta, as the Triton backward gives them.
+  q, k, v, do = _inputs(key, 2, 300, 700, 4, 2, 128, jnp.bfloat16)
+  spec = MaskSpec(300, 700, is_causal=True)
+  aux = AuxArrays(kv_lengths=jnp.array([700, 333], jnp.int32))
+  o, m, log2_l, o32 = mosaic_forward.forward(q, k, v, aux, spec=spec,
+                                             blocks=HopperBlockSizes.default(128, True),
+                                             scale=0.1, softcap=None, float32_output=True)
+  delta = jnp.einsum("btnh,btnh->bnt", o32, do.astype(jnp.float32))
+  ours = mosaic_backward.backward(q, k, v, None, m, log2_l, do, aux, spec=spec, scale=0.1,
+                                  softcap=None, deterministic=deterministic,
+                                  grad_dtype=jnp.float32, delta=delta)
+  theirs = api._BY_NAME["triton"].bwd(
+      q, k, v, o32, m, log2_l, do, aux,
+      Call(2, 300, 700, 4, 2, 128, "bfloat16", spec, 0.1, None, None, False),
+      grad_dtype=jnp.float32)
+  for name, a, b in zip(("dq", "dk", "dv"), ours, theirs):
+    assert a.dtype == b.dtype == jnp.float32, name
+    np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(b))),
+                               err_msg=name)
+
+
+@pytest.mark.gpu
 def test_hopper_check_grads_gpu(key):
   # Finite differences of the float16 forward against the Hopper backward's VJP.
   q, k, v, _ = _inputs(key, 1, 200, 190, 2, 1, 64, jnp.float16)
@@ -329,13 +354,15 @@ def test_hopper_forward_lowers_for_cuda(H, options, persistent):
   assert "attention_forward_mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("deterministic, grad_dtype", [(False, None), (True, None),
+                                                      (False, jnp.float32)],
+                         ids=["atomic", "deterministic", "float32-grads"])
 @pytest.mark.parametrize("H, dtype, options", [
     (128, jnp.bfloat16, dict(is_causal=True)),
     (64, jnp.float16, dict(has_segments=True)),
     (96, jnp.bfloat16, dict(window_left=100, window_right=20)),
 ])
-def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic):
+def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_dtype):
   # As the forward above: the Hopper backward lowers for CUDA on any machine.
   B, T, S, N, K = 2, 1000, 777, 4, 2
   spec = MaskSpec(T, S, **options)
@@ -347,7 +374,8 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic):
     arrays = iter(aux_arrays)
     return mosaic_backward.backward(
         q, k, v, o, m, log2_l, do, tuple(None if a is None else next(arrays) for a in aux),
-        spec=spec, scale=0.1, softcap=None, deterministic=deterministic)
+        spec=spec, scale=0.1, softcap=None, deterministic=deterministic,
+        grad_dtype=grad_dtype)
 
   x, f32 = (functools.partial(jax.ShapeDtypeStruct, dtype=t) for t in (dtype, jnp.float32))
   args = (x((B, T, N, H)), x((B, S, K, H)), x((B, S, K, H)), f32((B, T, N, H)),

@@ -23,9 +23,10 @@ a key block at offset Δ (the difference of their first positions) is the band
 i - (left - Δ) <= j <= i + (right + Δ) in the blocks' own indices (`_band`). Δ depends on
 the device index, so a `lax.switch` on it picks among the static variants (two per ring
 step, one per device when gathered), and blocks that the masks leave empty are never
-computed. The backward runs the Triton backward kernels on the global row statistics
-(the merged lse, as the kernels' m with log2 l = 0) and returns float32 partial
-gradients, summed in float32.
+computed. The backward runs the backward that pairs with each step's forward
+(`api.select_backward`: the Hopper one on an H200 at head dims up to 128, else Triton's)
+on the global row statistics (the merged lse, as the kernels' m with log2 l = 0) and the
+global delta, and returns float32 partial gradients, summed in float32.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxsoftmax import _backend
-from jaxsoftmax.attention import api, logits, triton
+from jaxsoftmax.attention import api, logits
 from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.triton import backward as backward_kernels
@@ -199,9 +200,11 @@ def _block_backward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg, delta, l
   # The kernels take the lse as (m, log2 l) with lse = m · factor + log(l).
   factor = logits.Logits(plan.scale, plan.softcap, fused=False).factor
   m = jnp.transpose(lse, (0, 2, 1)) / factor
-  return triton.bwd(q, k, v, None, m, jnp.zeros_like(m), do,
-                    AuxArrays(q_segments=q_seg, kv_segments=kv_seg), call,
-                    grad_dtype=jnp.float32, delta=jnp.transpose(delta, (0, 2, 1)))
+  # The backward that pairs with the step's forward (`api.select_backward`).
+  backward = api.select_backward(call, api.select_backend(plan.implementation, call).NAME)
+  return backward.bwd(q, k, v, None, m, jnp.zeros_like(m), do,
+                      AuxArrays(q_segments=q_seg, kv_segments=kv_seg), call,
+                      grad_dtype=jnp.float32, delta=jnp.transpose(delta, (0, 2, 1)))
 
 
 def _rows(x, piece: _Piece):
@@ -375,7 +378,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
     logits_soft_cap, local_window_size: as `jaxsoftmax.dot_product_attention` (the
       window in global positions).
     implementation: the forward's kernel backend, as `dot_product_attention` ("xla" is
-      not one); the backward runs the Triton kernels.
+      not one); the backward is the one that pairs with it (see above).
     block_sizes: tiles for the forward's backend, as `dot_product_attention`.
     interpret: run the kernels in Pallas interpret mode (the Triton backend).
 

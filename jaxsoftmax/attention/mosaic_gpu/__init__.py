@@ -65,14 +65,16 @@ def backward_unsupported(call: Call) -> str | None:
   return _backward.unsupported(call.H, call.dtype)
 
 
-def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call):
+def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call, *, grad_dtype=None,
+        delta=None):
   """(dq, dk, dv) from this forward's residuals; see `mosaic_gpu.backward`. Its
   deterministic variant (a dQ kernel of its own) is not selected yet: it has run only in
   `test_hopper_deterministic_backward_gpu`, and is still to be measured against the
   Triton backward that deterministic calls take now."""
   return _backward.backward(q, k, v, o, m, log2_l, do, aux_arrays, spec=call.spec,
                             scale=call.scale, softcap=call.softcap,
-                            deterministic=call.deterministic)
+                            deterministic=call.deterministic, grad_dtype=grad_dtype,
+                            delta=delta)
 
 
 __all__ = ["NAME", "HopperBlockSizes", "unsupported", "fwd", "backward_unsupported", "bwd"]

@@ -115,11 +115,13 @@ def _cols(x, shape):
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
                  spec: MaskSpec, blocks: HopperBackwardBlockSizes, logits: Logits,
-                 group: int, terms: int, atomic_dq: bool, k_smem, v_smem, q_ring, do_ring,
-                 lse2_ring, delta_ring, kv_loaded, q_loaded, do_loaded, slot_free,
-                 ds_smem=None, dq_smem=None, ds_ready=None, done=None):
+                 group: int, terms: int, atomic_dq: bool, float32_grads: bool, k_smem,
+                 v_smem, q_ring, do_ring, lse2_ring, delta_ring, kv_loaded, q_loaded,
+                 do_loaded, slot_free, ds_smem=None, dq_smem=None, ds_ready=None, done=None):
   """dK and dV of a key tile; with ``atomic_dq`` also its share of dQ, added into the
-  float32 dQ ref (the last input)."""
+  float32 dQ ref (the last input). ``float32_grads``: dK and dV leave in float32, stored
+  from registers (their arrays padded to whole key tiles), instead of through K and V's
+  shared memory in the inputs' dtype."""
   n_aux = sum(aux_present)
   aux_refs, refs = refs[:n_aux], refs[n_aux:]
   aux_iter = iter(aux_refs)
@@ -253,13 +255,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
     acc = plgpu.ACC((bkv, head_dim), jnp.float32)
     dk, dv = pl.run_scoped(compute, acc, acc)
+    rows = (b, pl.ds(key0, bkv), kv_head)
+    if float32_grads:
+      dk_ref.at[rows][...] = dk * logits.scale
+      dv_ref.at[rows][...] = dv
+      plgpu.wait_smem_to_gmem(0)  # the last dQ chunk has left
+      return
     if atomic_dq:  # both consumers are done reading each other's K (the dQ products)
       plgpu.barrier_arrive(done)  # before K and V take the gradients on their way out
       plgpu.barrier_wait(done)
     k_tile[...] = (dk * logits.scale).astype(k_tile.dtype)
     v_tile[...] = dv.astype(v_tile.dtype)
     plgpu.commit_smem()
-    rows = (b, pl.ds(key0, bkv), kv_head)
     plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[rows], commit_group=False)
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
@@ -299,11 +306,12 @@ def _rows(x, shape):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
                spec: MaskSpec, blocks: HopperBackwardBlockSizes, logits: Logits,
-               group: int, terms: int, q_tiles, do_tiles, k_ring, v_ring, q_loaded,
-               k_loaded, v_loaded, k_free, v_free):
+               group: int, terms: int, float32_grads: bool, q_tiles, do_tiles, k_ring,
+               v_ring, q_loaded, k_loaded, v_loaded, k_free, v_free):
   """dQ of a query tile (the deterministic backward's second kernel): the forward's
   layout (a producer streaming K/V blocks, two consumers of block_q rows each), with
-  S = Q Kᵀ, P, dP = dO Vᵀ, dS and dQ += dS K per key block."""
+  S = Q Kᵀ, P, dP = dO Vᵀ, dS and dQ += dS K per key block. ``float32_grads`` as
+  `_dkdv_kernel`."""
   n_aux = sum(aux_present)
   aux_refs, (dq_ref,) = refs[:n_aux], refs[n_aux:]
   aux_iter = iter(aux_refs)
@@ -380,6 +388,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
       return dq_acc[...]
 
     dq = pl.run_scoped(compute, plgpu.ACC(q_tile.shape, jnp.float32))
+    if float32_grads:
+      dq_ref.at[b, rows, n][...] = dq * logits.scale
+      return
     q_tile[...] = (dq * logits.scale).astype(q_tile.dtype)  # no product reads Q now
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[b, rows, n])
@@ -405,12 +416,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
 
 
 def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: float,
-             softcap: float | None, deterministic: bool = False,
-             blocks: HopperBackwardBlockSizes = BLOCKS):
+             softcap: float | None, deterministic: bool = False, grad_dtype=None,
+             delta=None, blocks: HopperBackwardBlockSizes = BLOCKS):
   """(dq, dk, dv) in the inputs' dtype, from the forward's inputs (bfloat16 or float16),
   its output o (float32 where the forward wrote one) and row statistics m and log2_l
   (B, N, T); ``aux_arrays`` as the forward takes them. ``deterministic``: dQ from a
-  kernel of its own (7 tile products per block pair instead of 5), with no atomic adds."""
+  kernel of its own (7 tile products per block pair instead of 5), with no atomic adds.
+  ``grad_dtype=jnp.float32``: the gradients in float32 (partial gradients that are
+  summed afterwards, as context parallelism's); ``delta``: rowsum(dO ∘ O) (B, N, T)
+  where the caller has it (then o is not read)."""
+  float32_grads = grad_dtype is not None and jnp.dtype(grad_dtype) == jnp.float32
+  if grad_dtype is not None and not float32_grads and jnp.dtype(grad_dtype) != q.dtype:
+    raise ValueError(f"grad_dtype must be float32 or the inputs' {q.dtype}, got {grad_dtype}")
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   H_pad = pad_head_dim(H)
@@ -419,7 +436,8 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   # delta = rowsum(dO ∘ O) and lse₂ in one fused XLA pass each, padded to whole tiles
   # of queries: the padding rows have lse₂ = +inf, so they take no part.
   T_pad = pl.cdiv(T, _CONSUMERS * bq) * _CONSUMERS * bq
-  delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
+  if delta is None:
+    delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
   c = logits.factor * LOG2E
   lse2 = jnp.where(m == -jnp.inf, jnp.inf, m * c + log2_l)
   delta, lse2 = pad_to(delta, 2, T_pad), pad_to(lse2, 2, T_pad, jnp.inf)
@@ -440,7 +458,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages
   statics = dict(aux_present=tuple(a is not None for a in aux), spec=spec, blocks=blocks,
-                 logits=logits, group=N // K, terms=terms)
+                 logits=logits, group=N // K, terms=terms, float32_grads=float32_grads)
   compiler_params = plgpu.CompilerParams(approx_math=softcap is None,
                                          unsafe_no_auto_barriers=True,
                                          reduction_scratch_bytes=0)
@@ -463,7 +481,9 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
         ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),  # both halves of dSᵀ
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
     )
-  kv_type = jax.ShapeDtypeStruct((B, S8, K, H_pad), q.dtype)
+  # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
+  kv_type = (jax.ShapeDtypeStruct((B, n_kv_tiles * _CONSUMERS * bkv, K, H_pad), jnp.float32)
+             if float32_grads else jax.ShapeDtypeStruct((B, S8, K, H_pad), q.dtype))
   dkdv_kernel = plgpu.kernel(
       functools.partial(_dkdv_kernel, atomic_dq=not deterministic, **statics),
       out_type=(kv_type, kv_type),
@@ -480,7 +500,8 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     dk, dv = dkdv_kernel(*inputs)
     dq = plgpu.kernel(
         functools.partial(_dq_kernel, **statics),
-        out_type=jax.ShapeDtypeStruct((B, T8, N, H_pad), q.dtype),
+        out_type=jax.ShapeDtypeStruct((B, T_pad, N, H_pad), jnp.float32) if float32_grads
+        else jax.ShapeDtypeStruct((B, T8, N, H_pad), q.dtype),
         scratch_types=dict(
             q_tiles=plgpu.SMEM((_CONSUMERS, bq, H_pad), q.dtype, transforms=tiled),
             do_tiles=plgpu.SMEM((_CONSUMERS, bq, H_pad), do.dtype, transforms=tiled),
@@ -503,5 +524,6 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     # dQ is summed in place by every key tile's CTA: a zeroed float32 array it aliases.
     dq32 = jax.new_ref(jnp.zeros((B, T8, N, H_pad), jnp.float32))
     dk, dv = dkdv_kernel(*inputs, dq32)
-    dq = (jax.freeze(dq32) * scale).astype(q.dtype)
+    dq = jax.freeze(dq32) * scale
+    dq = dq if float32_grads else dq.astype(q.dtype)
   return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :H]
