@@ -123,7 +123,7 @@ def test_huge_float16_values(key):
   _check(x, r, scale, bias, dy, dh, rms=True, baseline_dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("n", [1, 7, 4097])
+@pytest.mark.parametrize("n", [1, 7, 4097, 70001])
 def test_row_lengths(key, n):
   x, r, scale, bias, dy, dh = _inputs(key, (3, n), jnp.bfloat16)
   _check(x, r, scale, bias, dy, dh, rms=False)
