@@ -20,8 +20,10 @@ Backward (`jax.custom_vjp`), from the saved per-row (mean, rstd), with x̂ = (h 
     dscale = Σ_rows dy · x̂,   dbias = Σ_rows dy
 
 one row-engine kernel for dh (the two row sums, then the map); the returned h's own
-cotangent adds to dh, and dx = dresidual = dh. dscale and dbias are column sums that XLA
-computes from x̂ and dy in one more pass (not yet fused into the dh kernel).
+cotangent adds to dh, and dx = dresidual = dh. dscale and dbias come from the same
+kernel where a row fits a program: each program walks several blocks of rows and writes
+float32 partial column sums, which XLA adds up (deterministic, no atomics); for longer
+rows XLA forms them from x̂ and dy in one more pass.
 """
 
 from __future__ import annotations
@@ -115,7 +117,11 @@ def _backward_op(norm: _Norm) -> RowOp:
   sums = (lambda t: g(t) * xhat(t),)
   if not norm.rms:
     sums = (g,) + sums
-  return RowOp(("rms_norm" if norm.rms else "layer_norm") + "_bwd", sums=sums, apply=apply)
+  # dscale and dbias: column sums of dy · x̂ and dy, in the same pass where the engine can.
+  col_sums = (((lambda t: t.x[1] * xhat(t)),) if norm.has_scale else ()) + (
+      ((lambda t: t.x[1]),) if norm.has_bias else ())
+  return RowOp(("rms_norm" if norm.rms else "layer_norm") + "_bwd", sums=sums, apply=apply,
+               col_sums=col_sums)
 
 
 def _stats(norm: _Norm, stats):
@@ -147,13 +153,20 @@ def _normalize_bwd(norm: _Norm, saved, cotangents):
   h, scale, bias, mean, rstd = saved
   dy, dh_out = cotangents
   inputs = (h, dy) + ((dh_out,) if norm.has_residual else ())
-  dh, _ = row_call(_backward_op(norm), inputs, (mean, rstd),
-                   col_inputs=(scale,) if norm.has_scale else (), tiling=norm.tiling,
-                   interpret=norm.interpret)
-  dy32 = dy.astype(jnp.float32)
-  xhat = (h.astype(jnp.float32) - mean[:, None]) * rstd[:, None]
-  dscale = None if scale is None else jnp.sum(dy32 * xhat, axis=0).astype(scale.dtype)
-  dbias = None if bias is None else jnp.sum(dy32, axis=0).astype(bias.dtype)
+  dh, _, *col_sums = row_call(_backward_op(norm), inputs, (mean, rstd),
+                              col_inputs=(scale,) if norm.has_scale else (),
+                              tiling=norm.tiling, interpret=norm.interpret)
+  col_sums = iter(col_sums[0] if col_sums else ())
+  dscale = None if scale is None else next(col_sums)
+  dbias = None if bias is None else next(col_sums)
+  if (dscale is None and scale is not None) or (dbias is None and bias is not None):
+    # Rows too long for one program (the online and split variants): XLA's column sums.
+    dy32 = dy.astype(jnp.float32)
+    xhat = (h.astype(jnp.float32) - mean[:, None]) * rstd[:, None]
+    dscale = None if scale is None else jnp.sum(dy32 * xhat, axis=0)
+    dbias = None if bias is None else jnp.sum(dy32, axis=0)
+  dscale = None if scale is None else dscale.astype(scale.dtype)
+  dbias = None if bias is None else dbias.astype(bias.dtype)
   dresidual = dh.astype(h.dtype) if norm.has_residual else None
   return dh, dresidual, dscale, dbias
 

@@ -180,6 +180,10 @@ class RowOp:
       0 for a row without finite values, so that exp(x - m) / l is NaN-free where it
       should be), l, then n, mean, M2, then the sums. None for no output.
     outputs: how many (R, C) outputs ``apply`` gives.
+    col_sums: values whose sums over the rows (one per column) the op also returns
+      (a normalization's dscale and dbias); the resident variant only, where each program
+      walks several row blocks and writes float32 partial sums per column, which XLA then
+      adds up (deterministic, no atomics). Other variants return None for them.
     fill: output value where ``where`` masks an element.
   """
 
@@ -189,6 +193,7 @@ class RowOp:
   sums: tuple[Callable[[Tile], jax.Array], ...] = ()
   apply: Callable[[Tile, tuple[jax.Array, ...]], jax.Array | tuple] | None = None
   outputs: int = 1
+  col_sums: tuple[Callable[[Tile], jax.Array], ...] = ()
   fill: float = 0.0
 
   @property
@@ -265,10 +270,11 @@ class _Bounds:
   block_rows: int
   block_cols: int
   span: int  # columns one program covers: its whole block, or its chunk
+  program_rows: int = 0  # rows one program covers, when more than block_rows
 
   @property
   def row_mask(self) -> bool:
-    return self.n_rows % self.block_rows != 0
+    return self.n_rows % max(self.block_rows, self.program_rows) != 0
 
   @property
   def col_mask(self) -> bool:
@@ -301,9 +307,10 @@ class _Bounds:
     return cols[None, :], in_bounds
 
 
-def _load_rows(row_refs, rows_ok) -> tuple[jax.Array, ...]:
-  """The per-row inputs of the program's rows, each of shape (block_rows,)."""
-  return tuple(_backend.load(r, mask=rows_ok, other=0) for r in row_refs)
+def _load_rows(row_refs, rows_ok, row_slice=slice(None)) -> tuple[jax.Array, ...]:
+  """The per-row inputs of the program's rows (``row_slice`` of them), each of shape
+  (block_rows,)."""
+  return tuple(_backend.load(r.at[row_slice], mask=rows_ok, other=0) for r in row_refs)
 
 
 class _Block(NamedTuple):
@@ -315,13 +322,14 @@ class _Block(NamedTuple):
   colvals: tuple[jax.Array, ...]
 
 
-def _load_block(refs: _Refs, start, in_bounds, block_cols: int, cols_ok=None) -> _Block:
+def _load_block(refs: _Refs, start, in_bounds, block_cols: int, cols_ok=None,
+                row_slice=slice(None)) -> _Block:
   local = pl.ds(start, block_cols)
-  xs = tuple(_backend.load(r.at[:, local], mask=in_bounds, other=0).astype(jnp.float32)
-             for r in refs.inputs)
+  xs = tuple(_backend.load(r.at[row_slice, local], mask=in_bounds, other=0)
+             .astype(jnp.float32) for r in refs.inputs)
   where = None
   if refs.where is not None:
-    where = _backend.load(refs.where.at[:, local], mask=in_bounds, other=False)
+    where = _backend.load(refs.where.at[row_slice, local], mask=in_bounds, other=False)
   colvals = tuple(_backend.load(r.at[local], mask=cols_ok, other=0).astype(jnp.float32)
                   for r in refs.cols)
   return _Block(xs, where, colvals)
@@ -393,7 +401,7 @@ def _finish(op: RowOp, state) -> tuple[jax.Array, ...]:
 
 
 def _store_map(op: RowOp, out_refs, tile: Tile, in_bounds, stats, *, start,
-               block_cols: int):
+               block_cols: int, row_slice=slice(None)):
   stats = tuple(s[:, None] for s in stats)
   if op.state_of is not None:
     shift = safe_shift(stats[0])
@@ -402,7 +410,7 @@ def _store_map(op: RowOp, out_refs, tile: Tile, in_bounds, stats, *, start,
       tile = tile._replace(e=tile.exp(_masked(tile.valid, op.state_of(tile), -jnp.inf) - shift))
   ys = op.apply(tile, stats)
   for out_ref, y in zip(out_refs, ys if op.outputs > 1 else (ys,)):
-    _backend.store(out_ref.at[:, pl.ds(start, block_cols)],
+    _backend.store(out_ref.at[row_slice, pl.ds(start, block_cols)],
                    _masked(tile.valid, y, op.fill).astype(out_ref.dtype), mask=in_bounds)
 
 
@@ -445,6 +453,41 @@ def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_bloc
       _pipelined(n_col_blocks, load, map_block, ())
   for ref, s in zip(refs.stats, stats):
     _backend.store(ref, s, mask=rows_ok)
+
+
+def _resident_col_sums_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
+                              row_blocks: int, exp):
+  """resident, for ops with column sums: the program walks ``row_blocks`` blocks of rows
+  (statistics and map of each, as `_fused_kernel`), summing the op's column values over
+  them, and writes those sums as its row of the partial-sum outputs."""
+  refs = layout.unpack(refs)
+  n_partials = len(op.col_sums)
+  col_refs, stat_refs = refs.stats[:n_partials], refs.stats[n_partials:]
+  br, bc = bounds.block_rows, bounds.block_cols
+  cols_ok = bounds.cols_ok(0)
+  first_block = pl.program_id(0) * row_blocks  # read outside the loop, as interpret needs
+
+  def row_block(i, sums):
+    row_slice = pl.ds(i * br, br)
+    rows_ok = bounds.rows_ok(first_block + i)
+    rows = _load_rows(refs.rows, rows_ok, row_slice)
+    cols, in_bounds = bounds.tile(rows_ok, 0)
+    block = _load_block(refs, 0, in_bounds, bc, cols_ok, row_slice)
+    tile = _tile(block, rows, cols, in_bounds, exp)
+    state, e = _accumulate(op, _empty_state(op, br), tile)
+    stats = _finish(op, state)
+    if refs.outs:
+      _store_map(op, refs.outs, tile._replace(e=e), in_bounds, stats, start=0,
+                 block_cols=bc, row_slice=row_slice)
+    for ref, stat in zip(stat_refs, stats):
+      _backend.store(ref.at[row_slice], stat, mask=rows_ok)
+    return tuple(total + jnp.sum(_masked(tile.valid, f(tile), 0.0), axis=0)
+                 for total, f in zip(sums, op.col_sums))
+
+  sums = lax.fori_loop(0, row_blocks, row_block,
+                       tuple(jnp.zeros((bc,), jnp.float32) for _ in op.col_sums))
+  for ref, total in zip(col_refs, sums):
+    _backend.store(ref, total, mask=cols_ok)
 
 
 def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
@@ -504,7 +547,8 @@ def _check_tiling(tiling: RowTiling, op: RowOp, n_cols: int):
 def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interpret: bool,
          *arrays):
   """Runs ``op`` on (inputs..., row inputs..., column inputs..., [where]); returns
-  (out, or a tuple of ``op.outputs`` outs, or None; stats)."""
+  (out, or a tuple of ``op.outputs`` outs, or None; stats; column sums, each None where
+  the variant has none)."""
   inputs = arrays[:layout.n_in]
   row_inputs = arrays[layout.n_in:layout.n_in + layout.n_rows_in]
   col_inputs = arrays[layout.n_in + layout.n_rows_in:
@@ -534,6 +578,34 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
   def result(outs):
     return None if not n_out else outs[0] if op.outputs == 1 else tuple(outs)
 
+  if op.col_sums and tiling.variant == "resident" and bc >= n_cols:
+    # A program per group of row blocks, about two per SM, so that the partial sums are
+    # few rows; its output rows come first, then the statistics (the layout's "stats").
+    n_row_blocks = pl.cdiv(n_rows, br)
+    row_blocks = pl.cdiv(n_row_blocks, min(n_row_blocks, 2 * _backend.num_cores()))
+    programs = pl.cdiv(n_row_blocks, row_blocks)
+    span = row_blocks * br
+    tile_spec = pl.BlockSpec((span, bc), lambda i: (i, 0))
+    row_spec = pl.BlockSpec((span,), lambda i: (i,))
+    col_spec = pl.BlockSpec((bc,), lambda i: (0,))
+    n_partials = len(op.col_sums)
+    fused = dataclasses.replace(layout, n_out=n_out, n_stats=n_partials + op.n_stats)
+    bounds = _Bounds(n_rows, n_cols, br, bc, span=bc, program_rows=span)
+    outs = call(
+        functools.partial(_resident_col_sums_kernel, op=op, layout=fused, bounds=bounds,
+                          row_blocks=row_blocks, exp=exp),
+        "resident_col_sums", (programs,), tile_spec, row_spec, col_spec, layout.n_rows_in,
+        [tile_spec] * n_out + [pl.BlockSpec((None, bc), lambda i: (i, 0))] * n_partials
+        + [row_spec] * op.n_stats,
+        [out_shape] * n_out
+        + [jax.ShapeDtypeStruct((programs, bc), jnp.float32)] * n_partials
+        + [stat_shape] * op.n_stats,
+    )(*inputs, *row_inputs, *col_inputs, *where)
+    partials = outs[n_out:n_out + n_partials]
+    col_sums = tuple(p.sum(axis=0)[:n_cols] for p in partials)
+    return result(outs[:n_out]), tuple(outs[n_out + n_partials:]), col_sums
+  col_sums = (None,) * len(op.col_sums)
+
   if op.n_stats and tiling.variant in ("resident", "online"):
     n_col_blocks = pl.cdiv(n_cols, bc)
     tile_spec = pl.BlockSpec((br, n_col_blocks * bc), lambda i: (i, 0))
@@ -548,7 +620,7 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
         layout.n_rows_in, [tile_spec] * n_out + [row_spec] * op.n_stats,
         [out_shape] * n_out + [stat_shape] * op.n_stats,
     )(*inputs, *row_inputs, *col_inputs, *where)
-    return result(outs[:n_out]), tuple(outs[n_out:])
+    return result(outs[:n_out]), tuple(outs[n_out:]), col_sums
 
   chunk = tiling.chunk_blocks * bc
   grid = (pl.cdiv(n_rows, br), pl.cdiv(n_cols, chunk))
@@ -571,7 +643,7 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
              + (reduce_moments(*parts[n_state:n_state + 3], axis=0) if n_moments else ())
              + tuple(p.sum(axis=0) for p in parts[n_state + n_moments:]))
   if op.apply is None:
-    return None, stats
+    return None, stats, col_sums
   # The statistics go in as row inputs, after the op's own and before column inputs.
   phase2 = dataclasses.replace(layout, n_rows_in=layout.n_rows_in + len(stats),
                                n_out=n_out, n_stats=0)
@@ -581,7 +653,7 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
       "split_map" if op.n_stats else "map", grid, tile_spec, row_spec, col_spec,
       phase2.n_rows_in, [tile_spec] * n_out, [out_shape] * n_out,
   )(*inputs, *row_inputs, *stats, *col_inputs, *where)
-  return result(outs), stats
+  return result(outs), stats, col_sums
 
 
 def row_call(op: RowOp, inputs: Sequence[jax.Array], row_inputs: Sequence[jax.Array] = (),
@@ -604,11 +676,13 @@ def row_call(op: RowOp, inputs: Sequence[jax.Array], row_inputs: Sequence[jax.Ar
     for ops without ``apply``, and the row statistics, each (R,) float32: the state
     (m, l) first if the op has one (m as the row maximum, -inf for an empty row;
     `state.state_lse` gives the lse), then the Welford state (n, mean, M2) if it has
-    one, then the sums.
+    one, then the sums. Ops with ``col_sums`` get a third element: those sums, each (C,)
+    float32, or None where the tiling's variant does not form them.
 
   Under ``jax.vmap`` the mapped axes are folded into the rows, so any number of nested
   vmaps runs the same 1-D or 2-D grid (column inputs must then be the same for every
-  batch element).
+  batch element); ops with column sums instead run once per batch element (`lax.map`),
+  since their sums are per element.
   """
   inputs, col_inputs = tuple(inputs), tuple(col_inputs)
   arrays = (inputs + tuple(row_inputs) + col_inputs
@@ -621,6 +695,8 @@ def row_call(op: RowOp, inputs: Sequence[jax.Array], row_inputs: Sequence[jax.Ar
 
   @run.def_vmap
   def _fold_batch_into_rows(axis_size, in_batched, *batched_arrays):
+    if op.col_sums:
+      return _map_over_batch(run, in_batched, batched_arrays)
     flat = []
     for i, (a, is_batched) in enumerate(zip(batched_arrays, in_batched)):
       if is_col(i):
@@ -633,9 +709,22 @@ def row_call(op: RowOp, inputs: Sequence[jax.Array], row_inputs: Sequence[jax.Ar
       if not is_batched:
         a = jnp.broadcast_to(a, (axis_size,) + a.shape)
       flat.append(a.reshape((-1,) + a.shape[2:]))
-    out, stats = run(*flat)
+    out, stats, col_sums = run(*flat)
     unfold = lambda v: None if v is None else v.reshape((axis_size, -1) + v.shape[1:])
-    result = (jax.tree.map(unfold, out), tuple(unfold(s) for s in stats))
+    result = (jax.tree.map(unfold, out), tuple(unfold(s) for s in stats), col_sums)
     return result, jax.tree.map(lambda _: True, result)
 
-  return run(*arrays)
+  out, stats, col_sums = run(*arrays)
+  return (out, stats, col_sums) if op.col_sums else (out, stats)
+
+
+def _map_over_batch(run, in_batched, batched_arrays):
+  """The vmap rule of an op with column sums: one call per batch element."""
+  batched = [a for a, b in zip(batched_arrays, in_batched) if b]
+
+  def one(elements):
+    elements = iter(elements)
+    return run(*(next(elements) if b else a for a, b in zip(batched_arrays, in_batched)))
+
+  result = lax.map(one, batched)
+  return result, jax.tree.map(lambda _: True, result)

@@ -201,3 +201,44 @@ def test_flax_nnx_parity(key, module, dtype):
 def test_matches_truth_gpu(key, rms, shape, dtype):
   # The compiled kernels on the default tilings, with the residual add.
   _check(*_inputs(key, shape, dtype), rms=rms)
+
+
+def test_engine_column_sums(key):
+  # The row engine's column sums: each program of the resident variant walks several row
+  # blocks (here 3 of 2 rows: 551 blocks over 184 programs, the last block past the
+  # rows), and XLA adds the programs' partial sums.
+  from jaxsoftmax.rowwise import RowOp, row_call
+  x = jax.random.normal(key, (1101, 100))
+  op = RowOp("col_sums_test", sums=(lambda t: t.x[0],),
+             apply=lambda t, stats: t.x[0] - stats[0] / 100,
+             col_sums=(lambda t: t.x[0], lambda t: t.x[0] * t.x[0]))
+  out, (row_sum,), (col_sum, col_squares) = row_call(
+      op, (x,), tiling=RowTiling("resident", 2, 128), interpret=not ON_GPU)
+  np.testing.assert_allclose(out, x - x.mean(axis=1, keepdims=True), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(row_sum, x.sum(axis=1), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(col_sum, x.sum(axis=0), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(col_squares, (x * x).sum(axis=0), rtol=1e-5, atol=1e-4)
+  # Rows streamed in column blocks: no column sums from the kernels.
+  _, _, (col_sum, _) = row_call(op, (x,), tiling=RowTiling("online", 4, 64),
+                                interpret=not ON_GPU)
+  assert col_sum is None
+
+
+def test_vmap_of_gradients(key):
+  # Under vmap the column sums (dscale, dbias) stay per batch element.
+  x, _, scale, bias, _, _ = _inputs(key, (3, 7, 50), jnp.float32, residual=False)
+  loss = lambda x, scale, bias: jnp.sum(jnp.sin(
+      js.layer_norm(x, scale, bias, interpret=not ON_GPU)))
+  grads = jax.vmap(jax.grad(loss, argnums=(1, 2)), in_axes=(0, None, None))(x, scale, bias)
+  for i in range(3):
+    one = jax.grad(loss, argnums=(1, 2))(x[i], scale, bias)
+    for a, b in zip(grads, one):
+      np.testing.assert_allclose(a[i], b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_programs_walking_several_row_blocks(key, rms):
+  # 601 one-row blocks over 201 programs of 3 (the last past the rows): dscale and dbias
+  # from the kernel's partial column sums.
+  _check(*_inputs(key, (601, 50), jnp.bfloat16), rms=rms,
+         tiling=RowTiling("resident", 1, 64))
