@@ -307,10 +307,11 @@ class _Bounds:
     return cols[None, :], in_bounds
 
 
-def _load_rows(row_refs, rows_ok, row_slice=slice(None)) -> tuple[jax.Array, ...]:
-  """The per-row inputs of the program's rows (``row_slice`` of them), each of shape
-  (block_rows,)."""
-  return tuple(_backend.load(r.at[row_slice], mask=rows_ok, other=0) for r in row_refs)
+def _load_rows(row_refs, rows_ok, row_slice=None) -> tuple[jax.Array, ...]:
+  """The per-row inputs of the program's rows (``row_slice`` of them, where the program
+  covers several blocks), each of shape (block_rows,)."""
+  return tuple(_backend.load(r if row_slice is None else r.at[row_slice], mask=rows_ok,
+                             other=0) for r in row_refs)
 
 
 class _Block(NamedTuple):
@@ -323,8 +324,9 @@ class _Block(NamedTuple):
 
 
 def _load_block(refs: _Refs, start, in_bounds, block_cols: int, cols_ok=None,
-                row_slice=slice(None)) -> _Block:
+                row_slice=None) -> _Block:
   local = pl.ds(start, block_cols)
+  row_slice = slice(None) if row_slice is None else row_slice
   xs = tuple(_backend.load(r.at[row_slice, local], mask=in_bounds, other=0)
              .astype(jnp.float32) for r in refs.inputs)
   where = None
@@ -401,7 +403,7 @@ def _finish(op: RowOp, state) -> tuple[jax.Array, ...]:
 
 
 def _store_map(op: RowOp, out_refs, tile: Tile, in_bounds, stats, *, start,
-               block_cols: int, row_slice=slice(None)):
+               block_cols: int, row_slice=None):
   stats = tuple(s[:, None] for s in stats)
   if op.state_of is not None:
     shift = safe_shift(stats[0])
@@ -410,7 +412,8 @@ def _store_map(op: RowOp, out_refs, tile: Tile, in_bounds, stats, *, start,
       tile = tile._replace(e=tile.exp(_masked(tile.valid, op.state_of(tile), -jnp.inf) - shift))
   ys = op.apply(tile, stats)
   for out_ref, y in zip(out_refs, ys if op.outputs > 1 else (ys,)):
-    _backend.store(out_ref.at[row_slice, pl.ds(start, block_cols)],
+    _backend.store(out_ref.at[slice(None) if row_slice is None else row_slice,
+                              pl.ds(start, block_cols)],
                    _masked(tile.valid, y, op.fill).astype(out_ref.dtype), mask=in_bounds)
 
 
