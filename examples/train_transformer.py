@@ -136,6 +136,10 @@ def main():
         f"dim {args.dim}, {args.heads} heads on {args.kv_heads} K/V heads of "
         f"{args.head_dim}, batch {args.batch} x {args.seq} tokens, vocab {args.vocab}, "
         f"attention in {jnp.dtype(attn_dtype).name}")
+  q = jnp.zeros((args.batch, args.seq, args.heads, args.head_dim), attn_dtype)
+  kv = jnp.zeros((args.batch, args.seq, args.kv_heads, args.head_dim), attn_dtype)
+  forward, backward = js.attention_kernels(q, kv, kv, is_causal=True)
+  print(f"attention kernels: {forward} forward, {backward} backward")
 
   shape = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                attn_dtype=attn_dtype)

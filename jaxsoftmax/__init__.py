@@ -6,9 +6,10 @@ VJPs whose backward passes recompute from the saved row statistics. docs/math.md
 the math, docs/numerics.md the numerics contract.
 """
 
-from jaxsoftmax.attention import (BlockSizes, HopperBlockSizes, context_parallel_attention,
-                                  dot_product_attention, flax_attention, ring_attention,
-                                  zigzag_permute, zigzag_unpermute)
+from jaxsoftmax.attention import (BlockSizes, HopperBlockSizes, attention_kernels,
+                                  context_parallel_attention, dot_product_attention,
+                                  flax_attention, ring_attention, zigzag_permute,
+                                  zigzag_unpermute)
 from jaxsoftmax.cross_entropy import cross_entropy
 from jaxsoftmax.linear_cross_entropy import LinearCrossEntropyTiling, linear_cross_entropy
 from jaxsoftmax.norms import layer_norm, rms_norm
@@ -27,6 +28,7 @@ __all__ = [
     "layer_norm",
     "rms_norm",
     "dot_product_attention",
+    "attention_kernels",
     "flax_attention",
     "ring_attention",
     "context_parallel_attention",

@@ -650,3 +650,20 @@ def test_flax_nnx_multi_head_attention(key):
   with pytest.raises(NotImplementedError, match="dropout"):
     js.flax_attention(x.reshape(2, 24, 4, 8), x.reshape(2, 24, 4, 8), x.reshape(2, 24, 4, 8),
                       dropout_rate=0.1, deterministic=False)
+
+
+def test_attention_kernels_names_what_runs(monkeypatch):
+  q = jnp.zeros((1, 8, 2, 128), jnp.bfloat16)
+  assert js.attention_kernels(q, q, q, interpret=True) == ("triton", "triton")
+  assert js.attention_kernels(q, q, q, mask=jnp.ones((8, 8), bool)) == ("xla", "xla")
+  assert js.attention_kernels(q, q, q, implementation="xla") == ("xla", "xla")
+  # On a Hopper GPU (declared here): the Hopper kernels both ways up to head dim 128.
+  monkeypatch.setattr(mosaic_device, "hopper_device", lambda: True)
+  assert js.attention_kernels(q, q, q, interpret=False, is_causal=True) == (
+      "mosaic_gpu", "mosaic_gpu")
+  assert js.attention_kernels(q, q, q, interpret=False, deterministic=True) == (
+      "mosaic_gpu", "triton")
+  wide = jnp.zeros((1, 8, 2, 256), jnp.bfloat16)
+  assert js.attention_kernels(wide, wide, wide, interpret=False) == ("mosaic_gpu", "triton")
+  with pytest.raises(TypeError, match="unexpected keywords \\['causal'\\]"):
+    js.attention_kernels(q, q, q, causal=True)

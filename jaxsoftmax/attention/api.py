@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +34,8 @@ from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import HopperBlockSizes
 from jaxsoftmax.attention.triton import BlockSizes
 
-__all__ = ["dot_product_attention", "select_backend", "BACKENDS", "BlockSizes",
-           "HopperBlockSizes"]
+__all__ = ["dot_product_attention", "attention_kernels", "select_backend", "BACKENDS",
+           "BlockSizes", "HopperBlockSizes"]
 
 # Kernel backends in order of preference (fastest first, where each can run a call).
 BACKENDS: tuple[ModuleType, ...] = (mosaic_gpu, triton)
@@ -158,6 +159,86 @@ def _check_inputs(query, key, value, op: str = "dot_product_attention"):
                      f"{key.shape[2]} key/value heads")
 
 
+class _Plan(NamedTuple):
+  """A checked attention call: the (batched) inputs, their aux arrays, and the kernel
+  backend with its `Call`, or backend None for the reference path."""
+
+  query: Any
+  key: Any
+  value: Any
+  unbatched: bool
+  aux: AuxArrays
+  scale: float
+  window: tuple[int, int] | None
+  call: Call | None
+  backend: ModuleType | None
+
+
+def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
+          key_value_seq_lengths, local_window_size, implementation, logits_soft_cap,
+          segment_ids, block_sizes, interpret, deterministic) -> _Plan:
+  """Checks a `dot_product_attention` call and picks what runs it."""
+  query, key, value = (jnp.asarray(a) for a in (query, key, value))
+  unbatched = query.ndim == 3
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+  _check_inputs(query, key, value)
+  B, T, N, H = query.shape
+  S = key.shape[1]
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"dot_product_attention: implementation must be one of "
+                     f"{IMPLEMENTATIONS}, got {implementation!r}")
+  if logits_soft_cap is not None and not logits_soft_cap > 0:
+    raise ValueError(f"dot_product_attention: logits_soft_cap must be > 0, got "
+                     f"{logits_soft_cap!r}")
+  if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+    raise TypeError(f"dot_product_attention: mask must be boolean (True: attend), got "
+                    f"{jnp.asarray(mask).dtype}")
+  if block_sizes is not None and not isinstance(block_sizes, (BlockSizes, HopperBlockSizes)):
+    raise TypeError("dot_product_attention: block_sizes must be a BlockSizes or a "
+                    f"HopperBlockSizes, got {block_sizes!r}")
+  window = _window(local_window_size)
+  q_len = _lengths(query_seq_lengths, B, "query_seq_lengths")
+  kv_len = _lengths(key_value_seq_lengths, B, "key_value_seq_lengths")
+  q_seg, kv_seg = _segments(segment_ids, B, T, S)
+  scale = float(1 / np.sqrt(H) if scale is None else scale)
+  aux = AuxArrays(q_len, kv_len, q_seg, kv_seg)
+
+  reference_path = (bias is not None or mask is not None or query.dtype == jnp.float64
+                    or query.size == 0 or key.size == 0)
+  if reference_path and implementation not in (None, "xla"):
+    raise ValueError(f"dot_product_attention: implementation={implementation!r} cannot run "
+                     "this call: bias, mask, float64 and empty inputs take the reference "
+                     "path (implementation=None or 'xla')")
+  if reference_path or implementation == "xla":
+    return _Plan(query, key, value, unbatched, aux, scale, window, None, None)
+  call = Call(B, T, S, N, key.shape[2], H, jnp.dtype(query.dtype).name,
+              MaskSpec(T, S, bool(is_causal), *(window or (None, None)),
+                       has_segments=q_seg is not None),
+              scale, logits_soft_cap, block_sizes, _backend.resolve_interpret(interpret),
+              _backend.resolve_deterministic(deterministic))
+  return _Plan(query, key, value, unbatched, aux, scale, window, call,
+               select_backend(implementation, call))
+
+
+def attention_kernels(query, key, value, bias=None, mask=None, **options) -> tuple[str, str]:
+  """(forward, backward): which kernels `dot_product_attention` runs for these arguments
+  (the same ones, any of its keywords) on the current device: "mosaic_gpu", "triton" or
+  "xla" (the reference path). Errors as `dot_product_attention` raises them."""
+  planned = ("scale", "query_seq_lengths", "key_value_seq_lengths", "local_window_size",
+             "implementation", "logits_soft_cap", "segment_ids", "block_sizes",
+             "interpret", "deterministic")
+  unknown = set(options) - set(planned) - {"is_causal", "return_residual", "residual_dtype"}
+  if unknown:
+    raise TypeError(f"attention_kernels: unexpected keywords {sorted(unknown)}; it takes "
+                    "dot_product_attention's")
+  plan = _plan(query, key, value, bias, mask, is_causal=options.get("is_causal", False),
+               **{name: options.get(name) for name in planned})
+  if plan.backend is None:
+    return "xla", "xla"
+  return plan.backend.NAME, select_backward(plan.call, plan.backend.NAME).NAME
+
+
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None,
                           key_value_seq_lengths=None, local_window_size=None,
@@ -201,55 +282,25 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   Returns:
     The output, shaped and typed like ``query``, and with ``return_residual`` the lse.
   """
-  query, key, value = (jnp.asarray(a) for a in (query, key, value))
-  unbatched = query.ndim == 3
-  if unbatched:
-    query, key, value = query[None], key[None], value[None]
-  _check_inputs(query, key, value)
-  B, T, N, H = query.shape
-  S = key.shape[1]
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"dot_product_attention: implementation must be one of "
-                     f"{IMPLEMENTATIONS}, got {implementation!r}")
-  if logits_soft_cap is not None and not logits_soft_cap > 0:
-    raise ValueError(f"dot_product_attention: logits_soft_cap must be > 0, got "
-                     f"{logits_soft_cap!r}")
-  if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
-    raise TypeError(f"dot_product_attention: mask must be boolean (True: attend), got "
-                    f"{jnp.asarray(mask).dtype}")
+  plan = _plan(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+               query_seq_lengths=query_seq_lengths,
+               key_value_seq_lengths=key_value_seq_lengths,
+               local_window_size=local_window_size, implementation=implementation,
+               logits_soft_cap=logits_soft_cap, segment_ids=segment_ids,
+               block_sizes=block_sizes, interpret=interpret, deterministic=deterministic)
   if residual_dtype is not None and not jnp.issubdtype(residual_dtype, jnp.floating):
     raise TypeError("dot_product_attention: residual_dtype must be a floating dtype or "
                     f"None, got {residual_dtype!r}")
-  if block_sizes is not None and not isinstance(block_sizes, (BlockSizes, HopperBlockSizes)):
-    raise TypeError("dot_product_attention: block_sizes must be a BlockSizes or a "
-                    f"HopperBlockSizes, got {block_sizes!r}")
-  window = _window(local_window_size)
-  q_len = _lengths(query_seq_lengths, B, "query_seq_lengths")
-  kv_len = _lengths(key_value_seq_lengths, B, "key_value_seq_lengths")
-  q_seg, kv_seg = _segments(segment_ids, B, T, S)
-  scale = float(1 / np.sqrt(H) if scale is None else scale)
-
-  reference_path = (bias is not None or mask is not None or query.dtype == jnp.float64
-                    or query.size == 0 or key.size == 0)
-  if reference_path and implementation not in (None, "xla"):
-    raise ValueError(f"dot_product_attention: implementation={implementation!r} cannot run "
-                     "this call: bias, mask, float64 and empty inputs take the reference "
-                     "path (implementation=None or 'xla')")
-  if reference_path or implementation == "xla":
+  query, key, value, unbatched = plan.query, plan.key, plan.value, plan.unbatched
+  if plan.backend is None:
+    q_len, kv_len, q_seg, kv_seg = plan.aux
     out, lse = reference.dot_product_attention(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-        query_seq_lengths=q_len, key_value_seq_lengths=kv_len, local_window_size=window,
+        query, key, value, bias, mask, scale=plan.scale, is_causal=is_causal,
+        query_seq_lengths=q_len, key_value_seq_lengths=kv_len, local_window_size=plan.window,
         logits_soft_cap=logits_soft_cap, q_segments=q_seg, kv_segments=kv_seg)
     lse = jax.lax.stop_gradient(lse)
   else:
-    call = Call(B, T, S, N, key.shape[2], H, jnp.dtype(query.dtype).name,
-                MaskSpec(T, S, bool(is_causal), *(window or (None, None)),
-                         has_segments=q_seg is not None),
-                scale, logits_soft_cap, block_sizes, _backend.resolve_interpret(interpret),
-                _backend.resolve_deterministic(deterministic))
-    backend = select_backend(implementation, call)
-    out, lse = _attention_jit(query, key, value, AuxArrays(q_len, kv_len, q_seg, kv_seg),
-                              call, backend.NAME)
+    out, lse = _attention_jit(query, key, value, plan.aux, plan.call, plan.backend.NAME)
     lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)))  # (B, N, T) -> (B, T, N)
   lse = lse.astype(query.dtype if residual_dtype is None else residual_dtype)
   if unbatched:
