@@ -162,6 +162,8 @@ def test_bad_input():
   with pytest.raises(ValueError, match="axis_name 'sp' is not an axis of the enclosing "
                                        "shard_map"):
     js.ring_attention(q, q, q, axis_name="sp", interpret=True)
+  with pytest.raises(TypeError, match="deterministic must be a bool or None"):
+    cp(q, q, q, axis_name="sp", deterministic=1)
 
 
 @pytest.mark.gpu

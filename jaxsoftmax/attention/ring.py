@@ -138,6 +138,7 @@ class _Plan:
   implementation: str | None
   block_sizes: Any
   interpret: bool
+  deterministic: bool
   B: int
   T: int  # local queries
   S: int  # local keys
@@ -148,7 +149,8 @@ class _Plan:
 
   def call(self, piece: _Piece) -> Call:
     return Call(self.B, piece.T, piece.S, self.N, self.K, self.H, self.dtype, piece.spec,
-                self.scale, self.softcap, self.block_sizes, self.interpret)
+                self.scale, self.softcap, self.block_sizes, self.interpret,
+                self.deterministic)
 
   def _whole(self, S: int, offset: int) -> list[_Piece]:
     spec = _band(self.T, S, offset, self.is_causal, self.window, self.has_segments)
@@ -357,7 +359,8 @@ def _shards(axis_name, op: str) -> int:
 def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, scale=None,
                    layout: str = "contiguous", strategy: str = "ring", segment_ids=None,
                    logits_soft_cap=None, local_window_size=None, implementation=None,
-                   block_sizes=None, interpret: bool | None = None):
+                   block_sizes=None, interpret: bool | None = None,
+                   deterministic: bool | None = None):
   """Attention over a sequence sharded on the mesh axis ``axis_name``, inside
   `jax.shard_map`: this device's shard of the output. Differentiable.
 
@@ -381,6 +384,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
       not one); the backward is the one that pairs with it (see above).
     block_sizes: tiles for the forward's backend, as `dot_product_attention`.
     interpret: run the kernels in Pallas interpret mode (the Triton backend).
+    deterministic: as `dot_product_attention`: gradients bit-identical from run to run
+      (the Triton backward instead of the Hopper one's atomic adds).
 
   Returns:
     This device's shard of the output, shaped and typed like ``query``.
@@ -417,7 +422,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
   plan = _Plan(axis_name, _shards(axis_name, op), layout, strategy, bool(is_causal), window,
                q_seg is not None, float(1 / np.sqrt(H) if scale is None else scale),
                logits_soft_cap, implementation, block_sizes,
-               _backend.resolve_interpret(interpret), B, T, S, N, K, H,
+               _backend.resolve_interpret(interpret),
+               _backend.resolve_deterministic(deterministic), B, T, S, N, K, H,
                jnp.dtype(query.dtype).name)
   return _context_parallel(plan, query, key, value, q_seg, kv_seg)
 
