@@ -73,9 +73,7 @@ def select_backward(call: Call, backend: str) -> ModuleType:
   that can differentiate the call, else the Triton backward, which takes any forward's
   residuals (o, m, log2 l) and is deterministic."""
   own = _BY_NAME[backend]
-  if hasattr(own, "backward_unsupported") and own.backward_unsupported(call) is None:
-    return own
-  return triton
+  return own if own.backward_unsupported(call) is None else triton
 
 
 def select_backend(implementation: str | None, call: Call) -> ModuleType:

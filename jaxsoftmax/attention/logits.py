@@ -66,3 +66,34 @@ def lse(m, log2_l, *, scale: float, softcap: float | None):
   -inf for rows with no allowed key."""
   logits = Logits(scale, softcap, fused=False)
   return jnp.where(m == -jnp.inf, -jnp.inf, logits.lse(m, log2_l))
+
+
+def row_delta(o, do):
+  """delta = rowsum(dO ∘ O), (B, N, T) float32, for o and do (B, T, N, H): the term the
+  backward subtracts from dP (docs/math.md, "Attention")."""
+  return jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
+
+
+def score_grad(p, dp, delta, tanh):
+  """dS = P ∘ (dP - delta), times 1 - tanh² under a soft cap (``tanh`` from
+  `Logits.cap`, else None)."""
+  ds = p * (dp - delta)
+  return ds if tanh is None else ds * (1 - tanh * tanh)
+
+
+def score_grad_terms(ds, dtype) -> list:
+  """dS as tensor-core operands of ``dtype``: rounded to it, and in float16 also the
+  rounding remainder ds - f16(ds) as a second term. float16 keeps 11 bits, on dS values
+  as large as |dP - delta| (several units): on the H200 that rounding alone put dq at
+  2.04x a float16 reference's error (T=1, S=77); the remainder gives dS about float32's
+  accuracy for one more matrix product. bfloat16's reference rounds coarsely enough that
+  one term suffices."""
+  high = ds.astype(dtype)
+  if score_grad_term_count(dtype) == 1:
+    return [high]
+  return [high, (ds - high.astype(jnp.float32)).astype(dtype)]
+
+
+def score_grad_term_count(dtype) -> int:
+  """How many operands `score_grad_terms` makes of dS in ``dtype``."""
+  return 2 if jnp.dtype(dtype) == jnp.float16 else 1

@@ -45,7 +45,6 @@ from jaxsoftmax import _backend
 from jaxsoftmax.attention import api, logits
 from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
-from jaxsoftmax.attention.triton import backward as backward_kernels
 from jaxsoftmax.state import merge_attention_states
 
 __all__ = ["ring_attention", "context_parallel_attention", "zigzag_permute",
@@ -300,7 +299,7 @@ def _backward(plan: _Plan, q, k, v, q_seg, kv_seg, o, lse, do):
   d = lax.axis_index(plan.axis_name)
   run = functools.partial(_backward_pieces, plan)
   # delta of the local queries once, for every step and piece: (B, T, N), as lse.
-  delta = jnp.transpose(backward_kernels.row_delta(o, do), (0, 2, 1))
+  delta = jnp.transpose(logits.row_delta(o, do), (0, 2, 1))
   if plan.strategy == "all_gather":
     k_all, v_all, kv_seg_all = (None if x is None else _gather(plan, x)
                                 for x in (k, v, kv_seg))

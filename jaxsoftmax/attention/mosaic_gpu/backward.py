@@ -31,7 +31,7 @@ calls take the Triton backward (see `select_backward` in `attention.api`).
 Masks as in the forward: element masks only on the boundary query blocks, and on every
 block of a key tile that holds keys past the key length or past S (their probabilities
 must be 0 for dQ, which sums over keys). In float16, dS goes into its products as two
-float16 terms (see `triton.backward._score_grad_dot`).
+float16 terms (`logits.score_grad_terms`).
 """
 
 from __future__ import annotations
@@ -45,10 +45,12 @@ from jax import lax
 
 from jaxsoftmax._backend.mosaic_gpu import pl, plgpu
 from jaxsoftmax.attention.call import AuxArrays
-from jaxsoftmax.attention.logits import LOG2E, Logits
+from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
+                                         score_grad_term_count, score_grad_terms)
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
                                         query_block_ranges, walk_block_ranges)
-from jaxsoftmax.attention.mosaic_gpu.forward import SMEM_BYTES, pad_head_dim, pad_to
+from jaxsoftmax.attention.mosaic_gpu.forward import (SMEM_BYTES, pad_head_dim, pad_to,
+                                                     split_aux_refs)
 
 # One value per row, and per column, of a wgmma tile: the dK/dV kernel works on
 # Sᵀ = K Qᵀ (a row per key, a column per query), the dQ kernel on S = Q Kᵀ.
@@ -87,18 +89,13 @@ class HopperBackwardBlockSizes:
 BLOCKS = HopperBackwardBlockSizes()
 
 
-def terms_of(dtype) -> int:
-  """float16 dS goes into its products as two terms (see the module docstring)."""
-  return 2 if jnp.dtype(dtype) == jnp.float16 else 1
-
-
 def unsupported(head_dim: int, dtype) -> str | None:
   """Why the Hopper backward cannot run this head dim and dtype, or None."""
   if pad_head_dim(head_dim) > MAX_HEAD_DIM:
     return (f"the Hopper backward takes head dims up to {MAX_HEAD_DIM} (a consumer holds "
             f"dK and dV of its keys in registers), got {head_dim}")
   needed = BLOCKS.smem_bytes(pad_head_dim(head_dim), jnp.dtype(dtype).itemsize,
-                             terms_of(dtype))
+                             score_grad_term_count(dtype))
   if needed > SMEM_BYTES:
     return f"it needs {needed} bytes of shared memory, more than {SMEM_BYTES}"
   return None
@@ -115,18 +112,14 @@ def _cols(x, shape):
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
                  spec: MaskSpec, blocks: HopperBackwardBlockSizes, logits: Logits,
-                 group: int, terms: int, atomic_dq: bool, float32_grads: bool, k_smem,
+                 group: int, atomic_dq: bool, float32_grads: bool, k_smem,
                  v_smem, q_ring, do_ring, lse2_ring, delta_ring, kv_loaded, q_loaded,
                  do_loaded, slot_free, ds_smem=None, dq_smem=None, ds_ready=None, done=None):
   """dK and dV of a key tile; with ``atomic_dq`` also its share of dQ, added into the
   float32 dQ ref (the last input). ``float32_grads``: dK and dV leave in float32, stored
   from registers (their arrays padded to whole key tiles), instead of through K and V's
   shared memory in the inputs' dtype."""
-  n_aux = sum(aux_present)
-  aux_refs, refs = refs[:n_aux], refs[n_aux:]
-  aux_iter = iter(aux_refs)
-  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = (
-      next(aux_iter) if here else None for here in aux_present)
+  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), refs = split_aux_refs(refs, aux_present)
   dq_ref, dk_ref, dv_ref = refs if atomic_dq else (None, *refs)
 
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
@@ -200,12 +193,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
         dp = pl.run_scoped(value_grads, plgpu.ACC(shape, jnp.float32))
         delta = plgpu.load(delta_ring.at[s], layout=_COL)
-        ds = p * (dp - _cols(delta, shape))
-        if tanh is not None:
-          ds = ds * (1.0 - tanh * tanh)
-        ds_terms = [ds.astype(q_tile.dtype)]
-        if terms == 2:
-          ds_terms.append((ds - ds_terms[0].astype(jnp.float32)).astype(q_tile.dtype))
+        ds_terms = score_grad_terms(score_grad(p, dp, _cols(delta, shape), tanh),
+                                    q_tile.dtype)
         for term in ds_terms:
           plgpu.wgmma(dk_acc, term, q_tile)
         if atomic_dq:
@@ -230,7 +219,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
             columns = pl.ds(c * _CHUNK, _CHUNK)
 
             def chunk(acc):
-              for t in range(terms):
+              for t in range(len(ds_terms)):
                 for half in range(_CONSUMERS):
                   plgpu.wgmma(acc, ds_smem.at[buf, t, half].T,
                               k_smem.at[half, :, columns])
@@ -306,17 +295,14 @@ def _rows(x, shape):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
                spec: MaskSpec, blocks: HopperBackwardBlockSizes, logits: Logits,
-               group: int, terms: int, float32_grads: bool, q_tiles, do_tiles, k_ring,
+               group: int, float32_grads: bool, q_tiles, do_tiles, k_ring,
                v_ring, q_loaded, k_loaded, v_loaded, k_free, v_free):
   """dQ of a query tile (the deterministic backward's second kernel): the forward's
   layout (a producer streaming K/V blocks, two consumers of block_q rows each), with
   S = Q Kᵀ, P, dP = dO Vᵀ, dS and dQ += dS K per key block. ``float32_grads`` as
   `_dkdv_kernel`."""
-  n_aux = sum(aux_present)
-  aux_refs, (dq_ref,) = refs[:n_aux], refs[n_aux:]
-  aux_iter = iter(aux_refs)
-  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = (
-      next(aux_iter) if here else None for here in aux_present)
+  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), (dq_ref,) = split_aux_refs(
+      refs, aux_present)
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
   wg = lax.axis_index("wg")
   b, n = lax.axis_index("batch"), lax.axis_index("heads")
@@ -372,14 +358,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
 
         dp = pl.run_scoped(value_grads, plgpu.ACC(shape, jnp.float32))
         plgpu.barrier_arrive(v_free.at[s])
-        ds = p * (dp - delta)
-        if tanh is not None:
-          ds = ds * (1.0 - tanh * tanh)
-        high = ds.astype(q_tile.dtype)
-        plgpu.wgmma(dq_acc, high, k_ring.at[s])
-        if terms == 2:
-          plgpu.wgmma(dq_acc, (ds - high.astype(jnp.float32)).astype(q_tile.dtype),
-                      k_ring.at[s])
+        for term in score_grad_terms(score_grad(p, dp, delta, tanh), q_tile.dtype):
+          plgpu.wgmma(dq_acc, term, k_ring.at[s])
         plgpu.wgmma_wait(0)
         plgpu.barrier_arrive(k_free.at[s])
         return carry
@@ -437,7 +417,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   # of queries: the padding rows have lse₂ = +inf, so they take no part.
   T_pad = pl.cdiv(T, _CONSUMERS * bq) * _CONSUMERS * bq
   if delta is None:
-    delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
+    delta = row_delta(o, do)
   c = logits.factor * LOG2E
   lse2 = jnp.where(m == -jnp.inf, jnp.inf, m * c + log2_l)
   delta, lse2 = pad_to(delta, 2, T_pad), pad_to(lse2, 2, T_pad, jnp.inf)
@@ -454,11 +434,11 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   aux = AuxArrays(q_len, kv_len, q_seg, kv_seg)
   aux_inputs = tuple(a for a in aux if a is not None)
 
-  terms = terms_of(q.dtype)
+  terms = score_grad_term_count(q.dtype)
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages
   statics = dict(aux_present=tuple(a is not None for a in aux), spec=spec, blocks=blocks,
-                 logits=logits, group=N // K, terms=terms, float32_grads=float32_grads)
+                 logits=logits, group=N // K, float32_grads=float32_grads)
   compiler_params = plgpu.CompilerParams(approx_math=softcap is None,
                                          unsafe_no_auto_barriers=True,
                                          reduction_scratch_bytes=0)

@@ -183,13 +183,18 @@ class _Work:
     return lax.div(rest, self.q_tiles), n, lax.rem(rest, self.q_tiles)
 
 
+def split_aux_refs(refs, aux_present):
+  """(the aux refs as `AuxArrays`, None where absent; the refs after them), for a
+  kernel whose inputs include the present ones of (query lengths, key lengths, query
+  segment ids, key segment ids), in that order."""
+  n_aux = sum(aux_present)
+  given = iter(refs[:n_aux])
+  return AuxArrays(*(next(given) if here else None for here in aux_present)), refs[n_aux:]
+
+
 def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, logits: Logits,
             group: int, work: _Work, output_tiles: bool, float32_output: bool):
-  n_aux = sum(aux_present)
-  aux_refs, refs = refs[:n_aux], refs[n_aux:]
-  aux_iter = iter(aux_refs)
-  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = (
-      next(aux_iter) if here else None for here in aux_present)
+  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), refs = split_aux_refs(refs, aux_present)
   o_ref, m_ref, log2_l_ref, *refs = refs
   o32_ref = refs.pop(0) if float32_output else None
   o_smem = refs.pop(1) if output_tiles else None

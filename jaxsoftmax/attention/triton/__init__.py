@@ -37,6 +37,12 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):
                           interpret=call.interpret, float32_output=float32_output)
 
 
+def backward_unsupported(call: Call) -> str | None:
+  """None: this backward differentiates every forward's residuals, deterministically."""
+  del call
+  return None
+
+
 def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call, *, grad_dtype=None,
         delta=None):
   """(dq, dk, dv) from any backend's forward residuals; see `triton.backward`."""
@@ -45,4 +51,4 @@ def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call, *, grad_dtype=None,
                             interpret=call.interpret, grad_dtype=grad_dtype, delta=delta)
 
 
-__all__ = ["NAME", "BlockSizes", "unsupported", "fwd", "bwd"]
+__all__ = ["NAME", "BlockSizes", "unsupported", "fwd", "backward_unsupported", "bwd"]

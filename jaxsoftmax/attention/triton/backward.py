@@ -18,7 +18,7 @@ gradients, are exactly 0.
 - dQ kernel: one program per (query block, batch row, query head), walking the key
   blocks in the forward's three ranges (element masks on the boundary blocks only).
 FLOPs: 2.5x the forward's (the two kernels run 3.5x, recomputing S and dP in each; in
-float16 each kernel adds one product for dS, see `_score_grad_dot`).
+float16 each kernel adds one product for dS, see `logits.score_grad_terms`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from jax import lax
 
 from jaxsoftmax import _backend
 from jaxsoftmax._backend import pl
-from jaxsoftmax.attention.logits import Logits
+from jaxsoftmax.attention.logits import Logits, row_delta, score_grad, score_grad_terms
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
                                         query_block_ranges, walk_block_ranges)
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, block_rows,
@@ -39,19 +39,9 @@ from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, block_row
                                                 query_block, query_block_launch, scores)
 
 
-def row_delta(o, do):
-  """delta = rowsum(dO ∘ O), (B, N, T) float32, for o and do (B, T, N, H)."""
-  return jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
-
-
 def _max_or_inf(m):
   """m with -inf (no allowed key) read as +inf, so that exp(s - lse) is exactly 0."""
   return jnp.where(m == -jnp.inf, jnp.inf, m)
-
-
-def _score_grad(p, dp, delta, tanh):
-  ds = p * (dp - delta)
-  return ds if tanh is None else ds * (1 - tanh * tanh)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
@@ -93,7 +83,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
       p_t = jnp.where(allowed, p_t, 0.0)
     dv = dv + _backend.dot(p_t.astype(do.dtype), do)
     dp_t = _backend.dot(v, do, trans_b=True)
-    ds_t = _score_grad(p_t, dp_t, delta[None, :], tanh_t)
+    ds_t = score_grad(p_t, dp_t, delta[None, :], tanh_t)
     dk = dk + _score_grad_dot(ds_t, q)
     return dk, dv
 
@@ -112,15 +102,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
 
 
 def _score_grad_dot(ds, x):
-  """ds · x on the tensor cores, which take ds rounded to x's dtype. float16 keeps 11
-  bits, on dS values as large as |dP - delta| (several units): on the H200 that rounding
-  alone put dq at 2.04x a float16 reference's error (T=1, S=77). In float16 the remainder
-  ds - f16(ds) goes through a second product, which gives dS about float32's accuracy for
-  one more matrix product; bfloat16's reference rounds coarsely enough that one suffices."""
-  high = ds.astype(x.dtype)
-  out = _backend.dot(high, x)
-  if x.dtype == jnp.float16:
-    out = out + _backend.dot((ds - high.astype(jnp.float32)).astype(x.dtype), x)
+  """ds · x on the tensor cores, with ds as `logits.score_grad_terms` of x's dtype."""
+  terms = score_grad_terms(ds, x.dtype)
+  out = _backend.dot(terms[0], x)
+  for term in terms[1:]:
+    out = out + _backend.dot(term, x)
   return out
 
 
@@ -151,7 +137,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
                                   q_idx=q_idx, q_segments=q_seg, kv_length=kv_length)
       p = jnp.where(allowed, p, 0.0)
     dp = _backend.dot(do, v, trans_b=True)
-    ds = _score_grad(p, dp, delta[:, None], tanh)
+    ds = score_grad(p, dp, delta[:, None], tanh)
     return dq + _score_grad_dot(ds, k)
 
   dq = walk_block_ranges(key_block_ranges(spec, q0, bq, bk, kv_length, q_length), step,
