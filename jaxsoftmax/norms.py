@@ -156,19 +156,17 @@ def _normalize_bwd(norm: _Norm, saved, cotangents):
   dh, _, *col_sums = row_call(_backward_op(norm), inputs, (mean, rstd),
                               col_inputs=(scale,) if norm.has_scale else (),
                               tiling=norm.tiling, interpret=norm.interpret)
-  col_sums = iter(col_sums[0] if col_sums else ())
-  dscale = None if scale is None else next(col_sums)
-  dbias = None if bias is None else next(col_sums)
-  if (dscale is None and scale is not None) or (dbias is None and bias is not None):
-    # Rows too long for one program (the online and split variants): XLA's column sums.
+  # (dscale, dbias) of those present, from the kernel; None where the rows were too
+  # long for one program (the online and split variants): then XLA's column sums.
+  col_sums = list(col_sums[0]) if col_sums else []
+  if any(total is None for total in col_sums):
     dy32 = dy.astype(jnp.float32)
     xhat = (h.astype(jnp.float32) - mean[:, None]) * rstd[:, None]
-    dscale = None if scale is None else jnp.sum(dy32 * xhat, axis=0)
-    dbias = None if bias is None else jnp.sum(dy32, axis=0)
-  dscale = None if scale is None else dscale.astype(scale.dtype)
-  dbias = None if bias is None else dbias.astype(bias.dtype)
-  dresidual = dh.astype(h.dtype) if norm.has_residual else None
-  return dh, dresidual, dscale, dbias
+    col_sums = ([jnp.sum(dy32 * xhat, axis=0)] if norm.has_scale else []) + (
+        [jnp.sum(dy32, axis=0)] if norm.has_bias else [])
+  dscale = col_sums.pop(0).astype(scale.dtype) if norm.has_scale else None
+  dbias = col_sums.pop(0).astype(bias.dtype) if norm.has_bias else None
+  return dh, dh if norm.has_residual else None, dscale, dbias
 
 
 _normalize.defvjp(_normalize_fwd, _normalize_bwd)

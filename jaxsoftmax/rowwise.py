@@ -420,26 +420,38 @@ def _store_map(op: RowOp, out_refs, tile: Tile, in_bounds, stats, *, start,
 # --- kernels ---------------------------------------------------------------------------
 
 
+def _resident_rows(op: RowOp, refs: _Refs, bounds: _Bounds, rows_ok, exp, row_slice=None):
+  """resident: statistics and map of one block of whole rows (``row_slice`` of the
+  program's rows where it covers several), each row read once and kept in registers for
+  the map. Returns the block's tile and statistics."""
+  bc = bounds.block_cols
+  rows = _load_rows(refs.rows, rows_ok, row_slice)
+  cols, in_bounds = bounds.tile(rows_ok, 0)
+  block = _load_block(refs, 0, in_bounds, bc, bounds.cols_ok(0), row_slice)
+  tile = _tile(block, rows, cols, in_bounds, exp)
+  state, e = _accumulate(op, _empty_state(op, bounds.block_rows), tile)
+  stats = _finish(op, state)
+  if refs.outs:
+    _store_map(op, refs.outs, tile._replace(e=e), in_bounds, stats, start=0, block_cols=bc,
+               row_slice=row_slice)
+  return tile, stats
+
+
 def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_blocks: int,
                   exp):
   """resident / online: statistics and map of whole rows in one program."""
   refs = layout.unpack(refs)
   bc = bounds.block_cols
   rows_ok = bounds.rows_ok(pl.program_id(0))
-  rows = _load_rows(refs.rows, rows_ok)
-  tile_bounds = lambda b: bounds.tile(rows_ok, b * bc)
-  load = lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc, bounds.cols_ok(b * bc))
 
   if n_col_blocks == 1:
-    # resident: the row is read once and stays in registers for the map.
-    cols, in_bounds = tile_bounds(0)
-    tile = _tile(load(0), rows, cols, in_bounds, exp)
-    state, e = _accumulate(op, _empty_state(op, bounds.block_rows), tile)
-    stats = _finish(op, state)
-    if refs.outs:
-      _store_map(op, refs.outs, tile._replace(e=e), in_bounds, stats, start=0, block_cols=bc)
+    _, stats = _resident_rows(op, refs, bounds, rows_ok, exp)
   else:
     # online: sweep 1 merges the state block by block; sweep 2 re-reads and maps.
+    rows = _load_rows(refs.rows, rows_ok)
+    tile_bounds = lambda b: bounds.tile(rows_ok, b * bc)
+    load = lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc, bounds.cols_ok(b * bc))
+
     def accumulate(b, block, state):
       return _accumulate(op, state, _tile(block, rows, *tile_bounds(b), exp))[0]
 
@@ -467,21 +479,12 @@ def _resident_col_sums_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds
   n_partials = len(op.col_sums)
   col_refs, stat_refs = refs.stats[:n_partials], refs.stats[n_partials:]
   br, bc = bounds.block_rows, bounds.block_cols
-  cols_ok = bounds.cols_ok(0)
   first_block = pl.program_id(0) * row_blocks  # read outside the loop, as interpret needs
 
   def row_block(i, sums):
     row_slice = pl.ds(i * br, br)
     rows_ok = bounds.rows_ok(first_block + i)
-    rows = _load_rows(refs.rows, rows_ok, row_slice)
-    cols, in_bounds = bounds.tile(rows_ok, 0)
-    block = _load_block(refs, 0, in_bounds, bc, cols_ok, row_slice)
-    tile = _tile(block, rows, cols, in_bounds, exp)
-    state, e = _accumulate(op, _empty_state(op, br), tile)
-    stats = _finish(op, state)
-    if refs.outs:
-      _store_map(op, refs.outs, tile._replace(e=e), in_bounds, stats, start=0,
-                 block_cols=bc, row_slice=row_slice)
+    tile, stats = _resident_rows(op, refs, bounds, rows_ok, exp, row_slice)
     for ref, stat in zip(stat_refs, stats):
       _backend.store(ref.at[row_slice], stat, mask=rows_ok)
     return tuple(total + jnp.sum(_masked(tile.valid, f(tile), 0.0), axis=0)
@@ -490,7 +493,7 @@ def _resident_col_sums_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds
   sums = lax.fori_loop(0, row_blocks, row_block,
                        tuple(jnp.zeros((bc,), jnp.float32) for _ in op.col_sums))
   for ref, total in zip(col_refs, sums):
-    _backend.store(ref, total, mask=cols_ok)
+    _backend.store(ref, total, mask=bounds.cols_ok(0))
 
 
 def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
