@@ -182,10 +182,15 @@ def _logit_tile(x_ref, x_row0, w_ref, b_ref, r0, v0, dims: _Dims, options: _Opti
   if options.has_bias:
     z = z + _backend.load(b_ref.at[pl.ds(v0, bv)], mask=col_ok, other=0).astype(
         jnp.float32)[None, :]
+  return (*_capped(z, options), cols, col_ok, row_ok)
+
+
+def _capped(z, options: _Options):
+  """(s, ds/dz or None): the logits s after the soft cap, s = c·tanh(z / c)."""
   if options.softcap is None:
-    return z, None, cols, col_ok, row_ok
-  t_ = jnp.tanh(z / options.softcap)
-  return options.softcap * t_, 1.0 - t_ * t_, cols, col_ok, row_ok
+    return z, None
+  t = jnp.tanh(z / options.softcap)
+  return options.softcap * t, 1.0 - t * t
 
 
 def _forward_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options, per: int):
@@ -249,17 +254,25 @@ def _logit_grad(x_ref, x_row0, w_ref, b_ref, r0, v0, rows, dims: _Dims,
                 options: _Options):
   """(ds, row mask, column mask): the float32 gradient of the loss with respect to the
   tile's logits z, for ``rows`` = (labels, lse, g, g_lse) of its rows."""
-  labels, lse, g, g_lse = rows
   s, dsdz, cols, col_ok, row_ok = _logit_tile(x_ref, x_row0, w_ref, b_ref, r0, v0, dims,
                                               options)
   p = jnp.where(row_ok[:, None] & col_ok[None, :],
-                _backend.exp2(options.interpret)((s - lse[:, None]) * _LOG2E), 0.0)
+                _backend.exp2(options.interpret)((s - rows[1][:, None]) * _LOG2E), 0.0)
+  return _dlogits(p, dsdz, cols, col_ok, rows, dims, options), row_ok, col_ok
+
+
+def _dlogits(p, dsdz, cols, col_ok, rows, dims: _Dims, options: _Options):
+  """ds of a block of logits (see the module docstring) from their probabilities p (0
+  where masked), ds/dz (None without a soft cap), column indices and which of them lie
+  in the vocabulary (None: all), for ``rows`` = (labels, lse, g, g_lse)."""
+  labels, lse, g, g_lse = rows
   a = options.label_smoothing
   ds = (g * (1 + 2 * options.z_loss * lse) + g_lse)[:, None] * p
   ds = ds - jnp.where(cols[None, :] == labels[:, None], (g * (1 - a))[:, None], 0.0)
   if a:
-    ds = ds - jnp.where(col_ok[None, :], (g * (a / dims.V))[:, None], 0.0)
-  return (ds if dsdz is None else ds * dsdz), row_ok, col_ok
+    smoothing = (g * (a / dims.V))[:, None]
+    ds = ds - (smoothing if col_ok is None else jnp.where(col_ok[None, :], smoothing, 0.0))
+  return ds if dsdz is None else ds * dsdz
 
 
 def _operand_terms(ds, dtype):
@@ -431,22 +444,12 @@ def _dw_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
             terms, lambda d: _backend.dot(x, d, trans_a=True))
 
 
-def _logit_grad_chunk(z, start, labels, lse, g, g_lse, dims: _Dims, options: _Options):
+def _logit_grad_chunk(z, start, rows, dims: _Dims, options: _Options):
   """ds (rows, chunk) in float32 for the logits z = x W + b of the columns
   [start, start + chunk); `_logit_grad` for a whole chunk, in XLA."""
-  if options.softcap is not None:
-    t = jnp.tanh(z / options.softcap)
-    s, dsdz = options.softcap * t, 1.0 - t * t
-  else:
-    s, dsdz = z, None
+  s, dsdz = _capped(z, options)
   cols = start + jnp.arange(z.shape[1], dtype=jnp.int32)
-  p = jnp.exp(s - lse[:, None])
-  a = options.label_smoothing
-  ds = (g * (1 + 2 * options.z_loss * lse) + g_lse)[:, None] * p
-  ds = ds - jnp.where(cols[None, :] == labels[:, None], (g * (1 - a))[:, None], 0.0)
-  if a:
-    ds = ds - (g * (a / dims.V))[:, None]
-  return ds if dsdz is None else ds * dsdz
+  return _dlogits(jnp.exp(s - rows[1][:, None]), dsdz, cols, None, rows, dims, options)
 
 
 def _backward_chunked(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options):
@@ -472,7 +475,7 @@ def _backward_chunked(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Opt
     z = dot(x, w_c)
     if b is not None:
       z = z + lax.dynamic_slice_in_dim(b, start, chunk).astype(jnp.float32)[None, :]
-    ds = _logit_grad_chunk(z, start, labels, lse, g, g_lse, dims, options)
+    ds = _logit_grad_chunk(z, start, (labels, lse, g, g_lse), dims, options)
     terms, unscale = _scaled_terms(ds, x.dtype)
     dw_c = _sum_products(terms, lambda d: dot(x.T, d)) * unscale
     dw = lax.dynamic_update_slice_in_dim(dw, dw_c.astype(dw.dtype), start, axis=1)
