@@ -1,11 +1,14 @@
-"""One attention forward for Nsight Compute to read the counters of: compiles, runs twice
-(ncu then profiles the second launch, `--launch-skip 1 --launch-count 1`), and exits.
+"""One attention forward (or forward + backward) for Nsight Compute to read the counters
+of: compiles, runs twice (ncu then profiles the second launch, `--launch-skip 1
+--launch-count 1`), and exits.
 
     ncu --clock-control none -k regex:attention --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats \\
         python3 benchmarks/profile_attention.py --impl mosaic_gpu --shape 4,4096,16,16,128,0
 
---impl: a jaxsoftmax backend (mosaic_gpu, triton) or cudnn; --shape: B,T,N,K,H,causal.
+--impl: a jaxsoftmax backend (mosaic_gpu, triton) or cudnn; --shape: B,T,N,K,H,causal;
+--mode fwd+bwd: the forward and the backward (pick the backward's kernels with ncu's -k,
+e.g. regex:backward|bprop for ours and cuDNN's).
 """
 
 from __future__ import annotations
@@ -23,16 +26,21 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--impl", default="mosaic_gpu")
   parser.add_argument("--shape", default="4,4096,16,16,128,0")
+  parser.add_argument("--mode", default="fwd", choices=("fwd", "fwd+bwd"))
   args = parser.parse_args()
   B, T, N, K, H, causal = (int(x) for x in args.shape.split(","))
-  (q, k, v, _), _, _ = case_inputs((B, T, N, K, H, bool(causal)), jax.numpy.bfloat16)
+  (q, k, v, do), _, _ = case_inputs((B, T, N, K, H, bool(causal)), jax.numpy.bfloat16)
   if args.impl == "cudnn":
     fn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
   else:
     fn = functools.partial(js.dot_product_attention, implementation=args.impl)
-  fn = jax.jit(functools.partial(fn, is_causal=bool(causal)))
+  fn = functools.partial(fn, is_causal=bool(causal))
+  if args.mode == "fwd":
+    step, inputs = jax.jit(fn), (q, k, v)
+  else:
+    step, inputs = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do)), (q, k, v, do)
   for _ in range(2):
-    jax.block_until_ready(fn(q, k, v))
+    jax.block_until_ready(step(*inputs))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 # Stages: tests (pytest -m gpu), tune (tune_rows.py), bench (bench_softmax.py and
 # bench_cross_entropy.py), attn-tests (pytest -m gpu tests/test_attention.py), attn-tune
 # (tune_attention.py; TUNE_ONLY="4,5" picks shapes), attn-bench (bench_attention.py; ATTN_ONLY="0,1" picks shapes,
-# ATTN_NAME names the results, ATTN_MODES="fwd" measures the forward alone), attn-ncu
+# ATTN_NAME names the results, ATTN_MODES="fwd" measures the forward alone), attn-bench-bwd
+# (bench_attention_backward.py: the backwards alone; ATTN_ONLY picks shapes), attn-ncu
 # (Nsight Compute counters of one forward), attn-tune-hopper (tune_attention_hopper.py:
 # the Mosaic GPU forward's tiles; TUNE_ONLY picks shapes), example (the transformer
 # example at GPU size, with its profiler trace), ring-tests, ring-bench (RING_ONLY picks
@@ -63,8 +64,10 @@ for stage in ${STAGES:-tests tune bench}; do
       # Four workers, a fifth of the memory each (eight at 11% left the driver too little
       # to instantiate CUDA graphs); compiling dominates, hence the long timeout.
       # TEST_K="expr" selects tests (pytest -k).
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout 330 $python -m pytest -m gpu -q -n 4 \
-        -p no:cacheprovider -rfEs ${TEST_K:+-k "$TEST_K"} tests/test_attention.py 2>&1 \
+      # TEST_TIMEOUT: seconds (default 330).
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout ${TEST_TIMEOUT:-330} $python -m pytest \
+        -m gpu -q -n 4 -p no:cacheprovider -rfEs ${TEST_K:+-k "$TEST_K"} \
+        tests/test_attention.py 2>&1 \
         | tee "$out/attn_tests.log" | tail -n 25 | tee -a "$out/summary.log" ;;
     attn-tune)
       timeout 300 $python benchmarks/tune_attention.py --out "$out" \
@@ -79,9 +82,14 @@ for stage in ${STAGES:-tests tune bench}; do
         ${ATTN_ONLY:+--only "$ATTN_ONLY"} --name "${ATTN_NAME:-attention}" \
         --modes "${ATTN_MODES:-fwd,fwd+bwd}" 2>&1 \
         | tee -a "$out/attn_bench.log" | tail -n 2 | tee -a "$out/summary.log" ;;
+    attn-bench-bwd)
+      timeout 400 $python benchmarks/bench_attention_backward.py --out "$out" \
+        ${ATTN_ONLY:+--only "$ATTN_ONLY"} 2>&1 \
+        | tee -a "$out/attn_bench_bwd.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     attn-ncu)
       # Nsight Compute on one forward of each of PROFILE_IMPLS (default: ours on Hopper
       # and cuDNN) at PROFILE_SHAPE: throughput, tensor-pipe use, stall reasons.
+      # PROFILE_MODE=fwd+bwd runs the backward too (PROFILE_KERNEL then picks its kernels).
       for impl in ${PROFILE_IMPLS:-mosaic_gpu cudnn}; do
         timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 \
           -k "regex:${PROFILE_KERNEL:-attention|fmha|flash|sm90}" \
@@ -89,8 +97,9 @@ for stage in ${STAGES:-tests tune bench}; do
           --section WarpStateStats --section SchedulerStats --section Occupancy \
           --section LaunchStats --section MemoryWorkloadAnalysis \
           $python benchmarks/profile_attention.py --impl "$impl" \
-          --shape "${PROFILE_SHAPE:-4,4096,16,16,128,0}" > "$out/ncu_$impl.log" 2>&1
-        grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Issued Ipc|No Eligible|Stall|Tensor|Achieved Occupancy" \
+          --shape "${PROFILE_SHAPE:-4,4096,16,16,128,0}" --mode "${PROFILE_MODE:-fwd}" \
+          > "$out/ncu_$impl.log" 2>&1
+        grep -E "^  [a-z_]|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Issued Ipc|No Eligible|Stall|Tensor|Achieved Occupancy" \
           "$out/ncu_$impl.log" | head -n 30 | sed "s/^/$impl: /" | tee -a "$out/summary.log"
       done ;;
     lce-tests)

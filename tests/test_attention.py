@@ -212,7 +212,7 @@ def _train_step(backend, deterministic=None):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_runs_bit_identical_gpu(key, backend):
   # deterministic=True: every output and gradient is identical from run to run (the
-  # Hopper forward then pairs with the Triton backward).
+  # Hopper backward then takes dQ from a kernel of its own, with no atomic adds).
   inputs = _inputs(key, 2, 1000, 1000, 4, 2, 128, jnp.bfloat16)
   step = _train_step(backend, deterministic=True)
   for a, b in zip(step(*inputs), step(*inputs)):
@@ -243,11 +243,8 @@ def test_hopper_backward_atomic_spread_gpu(key):
     (1, 513, 700, 2, 1, 64, jnp.bfloat16, dict(local_window_size=(100, 20),
                                                logits_soft_cap=20.0)),
 ], ids=["causal-gqa-H128", "lengths-H96-float16", "window-softcap-T!=S-H64"])
-def test_hopper_deterministic_backward_gpu(key, monkeypatch, B, T, S, N, K, H, dtype, options):
-  # The Hopper backward's deterministic variant (dK/dV, then dQ from a kernel of its
-  # own), which dispatch does not select yet: routed to here by declaring it supported.
-  monkeypatch.setattr(api._BY_NAME["mosaic_gpu"], "backward_unsupported", lambda call: None)
-  jax.clear_caches()  # no compiled step of another test's dispatch
+def test_hopper_deterministic_backward_gpu(key, B, T, S, N, K, H, dtype, options):
+  # The Hopper backward's deterministic variant: dK/dV, then dQ from a kernel of its own.
   inputs = _inputs(key, B, T, S, N, K, H, dtype)
   first = _check(*inputs, backend="mosaic_gpu", interpret=False, deterministic=True,
                  **options)
@@ -255,7 +252,6 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, B, T, S, N, K, H, d
                   **options)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(a, b)
-  jax.clear_caches()
 
 
 @pytest.mark.gpu
@@ -607,16 +603,15 @@ def test_backend_declarations(monkeypatch):
   assert api.select_backend(None, hopper_tiles) is mosaic
   assert "take jaxsoftmax.BlockSizes" in triton.unsupported(hopper_tiles)
   assert api.select_backend(None, _call(block_sizes=SMALL_BLOCKS)) is triton
-  # The Hopper forward's own backward up to head dim 128, unless asked to be
-  # deterministic; the Triton backward differentiates everything else.
+  # The Hopper forward's own backward up to head dim 128 (deterministic or not); the
+  # Triton backward differentiates everything else.
   for H in (64, 80, 128):
     for dtype in ("bfloat16", "float16"):
       assert api.select_backward(_call(H=H, dtype=dtype), "mosaic_gpu") is mosaic, (H, dtype)
   assert "head dims up to 128" in mosaic.backward_unsupported(_call(H=256))
   assert api.select_backward(_call(H=256), "mosaic_gpu") is triton
   deterministic = dataclasses.replace(_call(), deterministic=True)
-  assert "atomic adds" in mosaic.backward_unsupported(deterministic)
-  assert api.select_backward(deterministic, "mosaic_gpu") is triton
+  assert api.select_backward(deterministic, "mosaic_gpu") is mosaic
   assert api.select_backward(_call(), "triton") is triton
 
 
@@ -662,7 +657,7 @@ def test_attention_kernels_names_what_runs(monkeypatch):
   assert js.attention_kernels(q, q, q, interpret=False, is_causal=True) == (
       "mosaic_gpu", "mosaic_gpu")
   assert js.attention_kernels(q, q, q, interpret=False, deterministic=True) == (
-      "mosaic_gpu", "triton")
+      "mosaic_gpu", "mosaic_gpu")
   wide = jnp.zeros((1, 8, 2, 256), jnp.bfloat16)
   assert js.attention_kernels(wide, wide, wide, interpret=False) == ("mosaic_gpu", "triton")
   with pytest.raises(TypeError, match="unexpected keywords \\['causal'\\]"):

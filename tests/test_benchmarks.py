@@ -77,3 +77,15 @@ def test_bench_norms_smoke(tmp_path):
   # layer_norm and rms_norm, plain and with the residual, forward and backward.
   assert len(ours) == 8 and all(r["max_rel_err"] < 1e-4 for r in ours)
   assert all(r["note"] for r in rows if r["median_us"] is None)
+
+
+def test_bench_attention_backward_smoke(tmp_path):
+  pytest.importorskip("matplotlib")
+  _run("benchmarks/bench_attention_backward.py", "--smoke", "--out", str(tmp_path))
+  with open(tmp_path / "attention_backward.json") as f:
+    rows = json.load(f)["rows"]
+  # The backward alone, timed from the forward's residuals: ours on Triton runs here.
+  [triton] = [r for r in rows if r["impl"] == "jaxsoftmax triton (Triton backward)"]
+  assert triton["mode"] == "bwd" and triton["median_us"] > 0
+  assert triton["max_rel_err"] < 0.05
+  assert all(r["note"] for r in rows if r["median_us"] is None)

@@ -59,18 +59,13 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):
 def backward_unsupported(call: Call) -> str | None:
   """Why the Hopper backward cannot differentiate ``call`` (run by this forward), or
   None when it can."""
-  if call.deterministic:
-    return ("its dQ is a sum of atomic adds, whose order varies from run to run "
-            "(deterministic=True)")
   return _backward.unsupported(call.H, call.dtype)
 
 
 def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call, *, grad_dtype=None,
         delta=None):
-  """(dq, dk, dv) from this forward's residuals; see `mosaic_gpu.backward`. Its
-  deterministic variant (a dQ kernel of its own) is not selected yet: it has run only in
-  `test_hopper_deterministic_backward_gpu`, and is still to be measured against the
-  Triton backward that deterministic calls take now."""
+  """(dq, dk, dv) from this forward's residuals; see `mosaic_gpu.backward`
+  (``call.deterministic``: dQ from a kernel of its own instead of atomic adds)."""
   return _backward.backward(q, k, v, o, m, log2_l, do, aux_arrays, spec=call.spec,
                             scale=call.scale, softcap=call.softcap,
                             deterministic=call.deterministic, grad_dtype=grad_dtype,
