@@ -8,8 +8,10 @@ with respect to hidden and weight (fwd+bwd), for
 `linear_cross_entropy` (its default, the chunked backward, and "two_kernels": the
 Pallas dhidden and dweight kernels; the atomic backward measured 6-8x slower than the
 unfused loss on 2026-11-30 and is left out),
-for `jnp.dot` (float32 accumulation, bfloat16 logits) then our
-`cross_entropy` or optax's, and for `jnp.dot` with float32 logits then optax's. Peak MiB
+for `x @ w` then optax's loss (XLA's own bfloat16 logits: the program a user writes),
+for `jnp.dot` with `preferred_element_type=float32` rounded to bfloat16 logits then our
+`cross_entropy` or optax's (XLA keeps the float32 product: 2x the logits' memory), and
+for `jnp.dot` with float32 logits then optax's. Peak MiB
 is XLA's temporaries + outputs of the compiled call: the memory beyond the inputs that
 the target bounds by 1.1x the gradients' size. Errors: the loss and both gradients
 against the float64 truth, the largest over them.
@@ -39,6 +41,10 @@ IMPLS = {
     "jaxsoftmax fused two_kernels": lambda x, w, y: js.linear_cross_entropy(
         x, w, y, tiling=_TWO_KERNELS),
     "dot + jaxsoftmax ce": lambda x, w, y: js.cross_entropy(_logits(x, w, x.dtype), y),
+    # The plain program a user writes (the issue's XLA baseline): XLA's matmul gives
+    # bfloat16 logits directly.
+    "x @ w + optax": lambda x, w, y: optax.softmax_cross_entropy_with_integer_labels(
+        x @ w, y).mean(),
     "dot + optax": lambda x, w, y: optax.softmax_cross_entropy_with_integer_labels(
         _logits(x, w, x.dtype), y).mean(),
     "dot f32 + optax": lambda x, w, y: optax.softmax_cross_entropy_with_integer_labels(

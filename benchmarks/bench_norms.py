@@ -74,7 +74,10 @@ def _pallas(x, scale, bias, residual, *, rms):
     warnings.simplefilter("ignore")
     from jax.experimental.pallas.ops.gpu import layer_norm, rms_norm
   op = rms_norm.rms_norm if rms else layer_norm.layer_norm
-  return op(x, scale, jnp.zeros_like(scale) if bias is None else bias, eps=EPS)
+  # Its ops map a one-row kernel over exactly two leading axes (batch, sequence): x
+  # gets a batch axis of one.
+  y = op(x[None], scale, jnp.zeros_like(scale) if bias is None else bias, eps=EPS)
+  return y[0]
 
 
 def _vjp(fn, residual: bool):
