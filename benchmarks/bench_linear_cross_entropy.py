@@ -36,8 +36,13 @@ def _logits(x, w, dtype):
 
 
 _TWO_KERNELS = js.LinearCrossEntropyTiling(backward="two_kernels")
+# Half the default chunk at T = 8192 (2**23 logits): the memory / time trade of the
+# chunked backward, whose peak is the gradients + a float32 dhidden + one chunk.
+_CHUNK_1024 = js.LinearCrossEntropyTiling(chunk_vocab=1024)
 IMPLS = {
     "jaxsoftmax fused": lambda x, w, y: js.linear_cross_entropy(x, w, y),
+    "jaxsoftmax fused chunk 1024": lambda x, w, y: js.linear_cross_entropy(
+        x, w, y, tiling=_CHUNK_1024),
     "jaxsoftmax fused two_kernels": lambda x, w, y: js.linear_cross_entropy(
         x, w, y, tiling=_TWO_KERNELS),
     "dot + jaxsoftmax ce": lambda x, w, y: js.cross_entropy(_logits(x, w, x.dtype), y),

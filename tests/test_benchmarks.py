@@ -67,7 +67,7 @@ def test_bench_linear_cross_entropy_smoke(tmp_path):
   _run("benchmarks/bench_linear_cross_entropy.py", "--smoke", "--out", str(tmp_path))
   with open(tmp_path / "linear_cross_entropy.json") as f:
     rows = json.load(f)["rows"]
-  assert len(rows) == 12 and all(r["median_us"] > 0 and r["max_rel_err"] < 1e-5
+  assert len(rows) == 14 and all(r["median_us"] > 0 and r["max_rel_err"] < 1e-5
                                 for r in rows)
 
 

@@ -384,7 +384,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
     block_sizes: tiles for the forward's backend, as `dot_product_attention`.
     interpret: run the kernels in Pallas interpret mode (the Triton backend).
     deterministic: as `dot_product_attention`: gradients bit-identical from run to run
-      (the Triton backward instead of the Hopper one's atomic adds).
+      (no atomic adds in the Hopper backward).
 
   Returns:
     This device's shard of the output, shaped and typed like ``query``.
