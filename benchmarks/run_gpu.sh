@@ -13,8 +13,8 @@
 # the Mosaic GPU forward's tiles; TUNE_ONLY picks shapes), example (the transformer
 # example at GPU size, with its profiler trace), ring-tests, ring-bench (RING_ONLY picks
 # shapes) and ring-example (context parallelism on every visible GPU), lce-tests and
-# lce-bench (linear_cross_entropy), norm-tests and norm-bench (layer_norm, rms_norm;
-# NORM_ONLY picks shapes). Each is bounded by a timeout so that one hung stage still leaves the
+# lce-bench (linear_cross_entropy), norm-tests, norm-bench and tune-norms (layer_norm,
+# rms_norm; tune_norms.py sweeps their tiles; NORM_ONLY picks shapes). Each is bounded by a timeout so that one hung stage still leaves the
 # others' results. Everything is also packed into $OUT/run.tgz, since only a few files
 # come back from the machine.
 #
@@ -116,6 +116,10 @@ for stage in ${STAGES:-tests tune bench}; do
     norm-bench)
       timeout 400 $python benchmarks/bench_norms.py --out "$out" \
         ${NORM_ONLY:+--only "$NORM_ONLY"} 2>&1 | tee "$out/norm_bench.log" | tail -n 3 \
+        | tee -a "$out/summary.log" ;;
+    tune-norms)
+      timeout 400 $python benchmarks/tune_norms.py --out "$out" \
+        ${NORM_ONLY:+--only "$NORM_ONLY"} 2>&1 | tee "$out/tune_norms.log" | tail -n 3 \
         | tee -a "$out/summary.log" ;;
     ring-tests)
       # Context parallelism on every visible GPU (the nvidia-h200-x2 machine).

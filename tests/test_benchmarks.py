@@ -92,3 +92,14 @@ def test_bench_attention_backward_smoke(tmp_path):
   assert triton["mode"] == "bwd" and triton["median_us"] > 0
   assert triton["max_rel_err"] < 0.05
   assert all(r["note"] for r in rows if r["median_us"] is None)
+
+
+def test_tune_norms_smoke(tmp_path):
+  pytest.importorskip("matplotlib")
+  _run("benchmarks/tune_norms.py", "--smoke", "--out", str(tmp_path))
+  with open(tmp_path / "tune_norms.json") as f:
+    rows = json.load(f)["rows"]
+  swept = [r for r in rows if r["op"].startswith("layer_norm")]
+  # Every tiling, plain and with the residual, and the default among them.
+  assert len(swept) >= 4 and all(r["median_us"] > 0 for r in swept)
+  assert any(r["impl"].endswith("(default)") for r in swept)
