@@ -12,7 +12,8 @@
 # (Nsight Compute counters of one forward), attn-tune-hopper (tune_attention_hopper.py:
 # the Mosaic GPU forward's tiles; TUNE_ONLY picks shapes), example (the transformer
 # example at GPU size, with its profiler trace), ring-tests, ring-bench (RING_ONLY picks
-# shapes) and ring-example (context parallelism on every visible GPU), lce-tests and
+# shapes, RING_NAME names the results) and ring-example (context parallelism on every
+# visible GPU), lce-tests and
 # lce-bench (linear_cross_entropy), norm-tests, norm-bench and tune-norms (layer_norm,
 # rms_norm; tune_norms.py sweeps their tiles; NORM_ONLY picks shapes). Each is bounded by a timeout so that one hung stage still leaves the
 # others' results. Everything is also packed into $OUT/run.tgz, since only a few files
@@ -128,7 +129,7 @@ for stage in ${STAGES:-tests tune bench}; do
         | tee -a "$out/summary.log" ;;
     ring-bench)
       timeout 540 $python benchmarks/bench_ring_attention.py --out "$out" \
-        ${RING_ONLY:+--only "$RING_ONLY"} 2>&1 | tee "$out/ring_bench.log" | tail -n 4 \
+        ${RING_ONLY:+--only "$RING_ONLY"} ${RING_NAME:+--name "$RING_NAME"} 2>&1 | tee "$out/ring_bench.log" | tail -n 4 \
         | tee -a "$out/summary.log" ;;
     ring-example)
       timeout 200 $python examples/long_context.py --tokens 65536 2>&1 \
