@@ -15,7 +15,8 @@
 # shapes, RING_NAME names the results) and ring-example (context parallelism on every
 # visible GPU), lce-tests and
 # lce-bench (linear_cross_entropy), norm-tests, norm-bench and tune-norms (layer_norm,
-# rms_norm; tune_norms.py sweeps their tiles; NORM_ONLY picks shapes). Each is bounded by a timeout so that one hung stage still leaves the
+# rms_norm; tune_norms.py sweeps their tiles; NORM_ONLY picks shapes; norm-ncu: the
+# backward kernel's counters, profile_norms.py). Each is bounded by a timeout so that one hung stage still leaves the
 # others' results. Everything is also packed into $OUT/run.tgz, since only a few files
 # come back from the machine.
 #
@@ -122,6 +123,19 @@ for stage in ${STAGES:-tests tune bench}; do
       timeout 400 $python benchmarks/tune_norms.py --out "$out" \
         ${NORM_ONLY:+--only "$NORM_ONLY"} 2>&1 | tee "$out/tune_norms.log" | tail -n 3 \
         | tee -a "$out/summary.log" ;;
+    norm-ncu)
+      # Nsight Compute on the norms' backward kernel (NORM_KERNEL picks another) for each
+      # ;-separated argument list of NORM_PROFILES (profile_norms.py's arguments).
+      IFS=';' read -ra profiles <<< "${NORM_PROFILES:---shape 65536,1024;--shape 8192,16384 --dtype float32 --residual}"
+      for i in "${!profiles[@]}"; do
+        timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 \
+          -k "regex:${NORM_KERNEL:-norm_bwd}" \
+          --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+          --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+          $python benchmarks/profile_norms.py ${profiles[$i]} > "$out/ncu_norms_$i.log" 2>&1
+        grep -E "^  [a-z_]|Duration|Throughput|Registers Per|Issued Ipc|No Eligible|Local|spill|Achieved Occupancy" \
+          "$out/ncu_norms_$i.log" | head -n 24 | sed "s/^/norms $i: /" | tee -a "$out/summary.log"
+      done ;;
     ring-tests)
       # Context parallelism on every visible GPU (the nvidia-h200-x2 machine).
       timeout 300 $python -m pytest -m gpu -q -p no:cacheprovider -rfEs \
