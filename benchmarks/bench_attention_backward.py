@@ -21,15 +21,11 @@ import jax
 import jax.numpy as jnp
 
 import harness
-from bench_attention import OURS, case_inputs, implementations, vs_best_peer
+from bench_attention import (OURS, TARGET_SHAPES, case_inputs, implementations,
+                             vs_best_peer)
 from jaxsoftmax import reference
 
-SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
-          ((4, 4096, 16, 16, 128, True), jnp.bfloat16),
-          ((1, 16384, 16, 16, 128, False), jnp.bfloat16),
-          ((1, 16384, 16, 16, 128, True), jnp.bfloat16),
-          ((8, 2048, 16, 16, 64, False), jnp.bfloat16),
-          ((2, 8192, 16, 16, 256, False), jnp.bfloat16)]
+SHAPES = TARGET_SHAPES
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
 # Our rows: bench_attention's names, and what runs the backward of each.
 OUR_ROWS = {f"{OURS} mosaic_gpu": "Hopper backward, dQ by atomic adds",

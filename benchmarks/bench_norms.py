@@ -88,20 +88,26 @@ def _vjp(fn, residual: bool):
   return run
 
 
-def bench_shape(report: harness.Report, shape, dtype):
-  rows, C = shape
+def shape_inputs(report: harness.Report, shape, dtype):
+  """The rotated input sets [x, residual, dy, dh] of a shape, its scale and bias, the
+  bytes of one (rows, C) array, and the report fields with the copy ceiling (measured
+  here, in the same run)."""
+  C = shape[1]
   n_bytes = math.prod(shape) * jnp.dtype(dtype).itemsize
-  n_sets = harness.rotations(8 * n_bytes)
-  keys = jax.random.split(jax.random.PRNGKey(0), n_sets)
-  arrays = lambda k: [jax.random.normal(kk, shape, jnp.float32).astype(dtype)
-                      for kk in jax.random.split(k, 4)]
-  sets = [arrays(k) for k in keys]
+  keys = jax.random.split(jax.random.PRNGKey(0), harness.rotations(8 * n_bytes))
+  sets = [[jax.random.normal(kk, shape, jnp.float32).astype(dtype)
+           for kk in jax.random.split(k, 4)] for k in keys]
   kp = jax.random.split(jax.random.PRNGKey(1), 2)
   scale = (1 + 0.1 * jax.random.normal(kp[0], (C,))).astype(dtype)
   bias = (0.1 * jax.random.normal(kp[1], (C,))).astype(dtype)
   copy, _ = harness.measure_ceilings(report, [(s[0],) for s in sets], shape=shape,
                                      dtype=dtype)
   common = dict(shape=shape, dtype=jnp.dtype(dtype).name, ceiling_gbps=copy)
+  return sets, scale, bias, n_bytes, common
+
+
+def bench_shape(report: harness.Report, shape, dtype):
+  sets, scale, bias, n_bytes, common = shape_inputs(report, shape, dtype)
   for rms in (False, True):
     name = "rms_norm" if rms else "layer_norm"
     b = None if rms else bias

@@ -46,6 +46,22 @@ fi
 
 pack() { tar -czf "$top/run.tgz" -C "$out" . && cp "$out/summary.log" "$top/"; }
 
+# counters LOG KERNEL_REGEX LABEL COMMAND...: Nsight Compute on the second launch of the
+# kernels KERNEL_REGEX selects (the first compiles), its report in LOG, and the lines
+# that say what limits the kernel (throughput, pipes, stalls, registers, occupancy)
+# labelled into the summary.
+counters() {
+  local log=$1 kernel=$2 label=$3
+  shift 3
+  timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 \
+    -k "regex:$kernel" \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats --section Occupancy \
+    --section LaunchStats --section MemoryWorkloadAnalysis "$@" > "$log" 2>&1
+  grep -E "^  [a-z_]|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Issued Ipc|No Eligible|Stall|Tensor|Local|Achieved Occupancy" \
+    "$log" | head -n 30 | sed "s/^/$label: /" | tee -a "$out/summary.log"
+}
+
 for stage in ${STAGES:-tests tune bench}; do
   echo "=== $stage $(date -u +%T)" | tee -a "$out/summary.log"
   case $stage in
@@ -93,16 +109,9 @@ for stage in ${STAGES:-tests tune bench}; do
       # and cuDNN) at PROFILE_SHAPE: throughput, tensor-pipe use, stall reasons.
       # PROFILE_MODE=fwd+bwd runs the backward too (PROFILE_KERNEL then picks its kernels).
       for impl in ${PROFILE_IMPLS:-mosaic_gpu cudnn}; do
-        timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 \
-          -k "regex:${PROFILE_KERNEL:-attention|fmha|flash|sm90}" \
-          --section SpeedOfLight --section ComputeWorkloadAnalysis \
-          --section WarpStateStats --section SchedulerStats --section Occupancy \
-          --section LaunchStats --section MemoryWorkloadAnalysis \
+        counters "$out/ncu_$impl.log" "${PROFILE_KERNEL:-attention|fmha|flash|sm90}" "$impl" \
           $python benchmarks/profile_attention.py --impl "$impl" \
-          --shape "${PROFILE_SHAPE:-4,4096,16,16,128,0}" --mode "${PROFILE_MODE:-fwd}" \
-          > "$out/ncu_$impl.log" 2>&1
-        grep -E "^  [a-z_]|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Issued Ipc|No Eligible|Stall|Tensor|Achieved Occupancy" \
-          "$out/ncu_$impl.log" | head -n 30 | sed "s/^/$impl: /" | tee -a "$out/summary.log"
+          --shape "${PROFILE_SHAPE:-4,4096,16,16,128,0}" --mode "${PROFILE_MODE:-fwd}"
       done ;;
     lce-tests)
       timeout 300 $python -m pytest -m gpu -q -p no:cacheprovider -rfEs \
@@ -128,13 +137,8 @@ for stage in ${STAGES:-tests tune bench}; do
       # ;-separated argument list of NORM_PROFILES (profile_norms.py's arguments).
       IFS=';' read -ra profiles <<< "${NORM_PROFILES:---shape 65536,1024;--shape 8192,16384 --dtype float32 --residual}"
       for i in "${!profiles[@]}"; do
-        timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 \
-          -k "regex:${NORM_KERNEL:-norm_bwd}" \
-          --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-          --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-          $python benchmarks/profile_norms.py ${profiles[$i]} > "$out/ncu_norms_$i.log" 2>&1
-        grep -E "^  [a-z_]|Duration|Throughput|Registers Per|Issued Ipc|No Eligible|Local|spill|Achieved Occupancy" \
-          "$out/ncu_norms_$i.log" | head -n 24 | sed "s/^/norms $i: /" | tee -a "$out/summary.log"
+        counters "$out/ncu_norms_$i.log" "${NORM_KERNEL:-norm_bwd}" "norms $i" \
+          $python benchmarks/profile_norms.py ${profiles[$i]}
       done ;;
     ring-tests)
       # Context parallelism on every visible GPU (the nvidia-h200-x2 machine).

@@ -18,15 +18,10 @@ import jax.numpy as jnp
 
 import harness
 import jaxsoftmax as js
-from bench_attention import case_inputs, implementations
+from bench_attention import TARGET_SHAPES, case_inputs, implementations
 from jaxsoftmax.attention import HopperBlockSizes
 
-SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
-          ((4, 4096, 16, 16, 128, True), jnp.bfloat16),
-          ((1, 16384, 16, 16, 128, False), jnp.bfloat16),
-          ((1, 16384, 16, 16, 128, True), jnp.bfloat16),
-          ((8, 2048, 16, 16, 64, False), jnp.bfloat16),
-          ((2, 8192, 16, 16, 256, False), jnp.bfloat16)]
+SHAPES = TARGET_SHAPES
 SMOKE_SHAPES = [((1, 64, 2, 2, 64, True), jnp.bfloat16)]
 TILINGS = [dict(persistent=False), dict(persistent=True), dict(num_stages=3, persistent=True)]
 

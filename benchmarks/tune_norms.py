@@ -14,14 +14,11 @@ bench_norms.py's minimum traffic; the impl column names the tiling.
 
 from __future__ import annotations
 
-import math
-
-import jax
 import jax.numpy as jnp
 
 import harness
 import jaxsoftmax as js
-from bench_norms import EPS, SHAPES, SMOKE_SHAPES, _vjp
+from bench_norms import EPS, SHAPES, SMOKE_SHAPES, _vjp, shape_inputs
 from jaxsoftmax._backend import pl
 from jaxsoftmax.rowwise import MAX_TILE_ELEMS, STREAM_BLOCK_BYTES, RowTiling
 
@@ -49,16 +46,7 @@ def tilings(rows: int, cols: int, dtype) -> list[RowTiling]:
 
 def tune_shape(report: harness.Report, shape, dtype):
   rows, C = shape
-  n_bytes = math.prod(shape) * jnp.dtype(dtype).itemsize
-  keys = jax.random.split(jax.random.PRNGKey(0), harness.rotations(8 * n_bytes))
-  sets = [[jax.random.normal(kk, shape, jnp.float32).astype(dtype)
-           for kk in jax.random.split(k, 4)] for k in keys]
-  kp = jax.random.split(jax.random.PRNGKey(1), 2)
-  scale = (1 + 0.1 * jax.random.normal(kp[0], (C,))).astype(dtype)
-  bias = (0.1 * jax.random.normal(kp[1], (C,))).astype(dtype)
-  copy, _ = harness.measure_ceilings(report, [(s[0],) for s in sets], shape=shape,
-                                     dtype=dtype)
-  common = dict(shape=shape, dtype=jnp.dtype(dtype).name, ceiling_gbps=copy)
+  sets, scale, bias, n_bytes, common = shape_inputs(report, shape, dtype)
   default = js.rowwise.default_tiling(rows, C, dtype, reduces=True)
   for residual in (False, True):
     for t in tilings(rows, C, dtype):
