@@ -5,8 +5,7 @@ The forward takes bfloat16 and float16 inputs and head dims up to 256 (padded to
 multiple of 64); the backward head dims up to 128, and sums dQ with atomic adds (or,
 with ``deterministic=True``, takes it from a kernel of its own). Its residuals are the
 Triton forward's, so the Triton backward differentiates what this one does not (head
-dims above 128). It has no interpret mode
-(see `jaxsoftmax._backend.mosaic_gpu`).
+dims above 128). It has no interpret mode (see `jaxsoftmax._backend.mosaic_gpu`).
 """
 
 from __future__ import annotations
