@@ -66,7 +66,8 @@ def implementations(N: int, K: int, H: int, causal: bool):
   impls = {
       f"{OURS} mosaic_gpu": (functools.partial(ours, implementation="mosaic_gpu"), None),
       f"{OURS} triton": (functools.partial(ours, implementation="triton"), None),
-      # The Hopper forward with the Triton backward (the deterministic one).
+      # Bit-identical gradients: the Hopper backward with a dQ kernel of its own (the
+      # Triton backward above head dim 128).
       f"{OURS} mosaic_gpu deterministic": (
           functools.partial(ours, implementation="mosaic_gpu", deterministic=True), None),
       "cudnn": (functools.partial(jax.nn.dot_product_attention, is_causal=causal,

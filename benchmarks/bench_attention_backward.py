@@ -11,7 +11,8 @@ FLOPs: 2.5x the forward's 4·B·N·T·S·H (halved when causal): the five tile p
 a FlashAttention backward counted against the forward's two. Errors: the largest of the
 dq, dk, dv errors against the float64 truth on batch row 0 and the query heads of K/V
 head 0, as in bench_attention.py. Shapes: bench_attention.py's head-dim-128 and 64 ones,
-and head dim 256 (where our Hopper backward does not run: the Triton one does).
+and head dim 256 (the Hopper backward's wide design; deterministic calls there take the
+Triton backward, and the row's label says so).
 """
 
 from __future__ import annotations
@@ -23,15 +24,28 @@ import jax.numpy as jnp
 import harness
 from bench_attention import (OURS, TARGET_SHAPES, case_inputs, implementations,
                              vs_best_peer)
+import jaxsoftmax as js
 from jaxsoftmax import reference
 
 SHAPES = TARGET_SHAPES
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
-# Our rows: bench_attention's names, and what runs the backward of each.
-OUR_ROWS = {f"{OURS} mosaic_gpu": "Hopper backward, dQ by atomic adds",
-            f"{OURS} mosaic_gpu deterministic": "Hopper backward, dQ kernel",
-            f"{OURS} triton": "Triton backward"}
+# Our rows: bench_attention's names, with the implementation and determinism each asks
+# for; the row's label names the backward that runs (`our_backward`).
+OUR_ROWS = {f"{OURS} mosaic_gpu": ("mosaic_gpu", False),
+            f"{OURS} mosaic_gpu deterministic": ("mosaic_gpu", True),
+            f"{OURS} triton": ("triton", False)}
 PEERS = ("cudnn", "fa3", "tokamax mosaic")
+
+
+def our_backward(name: str, q, k, v, causal: bool) -> str:
+  """What differentiates our row ``name`` at these inputs (`js.attention_kernels`)."""
+  implementation, deterministic = OUR_ROWS[name]
+  _, backward = js.attention_kernels(q, k, v, is_causal=causal,
+                                     implementation=implementation,
+                                     deterministic=deterministic)
+  if backward != "mosaic_gpu":
+    return {"triton": "Triton backward"}.get(backward, f"{backward} backward")
+  return "Hopper backward, " + ("dQ kernel" if deterministic else "dQ by atomic adds")
 
 
 def _pullback(vjp, do):
@@ -53,16 +67,16 @@ def bench_shape(report: harness.Report, case, dtype):
   impls = implementations(N, K, H, causal)
   for name in (*OUR_ROWS, *PEERS):
     attention, why = impls[name]
-    impl = f"{name} ({OUR_ROWS[name]})" if name in OUR_ROWS else name
     if attention is None:
-      report.skip(impl=impl, mode="bwd", note=why, **common)
+      report.skip(impl=name, mode="bwd", note=why, **common)
       continue
     try:
       _, vjp = jax.vjp(jax.jit(attention), q, k, v)
     except Exception as e:  # noqa: BLE001 - a peer that fails is a result, not a crash
-      report.skip(impl=impl, mode="bwd", note=f"{type(e).__name__}: {str(e)[:160]}",
+      report.skip(impl=name, mode="bwd", note=f"{type(e).__name__}: {str(e)[:160]}",
                   **common)
       continue
+    impl = f"{name} ({our_backward(name, q, k, v, causal)})" if name in OUR_ROWS else name
     report.measure(mode="bwd", impl=impl, fn=_pullback, arg_sets=[(vjp, do)],
                    flops=flops * 2.5, truth=truth,
                    compare=lambda g: (part_q(g[0]), part_kv(g[1]), part_kv(g[2])),

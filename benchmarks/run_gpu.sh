@@ -9,7 +9,8 @@
 # (tune_attention.py; TUNE_ONLY="4,5" picks shapes), attn-bench (bench_attention.py; ATTN_ONLY="0,1" picks shapes,
 # ATTN_NAME names the results, ATTN_MODES="fwd" measures the forward alone), attn-bench-bwd
 # (bench_attention_backward.py: the backwards alone; ATTN_ONLY picks shapes), attn-ncu
-# (Nsight Compute counters of one forward), attn-tune-hopper (tune_attention_hopper.py:
+# (Nsight Compute counters of one forward), attn-resources (ptxas' registers and spills
+# of the Mosaic GPU kernels, PROFILE_SHAPES picks shapes), attn-tune-hopper (tune_attention_hopper.py:
 # the Mosaic GPU forward's tiles; TUNE_ONLY picks shapes), example (the transformer
 # example at GPU size, with its profiler trace), ring-tests, ring-bench (RING_ONLY picks
 # shapes, RING_NAME names the results) and ring-example (context parallelism on every
@@ -112,6 +113,18 @@ for stage in ${STAGES:-tests tune bench}; do
         counters "$out/ncu_$impl.log" "${PROFILE_KERNEL:-attention|fmha|flash|sm90}" "$impl" \
           $python benchmarks/profile_attention.py --impl "$impl" \
           --shape "${PROFILE_SHAPE:-4,4096,16,16,128,0}" --mode "${PROFILE_MODE:-fwd}"
+      done ;;
+    attn-resources)
+      # ptxas' report (registers, spilled bytes) and the SASS of the Mosaic GPU kernels
+      # that one forward + backward compiles at each ;-separated PROFILE_SHAPES (Mosaic
+      # GPU's MOSAIC_GPU_DUMP_* switches); the SASS shows where the spills sit.
+      IFS=';' read -ra shapes <<< "${PROFILE_SHAPES:-4,4096,16,16,128,0;4,4096,16,16,128,1;2,8192,16,16,256,0}"
+      for shape in "${shapes[@]}"; do
+        MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 timeout 120 $python \
+          benchmarks/profile_attention.py --impl mosaic_gpu --shape "$shape" \
+          --mode fwd+bwd > "$out/ptxas_$shape.log" 2>&1
+        grep -iE "Compiling entry|spill|Used [0-9]+ registers|error" "$out/ptxas_$shape.log" \
+          | head -n 20 | sed "s/^/$shape: /" | tee -a "$out/summary.log"
       done ;;
     lce-tests)
       timeout 300 $python -m pytest -m gpu -q -p no:cacheprovider -rfEs \

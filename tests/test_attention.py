@@ -255,15 +255,31 @@ def test_hopper_deterministic_backward_gpu(key, B, T, S, N, K, H, dtype, options
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_hopper_backward_float32_grads_gpu(key, deterministic):
+@pytest.mark.parametrize("B, T, S, N, K, H, dtype, options", [
+    (2, 1000, 1000, 8, 2, 256, jnp.bfloat16, dict(is_causal=True)),
+    (2, 300, 300, 4, 2, 192, jnp.float16, dict(query_seq_lengths=jnp.array([300, 123]),
+                                               key_value_seq_lengths=jnp.array([77, 300]))),
+    (1, 513, 700, 2, 1, 256, jnp.float16, dict(local_window_size=(100, 20),
+                                               logits_soft_cap=20.0)),
+], ids=["causal-gqa-H256", "lengths-H192-float16", "window-softcap-T!=S-H256-float16"])
+def test_hopper_wide_backward_gpu(key, B, T, S, N, K, H, dtype, options):
+  # Head dims above 128: the wide design (one consumer dV and dQ, the other dK), with
+  # float16's single dSᵀ buffer among the cases.
+  _check(*_inputs(key, B, T, S, N, K, H, dtype), backend="mosaic_gpu", interpret=False,
+         **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H, deterministic", [(128, False), (128, True), (256, False)],
+                         ids=["atomic", "deterministic", "wide"])
+def test_hopper_backward_float32_grads_gpu(key, H, deterministic):
   # Context parallelism's partial gradients: float32 from the Hopper backward, with the
   # caller's delta, as the Triton backward gives them.
-  q, k, v, do = _inputs(key, 2, 300, 700, 4, 2, 128, jnp.bfloat16)
+  q, k, v, do = _inputs(key, 2, 300, 700, 4, 2, H, jnp.bfloat16)
   spec = MaskSpec(300, 700, is_causal=True)
   aux = AuxArrays(kv_lengths=jnp.array([700, 333], jnp.int32))
   o, m, log2_l, o32 = mosaic_forward.forward(q, k, v, aux, spec=spec,
-                                             blocks=HopperBlockSizes.default(128, True),
+                                             blocks=HopperBlockSizes.default(H, True),
                                              scale=0.1, softcap=None, float32_output=True)
   delta = jnp.einsum("btnh,btnh->bnt", o32, do.astype(jnp.float32))
   ours = mosaic_backward.backward(q, k, v, None, m, log2_l, do, aux, spec=spec, scale=0.1,
@@ -271,7 +287,7 @@ def test_hopper_backward_float32_grads_gpu(key, deterministic):
                                   grad_dtype=jnp.float32, delta=delta)
   theirs = api._BY_NAME["triton"].bwd(
       q, k, v, o32, m, log2_l, do, aux,
-      Call(2, 300, 700, 4, 2, 128, "bfloat16", spec, 0.1, None, None, False),
+      Call(2, 300, 700, 4, 2, H, "bfloat16", spec, 0.1, None, None, False),
       grad_dtype=jnp.float32)
   for name, a, b in zip(("dq", "dk", "dv"), ours, theirs):
     assert a.dtype == b.dtype == jnp.float32, name
@@ -357,9 +373,14 @@ def test_hopper_forward_lowers_for_cuda(H, options, persistent):
     (128, jnp.bfloat16, dict(is_causal=True)),
     (64, jnp.float16, dict(has_segments=True)),
     (96, jnp.bfloat16, dict(window_left=100, window_right=20)),
+    (256, jnp.bfloat16, dict(is_causal=True)),
+    (192, jnp.float16, dict(has_segments=True)),
 ])
 def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_dtype):
-  # As the forward above: the Hopper backward lowers for CUDA on any machine.
+  # As the forward above: the Hopper backward lowers for CUDA on any machine (above head
+  # dim 128 its wide design; deterministic calls there take the Triton backward).
+  if deterministic and H > 128:
+    pytest.skip("the deterministic Hopper backward takes head dims up to 128")
   B, T, S, N, K = 2, 1000, 777, 4, 2
   spec = MaskSpec(T, S, **options)
   i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
@@ -603,15 +624,17 @@ def test_backend_declarations(monkeypatch):
   assert api.select_backend(None, hopper_tiles) is mosaic
   assert "take jaxsoftmax.BlockSizes" in triton.unsupported(hopper_tiles)
   assert api.select_backend(None, _call(block_sizes=SMALL_BLOCKS)) is triton
-  # The Hopper forward's own backward up to head dim 128 (deterministic or not); the
-  # Triton backward differentiates everything else.
-  for H in (64, 80, 128):
+  # The Hopper forward's own backward at every head dim it runs, deterministic up to
+  # head dim 128; the Triton backward differentiates deterministic calls above.
+  for H in (64, 80, 128, 192, 256):
     for dtype in ("bfloat16", "float16"):
       assert api.select_backward(_call(H=H, dtype=dtype), "mosaic_gpu") is mosaic, (H, dtype)
-  assert "head dims up to 128" in mosaic.backward_unsupported(_call(H=256))
-  assert api.select_backward(_call(H=256), "mosaic_gpu") is triton
   deterministic = dataclasses.replace(_call(), deterministic=True)
   assert api.select_backward(deterministic, "mosaic_gpu") is mosaic
+  wide_deterministic = dataclasses.replace(_call(H=192), deterministic=True)
+  assert "deterministic Hopper backward takes head dims up to 128" in (
+      mosaic.backward_unsupported(wide_deterministic))
+  assert api.select_backward(wide_deterministic, "mosaic_gpu") is triton
   assert api.select_backward(_call(), "triton") is triton
 
 
@@ -659,6 +682,9 @@ def test_attention_kernels_names_what_runs(monkeypatch):
   assert js.attention_kernels(q, q, q, interpret=False, deterministic=True) == (
       "mosaic_gpu", "mosaic_gpu")
   wide = jnp.zeros((1, 8, 2, 256), jnp.bfloat16)
-  assert js.attention_kernels(wide, wide, wide, interpret=False) == ("mosaic_gpu", "triton")
+  assert js.attention_kernels(wide, wide, wide, interpret=False) == (
+      "mosaic_gpu", "mosaic_gpu")
+  assert js.attention_kernels(wide, wide, wide, interpret=False, deterministic=True) == (
+      "mosaic_gpu", "triton")
   with pytest.raises(TypeError, match="unexpected keywords \\['causal'\\]"):
     js.attention_kernels(q, q, q, causal=True)

@@ -1,11 +1,12 @@
 """The Hopper backend: FlashAttention-3's schedules (TMA, wgmma, warp specialization) in
 Pallas Mosaic GPU, for compute capability 9.x (H100, H200).
 
-The forward takes bfloat16 and float16 inputs and head dims up to 256 (padded to a
-multiple of 64); the backward head dims up to 128, and sums dQ with atomic adds (or,
-with ``deterministic=True``, takes it from a kernel of its own). Its residuals are the
-Triton forward's, so the Triton backward differentiates what this one does not (head
-dims above 128). It has no interpret mode (see `jaxsoftmax._backend.mosaic_gpu`).
+The forward and the backward take bfloat16 and float16 inputs and head dims up to 256
+(padded to a multiple of 64). The backward sums dQ with atomic adds, or, with
+``deterministic=True``, takes it from a kernel of its own (head dims up to 128). Its
+residuals are the Triton forward's, so the Triton backward differentiates what this one
+does not (deterministic calls above head dim 128). It has no interpret mode (see
+`jaxsoftmax._backend.mosaic_gpu`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):
 def backward_unsupported(call: Call) -> str | None:
   """Why the Hopper backward cannot differentiate ``call`` (run by this forward), or
   None when it can."""
-  return _backward.unsupported(call.H, call.dtype)
+  return _backward.unsupported(call.H, call.dtype, call.deterministic)
 
 
 def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call, *, grad_dtype=None,

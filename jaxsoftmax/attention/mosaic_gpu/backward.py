@@ -65,7 +65,10 @@ _CONSUMER_REGISTERS = 240
 _PRODUCER_REGISTERS = 24
 # dQ leaves in chunks of this many head-dim columns (one 128-byte swizzle of 16-bit K).
 _CHUNK = 64
-MAX_HEAD_DIM = 128
+# Up to this head dim each consumer holds dK and dV of its own keys; above it the wide
+# design splits them: one consumer holds dV (and takes dQ), the other dK.
+SPLIT_KEYS_HEAD_DIM = 128
+MAX_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,25 +80,42 @@ class HopperBackwardBlockSizes:
   block_kv: int = 64
   num_stages: int = 2
 
+  def keys_per_tile(self, head_dim: int) -> int:
+    """Keys per CTA: each consumer's own block_kv, or one block_kv shared by both in the
+    wide design (head dims above `SPLIT_KEYS_HEAD_DIM`)."""
+    return self.block_kv * (1 if head_dim > SPLIT_KEYS_HEAD_DIM else _CONSUMERS)
+
   def smem_bytes(self, head_dim: int, itemsize: int, terms: int) -> int:
-    """Shared memory at this (padded) head dim: K and V, the Q/dO ring with its row
-    statistics, two buffers of dSᵀ (``terms`` float16 terms each), the consumers' dQ
-    chunks, and 1 KiB for barriers and alignment."""
-    kv = 2 * _CONSUMERS * self.block_kv * head_dim * itemsize
+    """Shared memory of the dK/dV kernel at this (padded) head dim: K and V, the Q/dO
+    ring with its row statistics, the dSᵀ buffers (`ds_buffers`, ``terms`` float16 terms
+    each), the dQ chunks on their way out (one per consumer taking dQ), and 1 KiB for
+    barriers and alignment."""
+    keys = self.keys_per_tile(head_dim)
+    wide = head_dim > SPLIT_KEYS_HEAD_DIM
+    kv = 2 * keys * head_dim * itemsize
     ring = self.num_stages * (2 * self.block_q * head_dim * itemsize + 2 * self.block_q * 4)
-    ds = 2 * terms * _CONSUMERS * self.block_kv * self.block_q * itemsize
-    dq = _CONSUMERS * self.block_q * _CHUNK * 4
+    ds = ds_buffers(head_dim, terms) * terms * keys * self.block_q * itemsize
+    dq = (1 if wide else _CONSUMERS) * self.block_q * _CHUNK * 4
     return kv + ring + ds + dq + 1024
 
 
 BLOCKS = HopperBackwardBlockSizes()
 
 
-def unsupported(head_dim: int, dtype) -> str | None:
+def ds_buffers(head_dim: int, terms: int) -> int:
+  """Buffers of dSᵀ in shared memory, so that a query block's may be written while the
+  products of the one before still read theirs: two, but one of float16's two terms in
+  the wide design (whose shared memory holds no more; a barrier then orders them)."""
+  return 1 if head_dim > SPLIT_KEYS_HEAD_DIM and terms > 1 else 2
+
+
+def unsupported(head_dim: int, dtype, deterministic: bool = False) -> str | None:
   """Why the Hopper backward cannot run this head dim and dtype, or None."""
   if pad_head_dim(head_dim) > MAX_HEAD_DIM:
-    return (f"the Hopper backward takes head dims up to {MAX_HEAD_DIM} (a consumer holds "
-            f"dK and dV of its keys in registers), got {head_dim}")
+    return f"the Hopper backward takes head dims up to {MAX_HEAD_DIM}, got {head_dim}"
+  if deterministic and pad_head_dim(head_dim) > SPLIT_KEYS_HEAD_DIM:
+    return (f"the deterministic Hopper backward takes head dims up to "
+            f"{SPLIT_KEYS_HEAD_DIM} (its dQ kernel's K/V ring), got {head_dim}")
   needed = BLOCKS.smem_bytes(pad_head_dim(head_dim), jnp.dtype(dtype).itemsize,
                              score_grad_term_count(dtype))
   if needed > SMEM_BYTES:
@@ -112,80 +132,227 @@ def _cols(x, shape):
   return lax.broadcast_in_dim(x, shape, [1])
 
 
+def _key_segments(kv_seg_ref, b, key0, shape):
+  """The segment ids of an Sᵀ tile's keys [key0, key0 + rows), broadcast along its
+  queries (None without segments)."""
+  if kv_seg_ref is None:
+    return None
+  return lax.broadcast_in_dim(
+      plgpu.load(kv_seg_ref.at[b, pl.ds(key0, shape[0])], layout=_ROW, optimized=False),
+      shape, [0])
+
+
+def _probabilities(k_tile, q_tile, lse2_tile, logits: Logits, mask=None):
+  """Pᵀ = 2^(Sᵀ · c - lse₂) of Sᵀ = K Qᵀ (a row per key, a column per query), and the
+  tanh of the capped scores for dS (None without a cap). ``mask``: a function giving the
+  allowed pairs, for the blocks that need one."""
+  shape = (k_tile.shape[0], q_tile.shape[0])
+
+  def scores(acc):
+    plgpu.wgmma(acc, k_tile, q_tile.T)
+    return acc[...]
+
+  x, tanh = logits.cap(pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32)))
+  lse2 = plgpu.load(lse2_tile, layout=_COL)
+  p = jnp.exp2(x * (logits.factor * LOG2E) - _cols(lse2, shape))
+  return (p if mask is None else jnp.where(mask(), p, 0.0)), tanh
+
+
+def _block_mask(spec: MaskSpec, shape, q0, key0, kv_length, q_seg_ref, b, k_seg):
+  """A function giving the allowed pairs of the Sᵀ tile of keys [key0, ...) and queries
+  [q0, ...): for `_probabilities`, which calls it after the scores."""
+  def allowed():
+    q_seg = None
+    if q_seg_ref is not None:
+      q_seg = _cols(plgpu.load(q_seg_ref.at[b, pl.ds(q0, shape[1])], layout=_COL,
+                               optimized=False), shape)
+    return element_mask(spec, q0 + _iota(shape, 1), key0 + _iota(shape, 0), kv_length,
+                        q_seg, k_seg)
+  return allowed
+
+
+def _key_tile_ranges(spec: MaskSpec, k0, keys: int, bq: int, kv_length, q_length):
+  """The query block ranges (`masks.query_block_ranges`) of the key tile [k0, k0 + keys).
+  A tile that reaches past the key length (or past S) masks every block: dQ sums over
+  its keys, and dK, dV of keys past the length must come out 0, so theirs must have
+  probability 0 everywhere."""
+  lo, full_lo, full_hi, hi = query_block_ranges(
+      spec, k0, bq, keys, kv_length, q_length, pl.cdiv(spec.q_len, bq))
+  keys_end = spec.kv_len if kv_length is None else jnp.minimum(kv_length, spec.kv_len)
+  partial = k0 + keys > keys_end
+  return lo, jnp.where(partial, hi, full_lo), jnp.where(partial, hi, full_hi), hi
+
+
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
                  spec: MaskSpec, blocks: HopperBackwardBlockSizes, logits: Logits,
                  group: int, atomic_dq: bool, float32_grads: bool, k_smem,
                  v_smem, q_ring, do_ring, lse2_ring, delta_ring, kv_loaded, q_loaded,
-                 do_loaded, slot_free, ds_smem=None, dq_smem=None, ds_ready=None, done=None):
+                 do_loaded, slot_free, ds_smem=None, dq_smem=None, ds_ready=None,
+                 ds_free=None, done=None):
   """dK and dV of a key tile; with ``atomic_dq`` also its share of dQ, added into the
   float32 dQ ref (the last input). ``float32_grads``: dK and dV leave in float32, stored
   from registers (their arrays padded to whole key tiles), instead of through K and V's
-  shared memory in the inputs' dtype."""
+  shared memory in the inputs' dtype. Head dims above `SPLIT_KEYS_HEAD_DIM` take the
+  wide design (`ds_free` given; k_smem and v_smem hold one block of keys)."""
   (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), refs = split_aux_refs(refs, aux_present)
   dq_ref, dk_ref, dv_ref = refs if atomic_dq else (None, *refs)
 
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
   head_dim = k_smem.shape[-1]
   n_chunks = head_dim // _CHUNK
+  key_blocks = k_smem.shape[0]  # blocks of block_kv keys the CTA holds
   wg = lax.axis_index("wg")
   b, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
-  k0 = lax.axis_index("kv_tiles") * (_CONSUMERS * bkv)
+  k0 = lax.axis_index("kv_tiles") * (key_blocks * bkv)
   q_length = None if q_len_ref is None else q_len_ref[b]
   kv_length = None if kv_len_ref is None else kv_len_ref[b]
-  lo, full_lo, full_hi, hi = query_block_ranges(
-      spec, k0, bq, _CONSUMERS * bkv, kv_length, q_length, pl.cdiv(spec.q_len, bq))
-  # A key tile that reaches past the key length (or past S) masks every block: dQ sums
-  # over its keys, and dK, dV of keys past the length must come out 0, so theirs must
-  # have probability 0 everywhere.
-  keys_end = spec.kv_len if kv_length is None else jnp.minimum(kv_length, spec.kv_len)
-  partial = k0 + _CONSUMERS * bkv > keys_end
-  full_lo = jnp.where(partial, hi, full_lo)
-  full_hi = jnp.where(partial, hi, full_hi)
-  ranges = (lo, full_lo, full_hi, hi)
+  ranges = _key_tile_ranges(spec, k0, key_blocks * bkv, bq, kv_length, q_length)
+  lo, hi = ranges[0], ranges[3]
   blocks_per_head = hi - lo
 
   def query_head(g):
     return kv_head * group + g
 
+  def walk_steps(step):
+    """``step(i, n, step_index, s, masked=...)`` for every query block i of every query
+    head n of the group, the step_index-th of the CTA, in ring slot s."""
+    def head(g, carry):
+      def block(i, carry, *, masked: bool):
+        step_index = g * blocks_per_head + i - lo
+        step(i, query_head(g), step_index, lax.rem(step_index, stages), masked=masked)
+        return carry
+      return walk_block_ranges(ranges, block, carry)
+    lax.fori_loop(0, group, head, 0)
+
+  def add_dq_chunk(acc_fn, staging, i, n, c):
+    """Chunk c (64 head-dim columns) of dQ for query block i of head n, from the product
+    ``acc_fn`` accumulates, added into the float32 dQ by TMA through ``staging``."""
+    columns = pl.ds(c * _CHUNK, _CHUNK)
+    dq = pl.run_scoped(functools.partial(acc_fn, columns=columns),
+                       plgpu.ACC((bq, _CHUNK), jnp.float32))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk has left
+    staging[...] = dq
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(staging, dq_ref.at[b, pl.ds(i * bq, bq), n, columns],
+                            reduction_op="add")
+
+  def leave(grad, tile, grad_ref, keys):
+    """Sends a consumer's gradient of the CTA's ``keys`` out: from registers in float32,
+    else through its input's tile in shared memory (``tile``, K's or V's, which every
+    product has finished reading) in the inputs' dtype."""
+    rows = (b, keys, kv_head)
+    if float32_grads:
+      grad_ref.at[rows][...] = grad
+    else:
+      tile[...] = grad.astype(tile.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(tile, grad_ref.at[rows])
+
+  def wide_consumers():
+    """Head dims above `SPLIT_KEYS_HEAD_DIM`: both consumers take Pᵀ of the CTA's
+    block_kv keys; consumer 0 accumulates dV and takes dQ, consumer 1 computes dPᵀ and
+    dSᵀ, hands dSᵀ over through shared memory and accumulates dK. Each holds one float32
+    gradient of block_kv x head_dim (128 registers a thread at 256), and each block pair
+    costs 6 tile products (Sᵀ twice) where the split-keys design takes 5."""
+    k_tile, v_tile = k_smem.at[0], v_smem.at[0]
+    shape = (bkv, bq)
+    n_buffers, terms = ds_smem.shape[0], ds_smem.shape[1]
+    k_seg = _key_segments(kv_seg_ref, b, k0, shape)
+    keys = pl.ds(k0, bkv)
+    acc = plgpu.ACC((bkv, head_dim), jnp.float32)
+    plgpu.barrier_wait(kv_loaded)
+
+    def probabilities(i, s, masked):
+      plgpu.barrier_wait(q_loaded.at[s])
+      mask = (_block_mask(spec, shape, i * bq, k0, kv_length, q_seg_ref, b, k_seg)
+              if masked else None)
+      return _probabilities(k_tile, q_ring.at[s], lse2_ring.at[s], logits, mask)
+
+    def finish(grad, tile, grad_ref):
+      if not float32_grads:  # the other consumer is done reading this tile
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+      leave(grad, tile, grad_ref, keys)
+      plgpu.wait_smem_to_gmem(0)  # and the last dQ chunk has left
+
+    @pl.when(wg == 0)
+    def _values():
+      def compute(dv_acc):
+        def step(i, n, step_index, s, *, masked: bool):
+          p, _ = probabilities(i, s, masked)
+          plgpu.barrier_wait(do_loaded.at[s])
+          plgpu.wgmma(dv_acc, p.astype(do_ring.dtype), do_ring.at[s])
+          plgpu.wgmma_wait(0)  # dV's product has read dO
+          plgpu.barrier_arrive(slot_free.at[s])
+          buf = lax.rem(step_index, n_buffers)
+          plgpu.barrier_wait(ds_ready.at[buf])
+
+          def chunk(acc, *, columns):
+            for t in range(terms):
+              plgpu.wgmma(acc, ds_smem.at[buf, t].T, k_tile.at[:, columns])
+            return acc[...]
+
+          for c in range(n_chunks):
+            add_dq_chunk(chunk, dq_smem, i, n, c)
+          plgpu.barrier_arrive(ds_free.at[buf])  # the chunks' products have read dSᵀ
+
+        walk_steps(step)
+        return dv_acc[...]
+
+      finish(pl.run_scoped(compute, acc), v_tile, dv_ref)
+
+    @pl.when(wg == 1)
+    def _keys():
+      def compute(dk_acc):
+        def step(i, n, step_index, s, *, masked: bool):
+          p, tanh = probabilities(i, s, masked)
+          plgpu.barrier_wait(do_loaded.at[s])
+
+          def value_grads(acc):
+            plgpu.wgmma(acc, v_tile, do_ring.at[s].T)
+            return acc[...]
+
+          dp = pl.run_scoped(value_grads, plgpu.ACC(shape, jnp.float32))
+          delta = plgpu.load(delta_ring.at[s], layout=_COL)
+          ds_terms = score_grad_terms(score_grad(p, dp, _cols(delta, shape), tanh),
+                                      q_ring.dtype)
+          buf = lax.rem(step_index, n_buffers)
+          pl.when(step_index >= n_buffers)(lambda: plgpu.barrier_wait(ds_free.at[buf]))
+          for t, term in enumerate(ds_terms):
+            ds_smem.at[buf, t][...] = term
+          plgpu.commit_smem()  # dSᵀ visible to consumer 0's products
+          plgpu.barrier_arrive(ds_ready.at[buf])
+          for term in ds_terms:
+            plgpu.wgmma(dk_acc, term, q_ring.at[s])
+          plgpu.wgmma_wait(0)  # dK's product has read Q
+          plgpu.barrier_arrive(slot_free.at[s])
+
+        walk_steps(step)
+        return dk_acc[...]
+
+      finish(pl.run_scoped(compute, acc) * logits.scale, k_tile, dk_ref)
+
   @pl.when(wg < _CONSUMERS)
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    if ds_free is not None:
+      wide_consumers()
+      return
     key0 = k0 + wg * bkv  # this consumer's keys
     k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
     shape = (bkv, bq)
-    k_seg = None
-    if kv_seg_ref is not None:
-      k_seg = lax.broadcast_in_dim(
-          plgpu.load(kv_seg_ref.at[b, pl.ds(key0, bkv)], layout=_ROW, optimized=False),
-          shape, [0])
+    k_seg = _key_segments(kv_seg_ref, b, key0, shape)
     plgpu.barrier_wait(kv_loaded)
 
     def compute(dk_acc, dv_acc):
-      def step(i, g, *, masked: bool):
-        """The products of query block i of query head g, the step-th of the CTA."""
-        n = query_head(g)
-        step_index = g * blocks_per_head + i - lo
-        s = lax.rem(step_index, stages)
+      def step(i, n, step_index, s, *, masked: bool):
+        """The products of query block i of query head n."""
         q_tile, do_tile = q_ring.at[s], do_ring.at[s]
 
         plgpu.barrier_wait(q_loaded.at[s])
-
-        def scores(acc):
-          plgpu.wgmma(acc, k_tile, q_tile.T)
-          return acc[...]
-
-        x, tanh = logits.cap(pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32)))
-        lse2 = plgpu.load(lse2_ring.at[s], layout=_COL)
-        p = jnp.exp2(x * (logits.factor * LOG2E) - _cols(lse2, shape))
-        if masked:
-          q_seg = None
-          if q_seg_ref is not None:
-            q_seg = _cols(plgpu.load(q_seg_ref.at[b, pl.ds(i * bq, bq)], layout=_COL,
-                                     optimized=False), shape)
-          allowed = element_mask(spec, i * bq + _iota(shape, 1), key0 + _iota(shape, 0),
-                                 kv_length, q_seg, k_seg)
-          p = jnp.where(allowed, p, 0.0)
-
+        mask = (_block_mask(spec, shape, i * bq, key0, kv_length, q_seg_ref, b, k_seg)
+                if masked else None)
+        p, tanh = _probabilities(k_tile, q_tile, lse2_ring.at[s], logits, mask)
         plgpu.barrier_wait(do_loaded.at[s])
 
         def value_grads(acc):
@@ -215,57 +382,33 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         plgpu.barrier_arrive(ds_ready.at[buf])
         plgpu.barrier_wait(ds_ready.at[buf])
 
+        def chunk(acc, *, columns):
+          for t in range(len(ds_terms)):
+            for half in range(_CONSUMERS):
+              plgpu.wgmma(acc, ds_smem.at[buf, t, half].T, k_smem.at[half, :, columns])
+          return acc[...]
+
         for c in range(n_chunks):  # chunk c of this step's dQ is consumer (c + step)'s
-          @pl.when(lax.rem(step_index + c, _CONSUMERS) == wg)
-          def _():
-            columns = pl.ds(c * _CHUNK, _CHUNK)
+          pl.when(lax.rem(step_index + c, _CONSUMERS) == wg)(
+              lambda c=c: add_dq_chunk(chunk, dq_smem.at[wg], i, n, c))
 
-            def chunk(acc):
-              for t in range(len(ds_terms)):
-                for half in range(_CONSUMERS):
-                  plgpu.wgmma(acc, ds_smem.at[buf, t, half].T,
-                              k_smem.at[half, :, columns])
-              return acc[...]
-
-            dq = pl.run_scoped(chunk, plgpu.ACC((bq, _CHUNK), jnp.float32))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk has left
-            dq_smem.at[wg][...] = dq
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dq_smem.at[wg],
-                                    dq_ref.at[b, pl.ds(i * bq, bq), n, columns],
-                                    reduction_op="add")
-
-      def head(g, carry):
-        def block(i, carry, *, masked: bool):
-          step(i, g, masked=masked)
-          return carry
-        return walk_block_ranges(ranges, block, carry)
-
-      lax.fori_loop(0, group, head, 0)
+      walk_steps(step)
       return dk_acc[...], dv_acc[...]
 
     acc = plgpu.ACC((bkv, head_dim), jnp.float32)
     dk, dv = pl.run_scoped(compute, acc, acc)
-    rows = (b, pl.ds(key0, bkv), kv_head)
-    if float32_grads:
-      dk_ref.at[rows][...] = dk * logits.scale
-      dv_ref.at[rows][...] = dv
-      plgpu.wait_smem_to_gmem(0)  # the last dQ chunk has left
-      return
-    if atomic_dq:  # both consumers are done reading each other's K (the dQ products)
-      plgpu.barrier_arrive(done)  # before K and V take the gradients on their way out
-      plgpu.barrier_wait(done)
-    k_tile[...] = (dk * logits.scale).astype(k_tile.dtype)
-    v_tile[...] = dv.astype(v_tile.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[rows], commit_group=False)
-    plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    if atomic_dq and not float32_grads:  # both consumers are done reading each other's
+      plgpu.barrier_arrive(done)  # K (the dQ products) before K and V take the
+      plgpu.barrier_wait(done)  # gradients on their way out
+    keys = pl.ds(key0, bkv)
+    leave(dk * logits.scale, k_tile, dk_ref, keys)
+    leave(dv, v_tile, dv_ref, keys)
+    plgpu.wait_smem_to_gmem(0)  # and the last dQ chunk has left
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-    for c in range(_CONSUMERS):
+    for c in range(key_blocks):
       rows = (b, pl.ds(k0 + c * bkv, bkv), kv_head)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[c], kv_loaded)
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[c], kv_loaded)
@@ -413,7 +556,13 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   H_pad = pad_head_dim(H)
+  why = unsupported(H, q.dtype, deterministic)
+  if why is not None:
+    raise ValueError(why)
+  wide = H_pad > SPLIT_KEYS_HEAD_DIM
   bq, bkv = blocks.block_q, blocks.block_kv
+  keys_per_tile = blocks.keys_per_tile(H_pad)
+  key_blocks = keys_per_tile // bkv
   logits = Logits(scale, softcap, fused=True)
   # delta = rowsum(dO ∘ O) and lse₂ in one fused XLA pass each, padded to whole tiles
   # of queries: the padding rows have lse₂ = +inf, so they take no part.
@@ -429,10 +578,10 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   q, do = (pad_to(pad_to(x, 1, T8), 3, H_pad) for x in (q, do))
   k, v = (pad_to(pad_to(x, 1, S8), 3, H_pad) for x in (k, v))
   q_len, kv_len, q_seg, kv_seg = aux_arrays
-  n_kv_tiles = pl.cdiv(S, _CONSUMERS * bkv)
+  n_kv_tiles = pl.cdiv(S, keys_per_tile)
   if q_seg is not None:  # vector loads from global memory have no bounds
     q_seg = pad_to(q_seg, 1, T_pad, -1)
-    kv_seg = pad_to(kv_seg, 1, n_kv_tiles * _CONSUMERS * bkv, -2)
+    kv_seg = pad_to(kv_seg, 1, n_kv_tiles * keys_per_tile, -2)
   aux = AuxArrays(q_len, kv_len, q_seg, kv_seg)
   aux_inputs = tuple(a for a in aux if a is not None)
 
@@ -445,18 +594,27 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
                                          unsafe_no_auto_barriers=True,
                                          reduction_scratch_bytes=0)
   scratch = dict(
-      k_smem=plgpu.SMEM((_CONSUMERS, bkv, H_pad), k.dtype, transforms=tiled),  # then dK
-      v_smem=plgpu.SMEM((_CONSUMERS, bkv, H_pad), v.dtype, transforms=tiled),  # then dV
+      k_smem=plgpu.SMEM((key_blocks, bkv, H_pad), k.dtype, transforms=tiled),  # then dK
+      v_smem=plgpu.SMEM((key_blocks, bkv, H_pad), v.dtype, transforms=tiled),  # then dV
       q_ring=plgpu.SMEM((stages, bq, H_pad), q.dtype, transforms=tiled),
       do_ring=plgpu.SMEM((stages, bq, H_pad), do.dtype, transforms=tiled),
       lse2_ring=plgpu.SMEM((stages, bq), jnp.float32),
       delta_ring=plgpu.SMEM((stages, bq), jnp.float32),
-      kv_loaded=plgpu.Barrier(num_arrivals=2 * _CONSUMERS),  # K and V of both consumers
+      kv_loaded=plgpu.Barrier(num_arrivals=2 * key_blocks),  # K and V of every block
       q_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # Q and lse₂
       do_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # dO and delta
       slot_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
   )
-  if not deterministic:
+  if wide:  # consumer 1 hands dSᵀ to consumer 0, which takes every chunk of dQ
+    buffers = ds_buffers(H_pad, terms)
+    scratch.update(
+        ds_smem=plgpu.SMEM((buffers, terms, bkv, bq), q.dtype, transforms=tiled),
+        dq_smem=plgpu.SMEM((bq, _CHUNK), jnp.float32),
+        ds_ready=plgpu.Barrier(num_barriers=buffers),
+        ds_free=plgpu.Barrier(num_barriers=buffers),  # consumer 0's products read it
+        done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both done reading K and V
+    )
+  elif not deterministic:
     scratch.update(
         ds_smem=plgpu.SMEM((2, terms, _CONSUMERS, bkv, bq), q.dtype, transforms=tiled),
         dq_smem=plgpu.SMEM((_CONSUMERS, bq, _CHUNK), jnp.float32),  # chunks on their way out
@@ -464,7 +622,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
     )
   # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
-  kv_type = (jax.ShapeDtypeStruct((B, n_kv_tiles * _CONSUMERS * bkv, K, H_pad), jnp.float32)
+  kv_type = (jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K, H_pad), jnp.float32)
              if float32_grads else jax.ShapeDtypeStruct((B, S8, K, H_pad), q.dtype))
   dkdv_kernel = plgpu.kernel(
       functools.partial(_dkdv_kernel, atomic_dq=not deterministic, **statics),
