@@ -72,6 +72,17 @@ MAP_TILE_ELEMS = 16384
 SPLIT_PROGRAMS_PER_CORE = 64
 # Guard against tilings whose tile cannot live in registers.
 MAX_TILE_ELEMS = 1 << 17
+# Column sums in the resident kernel: programs per SM, each walking its share of the row
+# blocks and writing one row of partial sums. Two per SM left the H200 at 12% occupancy
+# and 1.5 TB/s on a 65536 x 1024 norm backward (Nsight Compute,
+# benchmarks/results/ncu_norms_bwd_65536x1024.log); eight give four times the warps in
+# flight for partial sums of 8 x SMs rows, a few MB against the hundreds the op moves.
+COL_SUM_PROGRAMS_PER_CORE = 8
+# Column sums a thread may carry across the row blocks (each program holds a float32
+# vector of the row per sum). At 64 a thread (16384 columns, two sums, 16 warps) the
+# norm backward spilled 97 M local-memory requests and ran at 22% of copy
+# (ncu_norms_bwd_8192x16384_f32_residual.log); such rows take XLA's column sums instead.
+MAX_COL_SUM_VALUES_PER_THREAD = 32
 
 
 def _is_pow2(n: int) -> bool:
@@ -584,11 +595,15 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
   def result(outs):
     return None if not n_out else outs[0] if op.outputs == 1 else tuple(outs)
 
-  if op.col_sums and tiling.variant == "resident" and bc >= n_cols:
-    # A program per group of row blocks, about two per SM, so that the partial sums are
-    # few rows; its output rows come first, then the statistics (the layout's "stats").
+  sums_per_thread = len(op.col_sums) * bc // (32 * tiling.num_warps)
+  if (op.col_sums and tiling.variant == "resident" and bc >= n_cols
+      and sums_per_thread <= MAX_COL_SUM_VALUES_PER_THREAD):
+    # A program per group of row blocks, COL_SUM_PROGRAMS_PER_CORE per SM, so that the
+    # partial sums are few rows; its output rows come first, then the statistics (the
+    # layout's "stats").
     n_row_blocks = pl.cdiv(n_rows, br)
-    row_blocks = pl.cdiv(n_row_blocks, min(n_row_blocks, 2 * _backend.num_cores()))
+    programs = min(n_row_blocks, COL_SUM_PROGRAMS_PER_CORE * _backend.num_cores())
+    row_blocks = pl.cdiv(n_row_blocks, programs)
     programs = pl.cdiv(n_row_blocks, row_blocks)
     span = row_blocks * br
     tile_spec = pl.BlockSpec((span, bc), lambda i: (i, 0))

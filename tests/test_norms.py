@@ -203,12 +203,20 @@ def test_matches_truth_gpu(key, rms, shape, dtype):
   _check(*_inputs(key, shape, dtype), rms=rms)
 
 
+def _rows_for_three_blocks(block_rows: int) -> int:
+  """Rows that make each program of the resident column-sum kernel walk three row blocks
+  of ``block_rows``, the last program's last block past the rows."""
+  from jaxsoftmax._backend import num_cores
+  from jaxsoftmax.rowwise import COL_SUM_PROGRAMS_PER_CORE
+  return (2 * COL_SUM_PROGRAMS_PER_CORE * num_cores() + 1) * block_rows - 1
+
+
 def test_engine_column_sums(key):
   # The row engine's column sums: each program of the resident variant walks several row
-  # blocks (here 3 of 2 rows: 551 blocks over 184 programs, the last block past the
-  # rows), and XLA adds the programs' partial sums.
+  # blocks (3 of 2 rows, the last block past the rows), and XLA adds the programs'
+  # partial sums.
   from jaxsoftmax.rowwise import RowOp, row_call
-  x = jax.random.normal(key, (1101, 100))
+  x = jax.random.normal(key, (_rows_for_three_blocks(2), 100))
   op = RowOp("col_sums_test", sums=(lambda t: t.x[0],),
              apply=lambda t, stats: t.x[0] - stats[0] / 100,
              col_sums=(lambda t: t.x[0], lambda t: t.x[0] * t.x[0]))
@@ -218,8 +226,13 @@ def test_engine_column_sums(key):
   np.testing.assert_allclose(row_sum, x.sum(axis=1), rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(col_sum, x.sum(axis=0), rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(col_squares, (x * x).sum(axis=0), rtol=1e-5, atol=1e-4)
-  # Rows streamed in column blocks: no column sums from the kernels.
+  # Rows streamed in column blocks, and resident rows too wide for a thread to carry
+  # the sums (two of 4096 columns on 4 warps: 64 a thread): no column sums from the
+  # kernels.
   _, _, (col_sum, _) = row_call(op, (x,), tiling=RowTiling("online", 4, 64),
+                                interpret=not ON_GPU)
+  assert col_sum is None
+  _, _, (col_sum, _) = row_call(op, (x[:5],), tiling=RowTiling("resident", 1, 4096, 1, 4),
                                 interpret=not ON_GPU)
   assert col_sum is None
 
@@ -238,7 +251,14 @@ def test_vmap_of_gradients(key):
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_programs_walking_several_row_blocks(key, rms):
-  # 601 one-row blocks over 201 programs of 3 (the last past the rows): dscale and dbias
-  # from the kernel's partial column sums.
-  _check(*_inputs(key, (601, 50), jnp.bfloat16), rms=rms,
+  # One-row blocks, three a program (the last past the rows): dscale and dbias from the
+  # kernel's partial column sums.
+  _check(*_inputs(key, (_rows_for_three_blocks(1), 50), jnp.bfloat16), rms=rms,
          tiling=RowTiling("resident", 1, 64))
+
+
+def test_wide_resident_rows_take_xla_column_sums(key):
+  # A resident tile too wide for a thread to carry its column sums (two sums of 4096
+  # columns on 4 warps: 64 a thread) leaves dscale and dbias to XLA's sums.
+  _check(*_inputs(key, (5, 3000), jnp.float32), rms=False,
+         tiling=RowTiling("resident", 1, 4096, 1, 4))

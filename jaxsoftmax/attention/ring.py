@@ -24,7 +24,7 @@ i - (left - Δ) <= j <= i + (right + Δ) in the blocks' own indices (`_band`). �
 the device index, so a `lax.switch` on it picks among the static variants (two per ring
 step, one per device when gathered), and blocks that the masks leave empty are never
 computed. The backward runs the backward that pairs with each step's forward
-(`api.select_backward`: the Hopper one on an H200 at head dims up to 128, else Triton's)
+(`api.select_backward`: the Hopper one on an H200, else Triton's)
 on the global row statistics (the merged lse, as the kernels' m with log2 l = 0) and the
 global delta, and returns float32 partial gradients, summed in float32.
 """

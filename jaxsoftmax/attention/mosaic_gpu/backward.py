@@ -7,7 +7,8 @@ its probabilities are exactly 0):
     Pᵀ = 2^(Sᵀ · c - lse₂);  dV += Pᵀ dO;  dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ - delta)
     dK += dSᵀ Q;  dQ += dS K;  (dK and dQ times the logits' scale at the end)
 
-One CTA per (key tile of 2 · block_kv keys, K/V head, batch row), three warpgroups:
+Up to head dim 128, one CTA per (key tile of 2 · block_kv keys, K/V head, batch row),
+three warpgroups:
 
 - the producer (warpgroup 2) loads the CTA's K and V once, then streams, for every query
   head of the K/V head's group and every query block that may see the CTA's keys
@@ -22,11 +23,20 @@ One CTA per (key tile of 2 · block_kv keys, K/V head, batch row), three warpgro
   global memory (FlashAttention-3, section 3.3: dQ accumulated by atomic adds, so each
   block pair costs 5 tile products instead of the 7 of separate dK/dV and dQ kernels).
 
+Above head dim 128 (`SPLIT_KEYS_HEAD_DIM`) a consumer cannot hold both dK and dV of its
+keys (256 float32 registers a thread at 256), so the wide design gives each CTA one block
+of block_kv keys and splits the gradients instead: both consumers compute Pᵀ; consumer 0
+accumulates dV += Pᵀ dO and takes every chunk of dQ, consumer 1 computes dPᵀ and dSᵀ,
+hands dSᵀ to consumer 0 through shared memory and accumulates dK += dSᵀ Q. Sᵀ is
+computed twice, so a block pair costs 6 tile products, three a consumer. On the H200 at
+2x8192x16x256 it measured 362 TFLOP/s against cuDNN's 352, backward alone
+(`benchmarks/results/attention_backward_h256.md`).
+
 The order of the adds into dQ varies from run to run: results agree to float32 rounding,
-not bit for bit. ``deterministic=True`` runs the same kernel without dQ and then a dQ
-kernel of its own (one CTA per query tile, laid out as the forward, recomputing S and
-dP: 7 tile products per block pair). On the H200 that measured 0.80x-1.01x the atomic
-design's speed and 1.03x-1.36x the Triton backward's
+not bit for bit. ``deterministic=True`` (head dims up to 128) runs the same kernel
+without dQ and then a dQ kernel of its own (one CTA per query tile, laid out as the
+forward, recomputing S and dP: 7 tile products per block pair). On the H200 that
+measured 0.80x-1.01x the atomic design's speed and 1.03x-1.36x the Triton backward's
 (`benchmarks/results/attention_backward.md`), so the atomic design is the default and
 this one serves deterministic calls.
 
