@@ -72,12 +72,15 @@ MAP_TILE_ELEMS = 16384
 SPLIT_PROGRAMS_PER_CORE = 64
 # Guard against tilings whose tile cannot live in registers.
 MAX_TILE_ELEMS = 1 << 17
-# Column sums in the resident kernel: programs per SM, each walking its share of the row
-# blocks and writing one row of partial sums. Two per SM left the H200 at 12% occupancy
-# and 1.5 TB/s on a 65536 x 1024 norm backward (Nsight Compute,
-# benchmarks/results/ncu_norms_bwd_65536x1024.log); eight give four times the warps in
-# flight for partial sums of 8 x SMs rows, a few MB against the hundreds the op moves.
-COL_SUM_PROGRAMS_PER_CORE = 8
+# Column sums in the resident kernel: each program walks its share of the row blocks, one
+# block in flight at a time, and writes one row of partial sums. Programs per SM: enough
+# for about COL_SUM_BYTES_IN_FLIGHT of each input per SM, from 2 to 8. Two programs of a
+# 2 KB row (65536 x 1024 bfloat16) left the H200 at 12% occupancy and 1.5 TB/s
+# (Nsight Compute, benchmarks/results/ncu_norms_bwd_65536x1024.log); rows of 16 KB (at
+# 4096 float32, 8192 bfloat16) keep two, so that the partial sums (programs x C float32
+# each, written and read again) stay a few percent of the traffic.
+COL_SUM_BYTES_IN_FLIGHT = 32768
+COL_SUM_PROGRAMS_PER_CORE = (2, 8)
 # Column sums a thread may carry across the row blocks (each program holds a float32
 # vector of the row per sum). At 64 a thread (16384 columns, two sums, 16 warps) the
 # norm backward spilled 97 M local-memory requests and ran at 22% of copy
@@ -598,11 +601,13 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
   sums_per_thread = len(op.col_sums) * bc // (32 * tiling.num_warps)
   if (op.col_sums and tiling.variant == "resident" and bc >= n_cols
       and sums_per_thread <= MAX_COL_SUM_VALUES_PER_THREAD):
-    # A program per group of row blocks, COL_SUM_PROGRAMS_PER_CORE per SM, so that the
-    # partial sums are few rows; its output rows come first, then the statistics (the
-    # layout's "stats").
+    # A program per group of row blocks (COL_SUM_BYTES_IN_FLIGHT); its output rows come
+    # first, then the statistics (the layout's "stats").
     n_row_blocks = pl.cdiv(n_rows, br)
-    programs = min(n_row_blocks, COL_SUM_PROGRAMS_PER_CORE * _backend.num_cores())
+    block_bytes = br * bc * jnp.dtype(inputs[0].dtype).itemsize
+    fewest, most = COL_SUM_PROGRAMS_PER_CORE
+    per_core = min(most, max(fewest, COL_SUM_BYTES_IN_FLIGHT // block_bytes))
+    programs = min(n_row_blocks, per_core * _backend.num_cores())
     row_blocks = pl.cdiv(n_row_blocks, programs)
     programs = pl.cdiv(n_row_blocks, row_blocks)
     span = row_blocks * br

@@ -205,10 +205,11 @@ def test_matches_truth_gpu(key, rms, shape, dtype):
 
 def _rows_for_three_blocks(block_rows: int) -> int:
   """Rows that make each program of the resident column-sum kernel walk three row blocks
-  of ``block_rows``, the last program's last block past the rows."""
+  of ``block_rows``, the last program's last block past the rows (for blocks small
+  enough to get the most programs per SM)."""
   from jaxsoftmax._backend import num_cores
   from jaxsoftmax.rowwise import COL_SUM_PROGRAMS_PER_CORE
-  return (2 * COL_SUM_PROGRAMS_PER_CORE * num_cores() + 1) * block_rows - 1
+  return (2 * COL_SUM_PROGRAMS_PER_CORE[1] * num_cores() + 1) * block_rows - 1
 
 
 def test_engine_column_sums(key):
