@@ -9,7 +9,8 @@
 # (tune_attention.py; TUNE_ONLY="4,5" picks shapes), attn-bench (bench_attention.py; ATTN_ONLY="0,1" picks shapes,
 # ATTN_NAME names the results, ATTN_MODES="fwd" measures the forward alone), attn-bench-bwd
 # (bench_attention_backward.py: the backwards alone; ATTN_ONLY picks shapes), attn-ncu
-# (Nsight Compute counters of one forward), attn-resources (ptxas' registers and spills
+# (Nsight Compute counters of one forward; NCU_SOURCE=1 adds the per-instruction stall
+# samples on the SASS), attn-resources (ptxas' registers and spills
 # of the Mosaic GPU kernels, PROFILE_SHAPES picks shapes), attn-tune-hopper (tune_attention_hopper.py:
 # the Mosaic GPU forward's tiles; TUNE_ONLY picks shapes), example (the transformer
 # example at GPU size, with its profiler trace), ring-tests, ring-bench (RING_ONLY picks
@@ -50,15 +51,24 @@ pack() { tar -czf "$top/run.tgz" -C "$out" . && cp "$out/summary.log" "$top/"; }
 # counters LOG KERNEL_REGEX LABEL COMMAND...: Nsight Compute on the second launch of the
 # kernels KERNEL_REGEX selects (the first compiles), its report in LOG, and the lines
 # that say what limits the kernel (throughput, pipes, stalls, registers, occupancy)
-# labelled into the summary.
+# labelled into the summary. NCU_SOURCE=1 also samples the stalls per instruction and
+# writes the SASS with them (LOG with .sass.log): where spills and waits sit.
 counters() {
   local log=$1 kernel=$2 label=$3
   shift 3
+  local source=()
+  [ "${NCU_SOURCE:-0}" = 1 ] && source=(--section SourceCounters --export "${log%.log}")
   timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 \
     -k "regex:$kernel" \
     --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section Occupancy \
-    --section LaunchStats --section MemoryWorkloadAnalysis "$@" > "$log" 2>&1
+    --section LaunchStats --section MemoryWorkloadAnalysis "${source[@]}" "$@" > "$log" 2>&1
+  if [ "${NCU_SOURCE:-0}" = 1 ]; then
+    ncu --import "${log%.log}.ncu-rep" --page details >> "$log" 2>&1
+    ncu --import "${log%.log}.ncu-rep" --page source --print-source sass --csv \
+      > "${log%.log}.sass.log" 2>&1
+    rm -f "${log%.log}.ncu-rep"
+  fi
   grep -E "^  [a-z_]|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Issued Ipc|No Eligible|Stall|Tensor|Local|Achieved Occupancy" \
     "$log" | head -n 30 | sed "s/^/$label: /" | tee -a "$out/summary.log"
 }
