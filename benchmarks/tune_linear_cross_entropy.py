@@ -1,0 +1,60 @@
+"""Sweeps the forward kernel's tiles of `linear_cross_entropy` on the GPU.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/tune_linear_cross_entropy.py --out DIR
+
+The forward runs at 0.64x-0.73x cuBLAS's bfloat16 product on the H200 (21.1 ms against
+13.5 and 16.3 ms, `benchmarks/results/README.md`) on the defaults, 64 rows x 128 columns
+x 64 hidden per product on 4 warps, 2 stages: tiles that Hopper's tensor cores (one
+warpgroup's 64-row wgmma) fill only in part. So the sweep tries taller and wider tiles,
+deeper hidden chunks, 8 warps and deeper pipelines, at bench_linear_cross_entropy.py's
+shapes, the loss alone (the backward's default runs XLA's products), beside `x @ w`
+(XLA's bfloat16 product alone: the matmul ceiling, without the loss). Each row is one
+tiling, named in the impl column.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import harness
+import jaxsoftmax as js
+from bench_linear_cross_entropy import SHAPES, SMOKE_SHAPES
+from jaxsoftmax import reference
+
+# (block_rows, block_vocab, block_hidden, num_warps, num_stages): the default first.
+TILES = [(64, 128, 64, 4, 2), (64, 128, 64, 4, 3), (64, 256, 64, 4, 3),
+         (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 2),
+         (128, 256, 64, 8, 4), (64, 256, 128, 8, 2), (128, 64, 64, 4, 3)]
+SMOKE_TILES = [(16, 16, 16, 4, 2), (32, 16, 16, 4, 2)]
+
+
+def _name(t: js.LinearCrossEntropyTiling) -> str:
+  return (f"{t.block_rows}x{t.block_vocab}x{t.block_hidden} w{t.num_warps} "
+          f"s{t.num_stages}")
+
+
+def tune_shape(report: harness.Report, shape, dtype):
+  T, H, V = shape
+  kx, kw, ky = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(kx, (T, H), jnp.float32).astype(dtype)
+  w = (jax.random.normal(kw, (H, V), jnp.float32) * H ** -0.5).astype(dtype)
+  y = jax.random.randint(ky, (T,), 0, V)
+  common = dict(op="linear_cross_entropy", mode="fwd", shape=shape,
+                dtype=jnp.dtype(dtype).name, flops=2 * T * H * V)
+  truth = harness.float64_truth(
+      lambda x, w, y: reference.cross_entropy(jnp.dot(x, w), y), x, w, y)
+  report.measure(impl="x @ w (product alone)", fn=lambda x, w, y: x @ w,
+                 arg_sets=[(x, w, y)], **common)
+  for tile in TILES if (T, H, V) in [s for s, _ in SHAPES] else SMOKE_TILES:
+    tiling = js.LinearCrossEntropyTiling(*tile[:3], num_warps=tile[3], num_stages=tile[4])
+    fn = lambda x, w, y, tiling=tiling: js.linear_cross_entropy(x, w, y, tiling=tiling)
+    default = tiling == js.LinearCrossEntropyTiling()
+    report.measure(impl=_name(tiling) + (" (default)" if default else ""), fn=fn,
+                   arg_sets=[(x, w, y)], truth=truth, **common)
+
+
+if __name__ == "__main__":
+  harness.run("tune_linear_cross_entropy", __doc__, SHAPES, SMOKE_SHAPES, tune_shape,
+              lambda shape, dtype: 1 + len(TILES), unit="TFLOP/s",
+              flops_doc="2·T·H·V (the loss's product)")
