@@ -14,7 +14,8 @@ context-parallel rows). A multi-device call has no single device time, so instea
 `jax.profiler` trace of device 0 splits one call: the time its compute kernels keep the
 GPU busy (the union of their intervals), the time in NCCL kernels and how much of it
 runs under compute kernels (the ring's overlap), and the exposed communication and idle
-time (wall minus compute). Speedup: one GPU's time over the
+time (wall minus compute); every GPU's kernels of that call go to ``<name>_timelines/`` as
+JSON, to read where the idle time sits. Speedup: one GPU's time over the
 context-parallel time; TFLOP/s over 4·B·N·T²·H (halved when causal; 3.5x for forward +
 backward) and the wall time.
 """
@@ -84,10 +85,12 @@ def _overlap(intervals, others) -> float:
   return total
 
 
-def device0_split(fn, args) -> dict:
+def device0_split(fn, args, timeline_path=None) -> dict:
   """Compute-busy time, NCCL time and the part of it that overlaps compute (us) of one
   call on GPU 0, from a jax.profiler trace: the ring's transfers should hide behind the
-  kernels."""
+  kernels. ``timeline_path``: also write every GPU's kernels there as JSON (stream,
+  kernel, start and duration in us from the call's first kernel), to read where the
+  idle time sits."""
   from jax.profiler import ProfileData
   jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as logdir:
@@ -96,19 +99,30 @@ def device0_split(fn, args) -> dict:
     jax.profiler.stop_trace()
     [path] = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
     profile = ProfileData.from_file(path)
-  [plane] = [p for p in profile.planes if p.name == "/device:GPU:0"]
+  kernels = {}  # GPU plane -> [(stream, kernel, start us, end us)]
+  for plane in profile.planes:
+    if plane.name.startswith("/device:GPU:"):
+      kernels[plane.name] = [
+          (line.name, event.name, event.start_ns / 1e3,
+           (event.start_ns + event.duration_ns) / 1e3)
+          for line in plane.lines if line.name.startswith("Stream") for event in line.events]
   compute, nccl = [], []
-  for line in plane.lines:
-    if not line.name.startswith("Stream"):
-      continue
-    for event in line.events:
-      span = (event.start_ns / 1e3, (event.start_ns + event.duration_ns) / 1e3)
-      (nccl if "nccl" in event.name.lower() else compute).append(span)
+  for _, name, start, stop in kernels["/device:GPU:0"]:
+    (nccl if "nccl" in name.lower() else compute).append((start, stop))
+  if timeline_path is not None:
+    t0 = min(start for events in kernels.values() for _, _, start, _ in events)
+    with open(timeline_path, "w") as f:
+      json.dump({plane: [(stream, name[:120], round(start - t0, 1), round(stop - start, 1))
+                         for stream, name, start, stop in sorted(events, key=lambda e: e[2])]
+                 for plane, events in kernels.items()}, f)
   return dict(compute_us=_union(compute), nccl_us=sum(b - a for a, b in nccl),
               nccl_hidden_us=_overlap(nccl, compute))
 
 
-def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype, smoke):
+def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype, smoke,
+          timeline_dir=None):
+  """The rows of one case; ``timeline_dir``: where to write each context-parallel row's
+  kernel timeline (`device0_split`)."""
   devices = jax.devices()
   P = len(devices)
   mesh = jax.make_mesh((P,), ("sp",), devices=devices)
@@ -152,7 +166,11 @@ def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype,
     row = dict(common, impl=impl, wall_us=t,
                speedup=base / t, tflops=flops / t / 1e6)
     if not smoke:
-      split = device0_split(fn, placed)
+      timeline = None
+      if timeline_dir is not None:
+        timeline = os.path.join(timeline_dir, f"T{T}_N{N}_K{K}_{'causal' if causal else 'full'}"
+                                f"_{mode}_{strategy}{'_lhs' if compiler_options else ''}.json")
+      split = device0_split(fn, placed, timeline)
       row.update(split, exposed_us=t - split["compute_us"])
     rows.append(row)
   return rows
@@ -219,12 +237,14 @@ def main():
               jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, args.name)
+  timelines = path + "_timelines"  # each context-parallel row's kernels, per GPU
+  os.makedirs(timelines, exist_ok=True)
   rows = []
   for T, N, K in shapes:
     for causal in (True, False):
       for mode in ("fwd", "fwd+bwd"):
         try:
-          new = bench(T, N, K, head_dim, causal, mode, dtype, args.smoke)
+          new = bench(T, N, K, head_dim, causal, mode, dtype, args.smoke, timelines)
         except Exception as e:  # noqa: BLE001 - a failed case is a row that says why
           new = [dict(T=T, N=N, K=K, H=head_dim, causal=causal, mode=mode,
                       devices=meta["devices"], impl="not measured",
