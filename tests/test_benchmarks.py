@@ -103,3 +103,15 @@ def test_tune_norms_smoke(tmp_path):
   # Every tiling, plain and with the residual, and the default among them.
   assert len(swept) >= 4 and all(r["median_us"] > 0 for r in swept)
   assert any(r["impl"].endswith("(default)") for r in swept)
+
+
+def test_tune_linear_cross_entropy_smoke(tmp_path):
+  pytest.importorskip("matplotlib")
+  _run("benchmarks/tune_linear_cross_entropy.py", "--smoke", "--out", str(tmp_path))
+  with open(tmp_path / "tune_linear_cross_entropy.json") as f:
+    rows = json.load(f)["rows"]
+  # XLA's product alone, then each tiling of the forward, right against float64.
+  assert rows[0]["impl"] == "x @ w (product alone)"
+  tiles = rows[1:]
+  assert len(tiles) == 2 and all(r["median_us"] > 0 and r["max_rel_err"] < 1e-4
+                                 for r in tiles)
