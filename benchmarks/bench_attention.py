@@ -121,7 +121,7 @@ def float16_implementations(N: int, K: int, H: int, causal: bool):
           "cudnn": impls["cudnn"]}
 
 
-def _fwd_bwd(attention):
+def fwd_bwd(attention):
   """q, k, v, dO -> (dq, dk, dv): the forward and the backward, as a training step runs."""
   def run(q, k, v, do):
     _, vjp = jax.vjp(attention, q, k, v)
@@ -142,14 +142,21 @@ def case_inputs(case, dtype):
   return (q, k, v, do), common, 4 * B * N * T * T * H / (2 if causal else 1)
 
 
-def bench_shape(report: harness.Report, case, dtype):
-  B, T, N, K, H, causal = case
-  group = N // K
-  # The truth on batch row 0 and the query heads of K/V head 0.
+def truth_slices(case):
+  """(part_q, part_kv, compare_bwd, ref) of a case: the float64 truth covers batch row 0
+  and the query heads of K/V head 0 (part_q of q and dO, part_kv of k and v), and
+  compare_bwd takes (dq, dk, dv) to that part; ref is the reference attention."""
+  causal, group = case[5], case[2] // case[3]
   part_q = lambda a: a[:1, :, :group]
   part_kv = lambda a: a[:1, :, :1]
-  ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal)[0]
   compare_bwd = lambda g: (part_q(g[0]), part_kv(g[1]), part_kv(g[2]))
+  ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal)[0]
+  return part_q, part_kv, compare_bwd, ref
+
+
+def bench_shape(report: harness.Report, case, dtype):
+  B, T, N, K, H, causal = case
+  part_q, part_kv, compare_bwd, ref = truth_slices(case)
 
   runs = [(dtype, implementations(N, K, H, causal), report.modes)]
   if "fwd" in report.modes:
@@ -162,14 +169,14 @@ def bench_shape(report: harness.Report, case, dtype):
     if "fwd" in modes:
       truth["fwd"] = harness.float64_truth(ref, part_q(q), part_kv(k), part_kv(v))
     if "fwd+bwd" in modes:
-      truth["fwd+bwd"] = harness.float64_truth(_fwd_bwd(ref), part_q(q), part_kv(k),
+      truth["fwd+bwd"] = harness.float64_truth(fwd_bwd(ref), part_q(q), part_kv(k),
                                                part_kv(v), part_q(do))
     for name, (attention, why) in impls.items():
       for mode in modes:
         if attention is None:
           report.skip(impl=name, mode=mode, note=why, **common)
           continue
-        fn, args = (attention, (q, k, v)) if mode == "fwd" else (_fwd_bwd(attention),
+        fn, args = (attention, (q, k, v)) if mode == "fwd" else (fwd_bwd(attention),
                                                                   (q, k, v, do))
         report.measure(mode=mode, impl=name, fn=fn, arg_sets=[args],
                        flops=flops * (1 if mode == "fwd" else 3.5), truth=truth[mode],

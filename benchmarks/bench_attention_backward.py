@@ -22,10 +22,9 @@ import jax
 import jax.numpy as jnp
 
 import harness
-from bench_attention import (OURS, TARGET_SHAPES, case_inputs, implementations,
-                             vs_best_peer)
+from bench_attention import (OURS, TARGET_SHAPES, case_inputs, fwd_bwd, implementations,
+                             truth_slices, vs_best_peer)
 import jaxsoftmax as js
-from jaxsoftmax import reference
 
 SHAPES = TARGET_SHAPES
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
@@ -54,16 +53,9 @@ def _pullback(vjp, do):
 
 def bench_shape(report: harness.Report, case, dtype):
   B, T, N, K, H, causal = case
-  group = N // K
-  part_q = lambda a: a[:1, :, :group]
-  part_kv = lambda a: a[:1, :, :1]
-  ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal)[0]
+  part_q, part_kv, compare_bwd, ref = truth_slices(case)
   (q, k, v, do), common, flops = case_inputs(case, dtype)
-
-  def ref_grads(q, k, v, do):
-    return jax.vjp(ref, q, k, v)[1](do)
-
-  truth = harness.float64_truth(ref_grads, part_q(q), part_kv(k), part_kv(v), part_q(do))
+  truth = harness.float64_truth(fwd_bwd(ref), part_q(q), part_kv(k), part_kv(v), part_q(do))
   impls = implementations(N, K, H, causal)
   for name in (*OUR_ROWS, *PEERS):
     attention, why = impls[name]
@@ -79,7 +71,7 @@ def bench_shape(report: harness.Report, case, dtype):
     impl = f"{name} ({our_backward(name, q, k, v, causal)})" if name in OUR_ROWS else name
     report.measure(mode="bwd", impl=impl, fn=_pullback, arg_sets=[(vjp, do)],
                    flops=flops * 2.5, truth=truth,
-                   compare=lambda g: (part_q(g[0]), part_kv(g[1]), part_kv(g[2])),
+                   compare=compare_bwd,
                    **common)
     del vjp
 

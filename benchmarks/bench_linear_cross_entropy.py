@@ -57,14 +57,24 @@ IMPLS = {
 }
 
 
-def bench_shape(report: harness.Report, shape, dtype):
+def shape_inputs(shape, dtype):
+  """hidden x (T, H), weight w (H, V) scaled to unit-variance logits, labels y (T,)."""
   T, H, V = shape
   kx, kw, ky = jax.random.split(jax.random.PRNGKey(0), 3)
   x = jax.random.normal(kx, (T, H), jnp.float32).astype(dtype)
   w = (jax.random.normal(kw, (H, V), jnp.float32) * H ** -0.5).astype(dtype)
-  y = jax.random.randint(ky, (T,), 0, V)
+  return x, w, jax.random.randint(ky, (T,), 0, V)
+
+
+def ref(x, w, y):
+  """The reference loss, for the float64 truth."""
+  return reference.cross_entropy(jnp.dot(x, w), y)
+
+
+def bench_shape(report: harness.Report, shape, dtype):
+  T, H, V = shape
+  x, w, y = shape_inputs(shape, dtype)
   common = dict(op="linear_cross_entropy", shape=shape, dtype=jnp.dtype(dtype).name)
-  ref = lambda x, w, y: reference.cross_entropy(jnp.dot(x, w), y)
   both = lambda fn: jax.value_and_grad(fn, argnums=(0, 1))
   truth = {"fwd": harness.float64_truth(ref, x, w, y),
            "fwd+bwd": harness.float64_truth(both(ref), x, w, y)}

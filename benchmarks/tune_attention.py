@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 import harness
 import jaxsoftmax as js
-from bench_attention import _fwd_bwd, case_inputs
+from bench_attention import fwd_bwd, case_inputs
 from jaxsoftmax.attention import BlockSizes
 from jaxsoftmax.attention.triton.tiling import LONG
 
@@ -80,7 +80,7 @@ def bench_shape(report: harness.Report, case, dtype):
     blocks = dataclasses.replace(default, block_q_dkv=dkv_q, block_k_dkv=dkv_k,
                                  block_q_dq=dq_q, block_k_dq=dq_k, num_warps_bwd=warps,
                                  num_stages_bwd=stages)
-    fn = _fwd_bwd(lambda q, k, v, blocks=blocks: js.dot_product_attention(
+    fn = fwd_bwd(lambda q, k, v, blocks=blocks: js.dot_product_attention(
         q, k, v, is_causal=causal, block_sizes=blocks))
     report.measure(mode="fwd+bwd",
                    impl=f"dkv q{dkv_q} k{dkv_k} / dq q{dq_q} k{dq_k} w{warps} s{stages}",

@@ -14,13 +14,11 @@ tiling, named in the impl column.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 import harness
 import jaxsoftmax as js
-from bench_linear_cross_entropy import SHAPES, SMOKE_SHAPES
-from jaxsoftmax import reference
+from bench_linear_cross_entropy import SHAPES, SMOKE_SHAPES, ref, shape_inputs
 
 # (block_rows, block_vocab, block_hidden, num_warps, num_stages): the default first.
 TILES = [(64, 128, 64, 4, 2), (64, 128, 64, 4, 3), (64, 256, 64, 4, 3),
@@ -36,14 +34,10 @@ def _name(t: js.LinearCrossEntropyTiling) -> str:
 
 def tune_shape(report: harness.Report, shape, dtype):
   T, H, V = shape
-  kx, kw, ky = jax.random.split(jax.random.PRNGKey(0), 3)
-  x = jax.random.normal(kx, (T, H), jnp.float32).astype(dtype)
-  w = (jax.random.normal(kw, (H, V), jnp.float32) * H ** -0.5).astype(dtype)
-  y = jax.random.randint(ky, (T,), 0, V)
+  x, w, y = shape_inputs(shape, dtype)
   common = dict(op="linear_cross_entropy", mode="fwd", shape=shape,
                 dtype=jnp.dtype(dtype).name, flops=2 * T * H * V)
-  truth = harness.float64_truth(
-      lambda x, w, y: reference.cross_entropy(jnp.dot(x, w), y), x, w, y)
+  truth = harness.float64_truth(ref, x, w, y)
   report.measure(impl="x @ w (product alone)", fn=lambda x, w, y: x @ w,
                  arg_sets=[(x, w, y)], **common)
   for tile in TILES if (T, H, V) in [s for s, _ in SHAPES] else SMOKE_TILES:
