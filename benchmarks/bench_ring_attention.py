@@ -14,10 +14,10 @@ context-parallel rows). A multi-device call has no single device time, so instea
 `jax.profiler` trace of device 0 splits one call: the time its compute kernels keep the
 GPU busy (the union of their intervals), the time in NCCL kernels and how much of it
 runs under compute kernels (the ring's overlap), and the exposed communication and idle
-time (wall minus compute); every GPU's kernels of that call go to ``<name>_timelines/`` as
-JSON, to read where the idle time sits. Speedup: one GPU's time over the
-context-parallel time; TFLOP/s over 4·B·N·T²·H (halved when causal; 3.5x for forward +
-backward) and the wall time.
+time (wall minus compute); every GPU's kernels of that call go to ``<name>_timelines/``
+as JSON, to read where the idle time sits, beside the optimized HLO (the schedule XLA
+chose). Speedup: one GPU's time over the context-parallel time; TFLOP/s over 4·B·N·T²·H
+(halved when causal; 3.5x for forward + backward) and the wall time.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype,
         functools.partial(js.ring_attention, axis_name="sp", is_causal=causal,
                           layout=layout, strategy=strategy),
         mesh=mesh, in_specs=(tokens,) * 3, out_specs=tokens, check_vma=False)
-    fn = timed(attention, compiler_options)
+    fn = timed(attention, compiler_options).lower(*placed).compile()
     t = wall_us(fn, placed)
     impl = f"{P} devices {strategy} {layout}" + (", LHS" if compiler_options else "")
     row = dict(common, impl=impl, wall_us=t,
@@ -171,6 +171,9 @@ def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype,
         timeline = os.path.join(timeline_dir, f"T{T}_N{N}_K{K}_{'causal' if causal else 'full'}"
                                 f"_{mode}_{strategy}{'_lhs' if compiler_options else ''}.json")
       split = device0_split(fn, placed, timeline)
+      if timeline is not None:  # the schedule XLA chose, to read beside the timeline
+        with open(timeline.replace(".json", ".hlo.txt"), "w") as f:
+          f.write(fn.as_text())
       row.update(split, exposed_us=t - split["compute_us"])
     rows.append(row)
   return rows

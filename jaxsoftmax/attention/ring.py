@@ -23,10 +23,15 @@ a key block at offset Δ (the difference of their first positions) is the band
 i - (left - Δ) <= j <= i + (right + Δ) in the blocks' own indices (`_band`). Δ depends on
 the device index, so a `lax.switch` on it picks among the static variants (two per ring
 step, one per device when gathered), and blocks that the masks leave empty are never
-computed. The backward runs the backward that pairs with each step's forward
-(`api.select_backward`: the Hopper one on an H200, else Triton's)
-on the global row statistics (the merged lse, as the kernels' m with log2 l = 0) and the
-global delta, and returns float32 partial gradients, summed in float32.
+computed. The causal zigzag ring needs no switch after its first step: every device then
+runs two unmasked chunk-by-chunk tiles, and only where they sit depends on the device
+(`_zigzag_tiles`). That keeps conditionals out of its program: on two GPUs its transfers
+ran under no kernel while its steps were conditionals (benchmarks/results/README.md).
+
+The backward runs the backward that pairs with each step's forward
+(`api.select_backward`: the Hopper one on an H200, else Triton's) on the global row
+statistics (the merged lse, as the kernels' m with log2 l = 0) and the global delta, and
+returns float32 partial gradients, summed in float32.
 """
 
 from __future__ import annotations
@@ -157,19 +162,15 @@ class _Plan:
 
   def ring_step(self, s: int) -> tuple[list[_Piece], list[_Piece]]:
     """The pieces of ring step s, for devices d >= s (index 0) and for d < s (index 1,
-    which hold the block of device d - s + P)."""
+    which hold the block of device d - s + P). The causal zigzag steps s > 0 are not
+    pieces of static place but `_zigzag_tiles`."""
     if s == 0 or (self.layout == "zigzag" and not self.is_causal):
       # Its own block (in zigzag order too, the local order is the global one), or no
       # mask to shift.
       own = self._whole(self.S, 0)
       return own, own
-    if self.layout == "contiguous":
-      return self._whole(self.S, s * self.T), self._whole(self.S, (s - self.shards) * self.T)
-    c = self.T // 2  # zigzag: local chunks (d, 2P-1-d), the block's (e, 2P-1-e)
-    # e < d: both local chunks see chunk e whole and not chunk 2P-1-e;
-    # e > d: chunk 2P-1-d sees both of the block's chunks whole, chunk d neither.
-    return ([_Piece(0, self.T, 0, c, MaskSpec(self.T, c, has_segments=self.has_segments))],
-            [_Piece(c, c, 0, self.S, MaskSpec(c, self.S, has_segments=self.has_segments))])
+    assert self.layout == "contiguous", "causal zigzag steps are _zigzag_tiles"
+    return self._whole(self.S, s * self.T), self._whole(self.S, (s - self.shards) * self.T)
 
   def gathered(self) -> list[list[_Piece]]:
     """The pieces of each device d against all keys in their natural order."""
@@ -262,6 +263,57 @@ def _choose(index, variants: tuple, run, *operands):
   return lax.switch(index, [functools.partial(run, v) for v in variants], *operands)
 
 
+def _zigzag_tiles(plan: _Plan, later):
+  """The two tiles of a causal zigzag ring step s > 0, as (query chunk start, key chunk
+  start) pairs of chunk length c = T/2, all unmasked. The local chunks are (d, 2P-1-d),
+  the block's (e, 2P-1-e) with e = d - s mod P; ``later`` (traced) is e > d.
+  e < d: both local chunks see chunk e whole, chunk 2P-1-e not at all;
+  e > d: chunk 2P-1-d sees both of the block's chunks whole, chunk d neither."""
+  c = plan.T // 2
+  shifted = jnp.where(later, c, 0)
+  return ((shifted, 0), (c, shifted))
+
+
+def _chunk(x, start, c: int):
+  return x if x is None else lax.dynamic_slice_in_dim(x, start, c, axis=1)
+
+
+def _add_chunk(acc, x, start):
+  """acc with x added to its rows [start, start + x.shape[1])."""
+  rows = lax.dynamic_slice_in_dim(acc, start, x.shape[1], axis=1)
+  return lax.dynamic_update_slice_in_dim(acc, rows + x, start, axis=1)
+
+
+def _zigzag_forward_step(plan: _Plan, later, q, q_seg, k, v, kv_seg, o, lse):
+  """(o, lse) of the local queries, the step's two tiles merged in."""
+  c = plan.T // 2
+  piece = _Piece(0, c, 0, c, MaskSpec(c, c, has_segments=plan.has_segments))
+  for q0, k0 in _zigzag_tiles(plan, later):
+    o_t, lse_t = _block_forward(plan, piece, _chunk(q, q0, c), _chunk(k, k0, c),
+                                _chunk(v, k0, c), _chunk(q_seg, q0, c),
+                                _chunk(kv_seg, k0, c))
+    o_rows, lse_rows = merge_attention_states(_chunk(o, q0, c), _chunk(lse, q0, c), o_t,
+                                              lse_t)
+    o = lax.dynamic_update_slice_in_dim(o, o_rows, q0, axis=1)
+    lse = lax.dynamic_update_slice_in_dim(lse, lse_rows, q0, axis=1)
+  return o, lse
+
+
+def _zigzag_backward_step(plan: _Plan, later, q, q_seg, k, v, kv_seg, delta, lse, do,
+                          dq, dk, dv):
+  """(dq, dk, dv) with the step's two tiles' gradients added (dk, dv: the visiting
+  block's accumulators)."""
+  c = plan.T // 2
+  piece = _Piece(0, c, 0, c, MaskSpec(c, c, has_segments=plan.has_segments))
+  for q0, k0 in _zigzag_tiles(plan, later):
+    rows = functools.partial(_chunk, start=q0, c=c)
+    keys = functools.partial(_chunk, start=k0, c=c)
+    dq_t, dk_t, dv_t = _block_backward(plan, piece, rows(q), keys(k), keys(v), rows(q_seg),
+                                       keys(kv_seg), rows(delta), rows(lse), rows(do))
+    dq, dk, dv = _add_chunk(dq, dq_t, q0), _add_chunk(dk, dk_t, k0), _add_chunk(dv, dv_t, k0)
+  return dq, dk, dv
+
+
 def _next_device(plan: _Plan, x):
   """x sent one step around the ring (device d to d + 1)."""
   P = plan.shards
@@ -286,9 +338,12 @@ def _forward(plan: _Plan, q, k, v, q_seg, kv_seg):
   for s in range(plan.shards):
     if s + 1 < plan.shards:  # issued before this step's kernels, to run beside them
       next_block = _next_device(plan, block)
-    o_s, lse_s = _choose((d < s).astype(jnp.int32), plan.ring_step(s),
-                         functools.partial(_forward_pieces, plan), q, q_seg, *block)
-    o, lse = (o_s, lse_s) if o is None else merge_attention_states(o, lse, o_s, lse_s)
+    if s > 0 and plan.layout == "zigzag" and plan.is_causal:
+      o, lse = _zigzag_forward_step(plan, d < s, q, q_seg, *block, o, lse)
+    else:
+      o_s, lse_s = _choose((d < s).astype(jnp.int32), plan.ring_step(s),
+                           functools.partial(_forward_pieces, plan), q, q_seg, *block)
+      o, lse = (o_s, lse_s) if o is None else merge_attention_states(o, lse, o_s, lse_s)
     if s + 1 < plan.shards:
       block = next_block
   return o, lse
@@ -317,9 +372,13 @@ def _backward(plan: _Plan, q, k, v, q_seg, kv_seg, o, lse, do):
   for s in range(plan.shards):
     if s + 1 < plan.shards:
       next_block = _next_device(plan, block)
-    dq_s, dk_s, dv_s = _choose((d < s).astype(jnp.int32), plan.ring_step(s), run, q, q_seg,
-                               *block, delta, lse, do)
-    dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
+    if s > 0 and plan.layout == "zigzag" and plan.is_causal:
+      dq, dk, dv = _zigzag_backward_step(plan, d < s, q, q_seg, *block, delta, lse, do, dq,
+                                         dk, dv)
+    else:
+      dq_s, dk_s, dv_s = _choose((d < s).astype(jnp.int32), plan.ring_step(s), run, q,
+                                 q_seg, *block, delta, lse, do)
+      dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
     # The accumulators go on with their block; after the P-th hop they are home.
     dk, dv = _next_device(plan, (dk, dv))
     if s + 1 < plan.shards:
