@@ -10,14 +10,16 @@ the ring also with XLA's latency-hiding scheduler turned on for its program (", 
 
 Times are end to end: wall clock per call over 10 calls issued back to back, the median
 of three runs, with the inputs already placed (zigzag-ordered and sharded for the
-context-parallel rows). A multi-device call has no single device time, so instead a
-`jax.profiler` trace of device 0 splits one call: the time its compute kernels keep the
-GPU busy (the union of their intervals), the time in NCCL kernels and how much of it
-runs under compute kernels (the ring's overlap), and the exposed communication and idle
-time (wall minus compute); every GPU's kernels of that call go to ``<name>_timelines/``
-as JSON, to read where the idle time sits, beside the optimized HLO (the schedule XLA
-chose). Speedup: one GPU's time over the context-parallel time; TFLOP/s over 4·B·N·T²·H
-(halved when causal; 3.5x for forward + backward) and the wall time.
+context-parallel rows). The one-GPU baseline runs on GPU 0, and on the last GPU too, to
+show how far the GPUs' speeds differ. A multi-device call has no single device time, so
+instead a `jax.profiler` trace of device 0 splits one call: the time its compute kernels
+keep the GPU busy (the union of their intervals), the time in NCCL kernels and how much
+of it runs under compute kernels (the ring's overlap), and the exposed communication and
+idle time (wall minus compute); every GPU's kernels of that call go to
+``<name>_timelines/`` as JSON, to read where the idle time sits, beside the optimized HLO
+(the schedule XLA chose). Speedup: one GPU's time over the context-parallel time;
+TFLOP/s over 4·B·N·T²·H (halved when causal; 3.5x for forward + backward) and the wall
+time.
 """
 
 from __future__ import annotations
@@ -150,6 +152,10 @@ def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype,
   common = dict(T=T, N=N, K=K, H=head_dim, causal=causal, mode=mode, devices=P)
   rows.append(dict(common, impl="1 device", wall_us=base, speedup=1.0,
                    tflops=flops / base / 1e6))
+  if P > 1 and not smoke:  # the same on the last GPU: how far the GPUs' speeds differ
+    other = wall_us(single, [jax.device_put(x, devices[-1]) for x in inputs])
+    rows.append(dict(common, impl=f"1 device, GPU {P - 1}", wall_us=other,
+                     speedup=base / other, tflops=flops / other / 1e6))
   layout = "zigzag" if causal else "contiguous"
   tokens = PartitionSpec(None, "sp")
   placed = [jax.device_put(js.zigzag_permute(x, P) if causal else x,

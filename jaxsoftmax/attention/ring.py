@@ -274,14 +274,14 @@ def _zigzag_tiles(plan: _Plan, later):
   return ((shifted, 0), (c, shifted))
 
 
-def _chunk(x, start, c: int):
-  return x if x is None else lax.dynamic_slice_in_dim(x, start, c, axis=1)
+def _chunk(x, start, c: int, axis: int = 1):
+  return x if x is None else lax.dynamic_slice_in_dim(x, start, c, axis=axis)
 
 
-def _add_chunk(acc, x, start):
-  """acc with x added to its rows [start, start + x.shape[1])."""
-  rows = lax.dynamic_slice_in_dim(acc, start, x.shape[1], axis=1)
-  return lax.dynamic_update_slice_in_dim(acc, rows + x, start, axis=1)
+def _add_chunk(acc, x, start, axis: int = 1):
+  """acc with x added to its rows [start, start + x.shape[axis]) along ``axis``."""
+  rows = lax.dynamic_slice_in_dim(acc, start, x.shape[axis], axis=axis)
+  return lax.dynamic_update_slice_in_dim(acc, rows + x, start, axis=axis)
 
 
 def _zigzag_forward_step(plan: _Plan, later, q, q_seg, k, v, kv_seg, o, lse):
@@ -300,9 +300,9 @@ def _zigzag_forward_step(plan: _Plan, later, q, q_seg, k, v, kv_seg, o, lse):
 
 
 def _zigzag_backward_step(plan: _Plan, later, q, q_seg, k, v, kv_seg, delta, lse, do,
-                          dq, dk, dv):
-  """(dq, dk, dv) with the step's two tiles' gradients added (dk, dv: the visiting
-  block's accumulators)."""
+                          dq, dkv):
+  """(dq, dkv) with the step's two tiles' gradients added (dkv: the visiting block's
+  accumulators, dK and dV stacked)."""
   c = plan.T // 2
   piece = _Piece(0, c, 0, c, MaskSpec(c, c, has_segments=plan.has_segments))
   for q0, k0 in _zigzag_tiles(plan, later):
@@ -310,8 +310,9 @@ def _zigzag_backward_step(plan: _Plan, later, q, q_seg, k, v, kv_seg, delta, lse
     keys = functools.partial(_chunk, start=k0, c=c)
     dq_t, dk_t, dv_t = _block_backward(plan, piece, rows(q), keys(k), keys(v), rows(q_seg),
                                        keys(kv_seg), rows(delta), rows(lse), rows(do))
-    dq, dk, dv = _add_chunk(dq, dq_t, q0), _add_chunk(dk, dk_t, k0), _add_chunk(dv, dv_t, k0)
-  return dq, dk, dv
+    dq = _add_chunk(dq, dq_t, q0)
+    dkv = _add_chunk(dkv, jnp.stack([dk_t, dv_t]), k0, axis=2)
+  return dq, dkv
 
 
 def _next_device(plan: _Plan, x):
@@ -320,29 +321,36 @@ def _next_device(plan: _Plan, x):
   return lax.ppermute(x, plan.axis_name, [(i, (i + 1) % P) for i in range(P)])
 
 
-def _gather(plan: _Plan, x):
-  """x's shards of every device along the sequence, in natural order."""
-  x = lax.all_gather(x, plan.axis_name, axis=1, tiled=True)
-  return x if plan.layout == "contiguous" else zigzag_unpermute(x, plan.shards)
+def _gather(plan: _Plan, x, axis: int = 1):
+  """x's shards of every device along the sequence (``axis``), in natural order."""
+  x = lax.all_gather(x, plan.axis_name, axis=axis, tiled=True)
+  return x if plan.layout == "contiguous" else zigzag_unpermute(x, plan.shards, axis)
 
 
+# K and V (and their gradients) travel as one stacked buffer, one transfer per hop: XLA
+# keeps one collective permute in flight at a time, and V's beside K's ran synchronously,
+# under no kernel, on two GPUs (benchmarks/results/README.md).
 def _forward(plan: _Plan, q, k, v, q_seg, kv_seg):
   """(o, lse) of the local queries in float32, o (B, T, N, H) and lse (B, T, N)."""
   d = lax.axis_index(plan.axis_name)
   if plan.strategy == "all_gather":
-    k, v, kv_seg = (None if x is None else _gather(plan, x) for x in (k, v, kv_seg))
+    k, v = _gather(plan, jnp.stack([k, v]), axis=2)
+    kv_seg = None if kv_seg is None else _gather(plan, kv_seg)
     return _choose(d, tuple(plan.gathered()),
                    functools.partial(_forward_pieces, plan), q, q_seg, k, v, kv_seg)
-  block = (k, v, kv_seg)
+  block = (jnp.stack([k, v]), kv_seg)
   o = lse = None
   for s in range(plan.shards):
     if s + 1 < plan.shards:  # issued before this step's kernels, to run beside them
       next_block = _next_device(plan, block)
+    kv, seg = block
+    k_s, v_s = (k, v) if s == 0 else (kv[0], kv[1])
     if s > 0 and plan.layout == "zigzag" and plan.is_causal:
-      o, lse = _zigzag_forward_step(plan, d < s, q, q_seg, *block, o, lse)
+      o, lse = _zigzag_forward_step(plan, d < s, q, q_seg, k_s, v_s, seg, o, lse)
     else:
       o_s, lse_s = _choose((d < s).astype(jnp.int32), plan.ring_step(s),
-                           functools.partial(_forward_pieces, plan), q, q_seg, *block)
+                           functools.partial(_forward_pieces, plan), q, q_seg, k_s, v_s,
+                           seg)
       o, lse = (o_s, lse_s) if o is None else merge_attention_states(o, lse, o_s, lse_s)
     if s + 1 < plan.shards:
       block = next_block
@@ -350,40 +358,44 @@ def _forward(plan: _Plan, q, k, v, q_seg, kv_seg):
 
 
 def _backward(plan: _Plan, q, k, v, q_seg, kv_seg, o, lse, do):
-  """float32 (dq, dk, dv) of the local shards."""
+  """(dq, dk, dv) of the local shards: dq in float32, dk and dv in float32 when gathered
+  and in k's dtype from the ring (their last hop carries the finished sums)."""
   d = lax.axis_index(plan.axis_name)
   run = functools.partial(_backward_pieces, plan)
   # delta of the local queries once, for every step and piece: (B, T, N), as lse.
   delta = jnp.transpose(logits.row_delta(o, do), (0, 2, 1))
   if plan.strategy == "all_gather":
-    k_all, v_all, kv_seg_all = (None if x is None else _gather(plan, x)
-                                for x in (k, v, kv_seg))
+    k_all, v_all = _gather(plan, jnp.stack([k, v]), axis=2)
+    kv_seg_all = None if kv_seg is None else _gather(plan, kv_seg)
     dq, dk, dv = _choose(d, tuple(plan.gathered()), run, q, q_seg, k_all, v_all,
                          kv_seg_all, delta, lse, do)
+    dkv = jnp.stack([dk, dv])
     if plan.layout == "zigzag":
-      dk, dv = (zigzag_permute(x, plan.shards) for x in (dk, dv))
-    dk, dv = (lax.psum_scatter(x, plan.axis_name, scatter_dimension=1, tiled=True)
-              for x in (dk, dv))
+      dkv = zigzag_permute(dkv, plan.shards, axis=2)
+    dk, dv = lax.psum_scatter(dkv, plan.axis_name, scatter_dimension=2, tiled=True)
     return dq, dk, dv
-  block = (k, v, kv_seg)
+  block = (jnp.stack([k, v]), kv_seg)
   dq = jnp.zeros(q.shape, jnp.float32)
-  dk = jnp.zeros(k.shape, jnp.float32)  # the visiting block's accumulators
-  dv = jnp.zeros(v.shape, jnp.float32)
+  dkv = jnp.zeros((2, *k.shape), jnp.float32)  # the visiting block's accumulators
   for s in range(plan.shards):
     if s + 1 < plan.shards:
       next_block = _next_device(plan, block)
+    kv, seg = block
+    k_s, v_s = (k, v) if s == 0 else (kv[0], kv[1])
     if s > 0 and plan.layout == "zigzag" and plan.is_causal:
-      dq, dk, dv = _zigzag_backward_step(plan, d < s, q, q_seg, *block, delta, lse, do, dq,
-                                         dk, dv)
+      dq, dkv = _zigzag_backward_step(plan, d < s, q, q_seg, k_s, v_s, seg, delta, lse, do,
+                                      dq, dkv)
     else:
       dq_s, dk_s, dv_s = _choose((d < s).astype(jnp.int32), plan.ring_step(s), run, q,
-                                 q_seg, *block, delta, lse, do)
-      dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
+                                 q_seg, k_s, v_s, seg, delta, lse, do)
+      dq, dkv = dq + dq_s, dkv + jnp.stack([dk_s, dv_s])
+    if s + 1 == plan.shards:  # complete: the last hop home carries them in k's dtype
+      dkv = dkv.astype(k.dtype)
     # The accumulators go on with their block; after the P-th hop they are home.
-    dk, dv = _next_device(plan, (dk, dv))
+    dkv = _next_device(plan, dkv)
     if s + 1 < plan.shards:
       block = next_block
-  return dq, dk, dv
+  return dq, dkv[0], dkv[1]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
