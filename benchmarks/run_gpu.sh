@@ -14,7 +14,8 @@
 # of the Mosaic GPU kernels, PROFILE_SHAPES picks shapes), attn-tune-hopper (tune_attention_hopper.py:
 # the Mosaic GPU forward's tiles; TUNE_ONLY picks shapes), example (the transformer
 # example at GPU size, with its profiler trace), ring-tests, ring-bench (RING_ONLY picks
-# shapes, RING_NAME names the results) and ring-example (context parallelism on every
+# shapes, RING_NAME names the results), ring-profile (the gaps between back-to-back
+# calls, profile_ring_attention.py) and ring-example (context parallelism on every
 # visible GPU), lce-tests and
 # lce-bench (linear_cross_entropy; tune-lce sweeps its forward's tiles), norm-tests, norm-bench and tune-norms (layer_norm,
 # rms_norm; tune_norms.py sweeps their tiles; NORM_ONLY picks shapes; norm-ncu: the
@@ -175,6 +176,9 @@ for stage in ${STAGES:-tests tune bench}; do
       timeout 540 $python benchmarks/bench_ring_attention.py --out "$out" \
         ${RING_ONLY:+--only "$RING_ONLY"} ${RING_NAME:+--name "$RING_NAME"} 2>&1 | tee "$out/ring_bench.log" | tail -n 4 \
         | tee -a "$out/summary.log" ;;
+    ring-profile)
+      timeout 300 $python benchmarks/profile_ring_attention.py --out "$out" 2>&1 \
+        | tee "$out/ring_profile.log" | tail -n 4 | tee -a "$out/summary.log" ;;
     ring-example)
       timeout 200 $python examples/long_context.py --tokens 65536 2>&1 \
         | tee "$out/ring_example.log" | tail -n 6 | tee -a "$out/summary.log" ;;

@@ -1,0 +1,104 @@
+"""Where the time between back-to-back context-parallel calls goes: wall time per call
+against the GPUs' busy time, with a `jax.profiler` trace of several calls in a row.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/profile_ring_attention.py --out DIR
+    ... --smoke   # tiny sizes on the CPU's virtual devices (interpreted kernels)
+
+The causal zigzag ring forward on every visible GPU (bf16, B=1, N=16, H=128, --tokens
+in total) and our attention on one GPU, each called through `jax.jit` and through its
+ahead-of-time `Compiled` object (which `bench_ring_attention.py` times), 10 calls back
+to back. Then three calls in a row under the profiler: every device's kernels and every
+host thread's events go to ``DIR/ring_profile_<name>.json`` (plane -> line -> [name,
+start us, duration us]), and the gaps between one call's last kernel and the next call's
+first are printed: with the host ahead of the GPUs they would be a few microseconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+import jaxsoftmax as js  # noqa: E402
+from bench_ring_attention import wall_us  # noqa: E402
+
+CALLS_TRACED = 3
+
+
+def trace(fn, args, path) -> list[float]:
+  """Writes the trace of CALLS_TRACED back-to-back calls to ``path``; returns the idle
+  gaps (us) between the calls on GPU 0 (the longest spans without any kernel)."""
+  from jax.profiler import ProfileData
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as logdir:
+    jax.profiler.start_trace(logdir)
+    jax.block_until_ready([fn(*args) for _ in range(CALLS_TRACED)])
+    jax.profiler.stop_trace()
+    [xplane] = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+    profile = ProfileData.from_file(xplane)
+  planes = {plane.name: {line.name: [(event.name[:120], event.start_ns / 1e3,
+                                      event.duration_ns / 1e3) for event in line.events]
+                         for line in plane.lines} for plane in profile.planes}
+  t0 = min(start for lines in planes.values() for events in lines.values()
+           for _, start, _ in events)
+  planes = {p: {line: [(n, round(s - t0, 1), round(d, 1)) for n, s, d in events]
+                for line, events in lines.items()} for p, lines in planes.items()}
+  with open(path, "w") as f:
+    json.dump(planes, f)
+  kernels = sorted((s, s + d) for line, events in planes.get("/device:GPU:0", {}).items()
+                   if line.startswith("Stream") for _, s, d in events)
+  gaps, end = [], None
+  for start, stop in kernels:
+    if end is not None and start > end:
+      gaps.append(start - end)
+    end = stop if end is None else max(end, stop)
+  return sorted(gaps, reverse=True)[:CALLS_TRACED]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--tokens", type=int, default=65536)
+  parser.add_argument("--smoke", action="store_true")
+  args = parser.parse_args()
+  if jax.default_backend() != "gpu" and not args.smoke:
+    raise SystemExit("run it on GPUs (or --smoke)")
+  T, N, H, dtype = ((args.tokens, 16, 128, jnp.bfloat16) if not args.smoke
+                    else (128, 2, 16, jnp.float32))
+  devices = jax.devices()
+  P = len(devices)
+  mesh = jax.make_mesh((P,), ("sp",), devices=devices)
+  tokens = PartitionSpec(None, "sp")
+  q, k, v = (jax.random.normal(key, (1, T, N, H), jnp.float32).astype(dtype)
+             for key in jax.random.split(jax.random.PRNGKey(0), 3))
+  placed = [jax.device_put(js.zigzag_permute(x, P), NamedSharding(mesh, tokens))
+            for x in (q, k, v)]
+  ring = jax.shard_map(
+      functools.partial(js.ring_attention, axis_name="sp", is_causal=True, layout="zigzag",
+                        interpret=args.smoke or None),
+      mesh=mesh, in_specs=(tokens,) * 3, out_specs=tokens, check_vma=False)
+  single = functools.partial(js.dot_product_attention, is_causal=True)
+  os.makedirs(args.out, exist_ok=True)
+  for name, f, inputs in (("1_device", single, (q, k, v)), (f"{P}_devices", ring, placed)):
+    jitted = jax.jit(f)
+    compiled = jitted.lower(*inputs).compile()
+    walls = {how: wall_us(fn, inputs) for how, fn in (("jit", jitted), ("compiled", compiled))}
+    gaps = trace(jitted, inputs, os.path.join(args.out, f"ring_profile_{name}.json"))
+    print(f"T={T} causal fwd {name:10s} wall us: jit {walls['jit']:9.0f} compiled "
+          f"{walls['compiled']:9.0f}; largest idle gaps on GPU 0 over {CALLS_TRACED} calls "
+          f"(us): {', '.join(f'{g:.0f}' for g in gaps)}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
