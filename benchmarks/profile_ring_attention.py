@@ -7,10 +7,11 @@ against the GPUs' busy time, with a `jax.profiler` trace of several calls in a r
 The causal zigzag ring forward on every visible GPU (bf16, B=1, N=16, H=128, --tokens
 in total) and our attention on one GPU, each called through `jax.jit` and through its
 ahead-of-time `Compiled` object (which `bench_ring_attention.py` times), 10 calls back
-to back. Then three calls in a row under the profiler: every device's kernels and every
+to back. Then the same 10 calls under the profiler: every device's kernels and every
 host thread's events go to ``DIR/ring_profile_<name>.json`` (plane -> line -> [name,
-start us, duration us]), and the gaps between one call's last kernel and the next call's
-first are printed: with the host ahead of the GPUs they would be a few microseconds.
+start us, duration us]); GPU 0's span per call and its largest idle gaps are printed
+beside the wall times: with the host ahead of the GPUs the span per call is the wall
+time and the gaps are a few microseconds.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 import jaxsoftmax as js  # noqa: E402
 from bench_ring_attention import wall_us  # noqa: E402
 
-CALLS_TRACED = 3
+CALLS_TRACED = 10  # as many as bench_ring_attention.wall_us times back to back
 
 
-def trace(fn, args, path) -> list[float]:
-  """Writes the trace of CALLS_TRACED back-to-back calls to ``path``; returns the idle
-  gaps (us) between the calls on GPU 0 (the longest spans without any kernel)."""
+def trace(fn, args, path) -> tuple[float, list[float]]:
+  """Writes the trace of CALLS_TRACED back-to-back calls to ``path``; returns GPU 0's
+  span per call (first kernel's start to last kernel's end, over the calls) and its
+  largest idle gaps (us), which would sit between the calls."""
   from jax.profiler import ProfileData
   jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as logdir:
@@ -63,7 +65,7 @@ def trace(fn, args, path) -> list[float]:
     if end is not None and start > end:
       gaps.append(start - end)
     end = stop if end is None else max(end, stop)
-  return sorted(gaps, reverse=True)[:CALLS_TRACED]
+  return (end - kernels[0][0]) / CALLS_TRACED, sorted(gaps, reverse=True)[:3]
 
 
 def main():
@@ -94,10 +96,10 @@ def main():
     jitted = jax.jit(f)
     compiled = jitted.lower(*inputs).compile()
     walls = {how: wall_us(fn, inputs) for how, fn in (("jit", jitted), ("compiled", compiled))}
-    gaps = trace(jitted, inputs, os.path.join(args.out, f"ring_profile_{name}.json"))
+    span, gaps = trace(jitted, inputs, os.path.join(args.out, f"ring_profile_{name}.json"))
     print(f"T={T} causal fwd {name:10s} wall us: jit {walls['jit']:9.0f} compiled "
-          f"{walls['compiled']:9.0f}; largest idle gaps on GPU 0 over {CALLS_TRACED} calls "
-          f"(us): {', '.join(f'{g:.0f}' for g in gaps)}", flush=True)
+          f"{walls['compiled']:9.0f}; traced, GPU 0's span per call {span:9.0f}, largest "
+          f"idle gaps {', '.join(f'{g:.0f}' for g in gaps)}", flush=True)
 
 
 if __name__ == "__main__":
