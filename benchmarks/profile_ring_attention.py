@@ -65,6 +65,8 @@ def trace(fn, args, path) -> tuple[float, list[float]]:
     if end is not None and start > end:
       gaps.append(start - end)
     end = stop if end is None else max(end, stop)
+  if not kernels:  # --smoke: no GPU
+    return float("nan"), []
   return (end - kernels[0][0]) / CALLS_TRACED, sorted(gaps, reverse=True)[:3]
 
 
