@@ -15,7 +15,7 @@
 # the Mosaic GPU forward's tiles; TUNE_ONLY picks shapes), example (the transformer
 # example at GPU size, with its profiler trace), ring-tests, ring-bench (RING_ONLY picks
 # shapes, RING_NAME names the results), ring-profile (the gaps between back-to-back
-# calls, profile_ring_attention.py) and ring-example (context parallelism on every
+# calls, profile_ring_attention.py, with the GPUs' clocks and power) and ring-example (context parallelism on every
 # visible GPU), lce-tests and
 # lce-bench (linear_cross_entropy; tune-lce sweeps its forward's tiles), norm-tests, norm-bench and tune-norms (layer_norm,
 # rms_norm; tune_norms.py sweeps their tiles; NORM_ONLY picks shapes; norm-ncu: the
@@ -177,8 +177,15 @@ for stage in ${STAGES:-tests tune bench}; do
         ${RING_ONLY:+--only "$RING_ONLY"} ${RING_NAME:+--name "$RING_NAME"} 2>&1 | tee "$out/ring_bench.log" | tail -n 4 \
         | tee -a "$out/summary.log" ;;
     ring-profile)
+      # The GPUs' clocks, power and throttle reasons every 20 ms beside it (the fields
+      # without throttle reasons where this driver does not know them).
+      query=timestamp,index,clocks.sm,power.draw,power.limit,temperature.gpu
+      ( nvidia-smi --query-gpu=$query,clocks_event_reasons.active --format=csv -lms 20 \
+          || nvidia-smi --query-gpu=$query --format=csv -lms 20 ) > "$out/ring_profile_gpus.csv" 2>&1 &
+      smi=$!
       timeout 300 $python benchmarks/profile_ring_attention.py --out "$out" 2>&1 \
-        | tee "$out/ring_profile.log" | tail -n 4 | tee -a "$out/summary.log" ;;
+        | tee "$out/ring_profile.log" | tail -n 4 | tee -a "$out/summary.log"
+      pkill -P $smi; kill $smi 2>/dev/null ;;
     ring-example)
       timeout 200 $python examples/long_context.py --tokens 65536 2>&1 \
         | tee "$out/ring_example.log" | tail -n 6 | tee -a "$out/summary.log" ;;
