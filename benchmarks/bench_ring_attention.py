@@ -6,7 +6,8 @@
 bfloat16, B=1, N=16 (and GQA 32/8), H=128, T = 32k, 64k, 128k tokens in total, causal
 (zigzag layout) and not (contiguous), forward and forward + backward, for the ring and
 all-gather strategies on every visible GPU, beside `dot_product_attention` on one GPU;
-the ring also with XLA's latency-hiding scheduler turned on for its program (", LHS").
+with --lhs, the ring also with XLA's latency-hiding scheduler turned on for its program
+(", LHS"; it changed nothing measurable on 2 GPUs, benchmarks/results/README.md).
 
 Times are end to end: wall clock per call over 10 calls issued back to back, the median
 of three runs, with the inputs already placed (zigzag-ordered and sharded for the
@@ -62,10 +63,10 @@ def wall_us(fn, args) -> float:
   return statistics.median(runs)
 
 
-# XLA's latency-hiding scheduler, per compiled program: without it an asynchronous
-# collective with no compute scheduled inside it runs on the compute stream, so the
-# ring's transfers cannot hide behind the kernels (measured 2026-11-30: 1 us of 958 us
-# of NCCL under compute, causal forward at 64k on 2 GPUs). The ", LHS" rows turn it on.
+# XLA's latency-hiding scheduler, per compiled program (--lhs). Tried for the ring's
+# overlap: the transfer that ran under no kernel was the second of two collective permutes
+# (K's beside V's), synchronous with the scheduler or without; one stacked buffer fixed it
+# (benchmarks/results/README.md).
 _LATENCY_HIDING = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
@@ -122,7 +123,7 @@ def device0_split(fn, args, timeline_path=None) -> dict:
 
 
 def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype, smoke,
-          timeline_dir=None):
+          timeline_dir=None, lhs=False):
   """The rows of one case; ``timeline_dir``: where to write each context-parallel row's
   kernel timeline (`device0_split`)."""
   devices = jax.devices()
@@ -160,7 +161,8 @@ def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype,
   tokens = PartitionSpec(None, "sp")
   placed = [jax.device_put(js.zigzag_permute(x, P) if causal else x,
                            NamedSharding(mesh, tokens)) for x in inputs]
-  variants = [("ring", None), ("ring", _LATENCY_HIDING), ("all_gather", None)]
+  variants = [("ring", None), *([("ring", _LATENCY_HIDING)] if lhs else []),
+              ("all_gather", None)]
   for strategy, compiler_options in variants:
     attention = jax.shard_map(
         functools.partial(js.ring_attention, axis_name="sp", is_causal=causal,
@@ -235,6 +237,8 @@ def main():
   parser.add_argument("--smoke", action="store_true", help="tiny sizes, any backend")
   parser.add_argument("--only", default=None, help="comma-separated indices of SHAPES")
   parser.add_argument("--name", default="ring_attention")
+  parser.add_argument("--lhs", action="store_true",
+                      help="also the ring under XLA's latency-hiding scheduler")
   args = parser.parse_args()
   if jax.default_backend() != "gpu" and not args.smoke:
     raise SystemExit("benchmarks time compiled kernels: run them on GPUs (or --smoke)")
@@ -253,7 +257,8 @@ def main():
     for causal in (True, False):
       for mode in ("fwd", "fwd+bwd"):
         try:
-          new = bench(T, N, K, head_dim, causal, mode, dtype, args.smoke, timelines)
+          new = bench(T, N, K, head_dim, causal, mode, dtype, args.smoke, timelines,
+                      args.lhs)
         except Exception as e:  # noqa: BLE001 - a failed case is a row that says why
           new = [dict(T=T, N=N, K=K, H=head_dim, causal=causal, mode=mode,
                       devices=meta["devices"], impl="not measured",
