@@ -41,11 +41,12 @@ def test_bench_attention_smoke_and_merge(tmp_path):
 
 def test_bench_ring_attention_smoke(tmp_path):
   pytest.importorskip("matplotlib")
-  _run("benchmarks/bench_ring_attention.py", "--smoke", "--out", str(tmp_path))
+  _run("benchmarks/bench_ring_attention.py", "--smoke", "--lhs", "--out", str(tmp_path))
   with open(tmp_path / "ring_attention.json") as f:
     rows = json.load(f)["rows"]
-  # Per case: one device, then the ring (also with XLA's latency-hiding scheduler: an
-  # option every backend parses) and all-gather strategies on the 8 CPU devices.
+  # Per case: one device, then the ring (with --lhs also under XLA's latency-hiding
+  # scheduler: an option every backend parses) and all-gather strategies on the 8 CPU
+  # devices.
   assert {r["impl"] for r in rows} == {"1 device", "8 devices ring zigzag",
                                        "8 devices ring zigzag, LHS",
                                        "8 devices all_gather zigzag",
@@ -53,6 +54,14 @@ def test_bench_ring_attention_smoke(tmp_path):
                                        "8 devices ring contiguous, LHS",
                                        "8 devices all_gather contiguous"}
   assert all(r["wall_us"] > 0 for r in rows)
+
+
+def test_profile_ring_attention_smoke(tmp_path):
+  out = _run("benchmarks/profile_ring_attention.py", "--smoke", "--out", str(tmp_path)).stdout
+  assert "1_device" in out and "8_devices" in out, out
+  for name in ("1_device", "8_devices"):
+    with open(tmp_path / f"ring_profile_{name}.json") as f:
+      assert json.load(f)  # the trace's planes
 
 
 def test_long_context_example(tmp_path):
