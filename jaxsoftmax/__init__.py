@@ -11,7 +11,8 @@ from jaxsoftmax.attention import (BlockSizes, HopperBlockSizes, attention_kernel
                                   flax_attention, ring_attention, zigzag_permute,
                                   zigzag_unpermute)
 from jaxsoftmax.cross_entropy import cross_entropy
-from jaxsoftmax.linear_cross_entropy import LinearCrossEntropyTiling, linear_cross_entropy
+from jaxsoftmax.linear_cross_entropy import (LinearCrossEntropyHopperTiling,
+                                             LinearCrossEntropyTiling, linear_cross_entropy)
 from jaxsoftmax.norms import layer_norm, rms_norm
 from jaxsoftmax.rowwise import RowTiling
 from jaxsoftmax.softmax import log_softmax, logsumexp, softmax
@@ -25,6 +26,7 @@ __all__ = [
     "cross_entropy",
     "linear_cross_entropy",
     "LinearCrossEntropyTiling",
+    "LinearCrossEntropyHopperTiling",
     "layer_norm",
     "rms_norm",
     "dot_product_attention",

@@ -12,6 +12,8 @@ import pytest
 
 import jaxsoftmax as js
 from jaxsoftmax import reference
+from jaxsoftmax._backend import mosaic_gpu as mosaic_device
+from jaxsoftmax.linear_cross_entropy import mosaic_gpu
 from tolerance import assert_2x, truth
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -194,6 +196,66 @@ def test_two_kernel_backward_gpu(key):
                           argnums=(0, 1, 2)))
   for first, second in zip(step(x, w, b), step(x, w, b)):
     np.testing.assert_array_equal(first, second)
+
+
+@pytest.mark.parametrize("R, H, V, bias, softcap, with_total, dtype", [
+    (300, 4096, 5003, True, None, False, jnp.bfloat16),
+    (8192, 2304, 256000, False, None, False, jnp.bfloat16),
+    (37, 100, 65537, True, 30.0, True, jnp.float16),
+    (128, 64, 131072, False, 30.0, False, jnp.bfloat16),
+])
+def test_hopper_forward_lowers_for_cuda(R, H, V, bias, softcap, with_total, dtype):
+  # The Hopper forward runs only on a Hopper GPU, but it lowers for CUDA anywhere: this
+  # catches Mosaic GPU API drift in the newest JAX on every CI run.
+  tiling = js.LinearCrossEntropyHopperTiling(block_vocab=256 if V > 10**5 else 128)
+  forward = functools.partial(mosaic_gpu.forward, tiling=tiling, softcap=softcap,
+                              with_total=with_total)
+  sds = functools.partial(jax.ShapeDtypeStruct, dtype=dtype)
+  args = (sds((R, H)), sds((H, V)), sds((V,)) if bias else None)
+  lowered = jax.jit(forward).trace(*args).lower(lowering_platforms=("cuda",))
+  assert "linear_cross_entropy_forward_mosaic_gpu" in lowered.as_text()
+
+
+def test_hopper_forward_refuses_what_it_cannot_run():
+  x, w, y = jnp.zeros((4, 64)), jnp.zeros((64, 10)), jnp.zeros((4,), jnp.int32)
+  hopper = js.LinearCrossEntropyTiling(forward="mosaic_gpu")
+  with pytest.raises(ValueError, match="take bfloat16 or float16, not float32"):
+    js.linear_cross_entropy(x, w, y, tiling=hopper)
+  if not mosaic_device.hopper_device():
+    with pytest.raises(ValueError, match="forward='mosaic_gpu' cannot run: it (has no "
+                                         "interpret mode|needs a Hopper GPU)"):
+      js.linear_cross_entropy(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), y,
+                              tiling=hopper)
+  with pytest.raises(ValueError, match="forward must be one of"):
+    js.LinearCrossEntropyTiling(forward="cuda")
+  with pytest.raises(TypeError, match="hopper must be a LinearCrossEntropyHopperTiling"):
+    js.LinearCrossEntropyTiling(hopper=SMALL)
+  with pytest.raises(ValueError, match="block_vocab must be 64, 128, 192 or 256"):
+    js.LinearCrossEntropyHopperTiling(block_vocab=512)
+  with pytest.raises(ValueError, match="num_stages must be an int >= 2"):
+    js.LinearCrossEntropyHopperTiling(num_stages=1)
+  with pytest.raises(ValueError, match="vocab_splits must be a positive int"):
+    js.LinearCrossEntropyHopperTiling(vocab_splits=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("rows, H, V, bias, hopper, options", [
+    ((512,), 2304, 65537, True, dict(vocab_splits=7),
+     dict(label_smoothing=0.1, z_loss=1e-4, logit_soft_cap=30.0)),
+    ((3, 100), 4096, 5003, False, dict(block_vocab=128), dict(label_smoothing=0.1)),
+    ((256,), 100, 256000, True, {}, {}),
+], ids=["H2304-V65537-all", "H4096-V5003-smoothing", "H100-V256000"])
+def test_hopper_forward_gpu(key, rows, H, V, bias, hopper, options, dtype):
+  # The Hopper forward (with the chunked backward) against the truth: sizes a multiple
+  # of no tile (rows, H and V padded to 64 or not), several vocabulary ranges, each term
+  # of the loss in and outside the kernel.
+  if not mosaic_device.hopper_device():
+    pytest.skip("the Hopper forward needs a Hopper GPU")
+  tiling = js.LinearCrossEntropyTiling(
+      forward="mosaic_gpu", hopper=js.LinearCrossEntropyHopperTiling(**hopper))
+  _check(*_inputs(key, rows, H, V, dtype, bias=bias, ignored=(1, 2)), tiling=tiling,
+         **options)
 
 
 def test_empty_and_float64_take_the_reference_path(key):

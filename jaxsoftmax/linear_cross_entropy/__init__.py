@@ -38,6 +38,13 @@ updates of the float32 accumulators in global memory, per tile, dominate); "chun
 spends its time in the vendor's matrix products instead. ds enters every product in the
 inputs' dtype (in float16 scaled and as two terms, `_operand_terms`).
 
+The forward has two kernels, ``LinearCrossEntropyTiling.forward``: the Triton one above
+(the default, and the one interpret mode runs) and a Hopper one in Pallas Mosaic GPU
+(`mosaic_gpu`: wgmma products fed by TMA from a warp-specialized producer, the
+online-softmax update as their epilogue; the label's logit and, without a soft cap,
+Σ_j s come from XLA beside it). The Hopper forward is opt-in until it is measured
+beside the Triton one on an H200.
+
 FLOPs: forward 2·R·H·V; backward 6·R·H·V (logits again, dhidden, dweight), 8·R·H·V with
 two kernels.
 """
@@ -54,12 +61,17 @@ from jax import lax
 
 from jaxsoftmax import _backend, reference
 from jaxsoftmax._backend import pl
+from jaxsoftmax._backend import mosaic_gpu as mosaic_device
 from jaxsoftmax.cross_entropy import REDUCTIONS, check_labels, reduce_losses
 from jaxsoftmax.inputs import check_floating
+from jaxsoftmax.linear_cross_entropy import mosaic_gpu
+from jaxsoftmax.linear_cross_entropy.mosaic_gpu import LinearCrossEntropyHopperTiling
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropyTiling"]
+__all__ = ["linear_cross_entropy", "LinearCrossEntropyTiling",
+           "LinearCrossEntropyHopperTiling"]
 
 _BACKWARDS = ("chunked", "atomic", "two_kernels")
+_FORWARDS = ("triton", "mosaic_gpu")
 # The chunked backward's default chunk: about this many logits (64 MiB in float32).
 _CHUNK_LOGITS = 1 << 24
 _LOG2E = math.log2(math.e)
@@ -83,6 +95,11 @@ class LinearCrossEntropyTiling:
       inputs, "two_kernels" for float32 (see `_backward_chunked`).
     chunk_vocab: vocabulary columns per chunk of the chunked backward; None picks about
       2**24 logits per chunk (a power of two, at least 1024 columns).
+    forward: the forward's kernel: "triton" (the tiles above) or "mosaic_gpu" (a Hopper
+      GPU's tensor cores through Pallas Mosaic GPU, bfloat16 and float16 only, no
+      interpret mode; its tiles are ``hopper``); None: "triton".
+    hopper: the "mosaic_gpu" forward's `LinearCrossEntropyHopperTiling`; None: its
+      defaults.
   """
 
   block_rows: int = 64
@@ -93,6 +110,8 @@ class LinearCrossEntropyTiling:
   num_stages: int = 2
   backward: str | None = None
   chunk_vocab: int | None = None
+  forward: str | None = None
+  hopper: LinearCrossEntropyHopperTiling | None = None
 
   def __post_init__(self):
     for name in ("block_rows", "block_vocab", "block_hidden"):
@@ -103,6 +122,13 @@ class LinearCrossEntropyTiling:
     if self.backward is not None and self.backward not in _BACKWARDS:
       raise ValueError(f"LinearCrossEntropyTiling.backward must be one of {_BACKWARDS}, "
                        f"got {self.backward!r}")
+    if self.forward is not None and self.forward not in _FORWARDS:
+      raise ValueError(f"LinearCrossEntropyTiling.forward must be one of {_FORWARDS}, "
+                       f"got {self.forward!r}")
+    if self.hopper is not None and not isinstance(self.hopper,
+                                                  LinearCrossEntropyHopperTiling):
+      raise TypeError("LinearCrossEntropyTiling.hopper must be a "
+                      f"LinearCrossEntropyHopperTiling or None, got {self.hopper!r}")
     if self.chunk_vocab is not None and not (isinstance(self.chunk_vocab, int)
                                              and self.chunk_vocab >= 1):
       raise ValueError("LinearCrossEntropyTiling.chunk_vocab must be a positive int or "
@@ -223,6 +249,8 @@ def _forward_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options, per: in
 
 def _forward(x, w, b, labels, dims: _Dims, options: _Options):
   """Per row: lse, the label's logit s_y and Σ_j s_j, float32 (R,)."""
+  if dims.tiling.forward == "mosaic_gpu":
+    return _forward_hopper(x, w, b, labels, dims, options)
   t = dims.tiling
   splits, per = dims.splits()
   R_pad = dims.row_blocks * t.block_rows
@@ -248,6 +276,34 @@ def _forward(x, w, b, labels, dims: _Dims, options: _Options):
   m_all = m.max(axis=0)
   lse = m_all + jnp.log(jnp.sum(l * jnp.exp(m - m_all[None, :]), axis=0))
   return lse[:dims.R], label.sum(axis=0)[:dims.R], total.sum(axis=0)[:dims.R]
+
+
+def _forward_hopper(x, w, b, labels, dims: _Dims, options: _Options):
+  """`_forward` by the Hopper kernel (`mosaic_gpu`): lse from its ranges' states; the
+  label's logit, and Σ_j s without a soft cap, from XLA's products beside it."""
+  with_total = options.softcap is not None and options.label_smoothing > 0
+  tiling = dims.tiling.hopper or LinearCrossEntropyHopperTiling()
+  m, l, total = mosaic_gpu.forward(x, w, b, tiling=tiling, softcap=options.softcap,
+                                   with_total=with_total)
+  m_all = m.max(axis=0)  # every range holds a column of every row: m is finite
+  lse = m_all + jnp.log(jnp.sum(l * jnp.exp(m - m_all[None, :]), axis=0))
+  # s_y = cap(x_r · W[:, y_r] + b_y); an out-of-range label's row is NaN in `_loss`.
+  y = jnp.clip(labels, 0, dims.V - 1)
+  z_y = jnp.einsum("rh,hr->r", x, jnp.take(w, y, axis=1),
+                   preferred_element_type=jnp.float32)
+  if b is not None:
+    z_y = z_y + b[y].astype(jnp.float32)
+  s_y = _capped(z_y, options)[0]
+  if with_total:
+    total = total.sum(axis=0)
+  elif options.label_smoothing > 0:  # Σ_j z_j = x · (W 1) + Σ_j b_j
+    total = jnp.dot(x, jnp.sum(w, axis=1, dtype=jnp.float32).astype(x.dtype),
+                    preferred_element_type=jnp.float32)
+    if b is not None:
+      total = total + jnp.sum(b, dtype=jnp.float32)
+  else:
+    total = jnp.zeros_like(lse)
+  return lse, s_y, total
 
 
 def _logit_grad(x_ref, x_row0, w_ref, b_ref, r0, v0, rows, dims: _Dims,
@@ -657,6 +713,16 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
   if tiling is not None and not isinstance(tiling, LinearCrossEntropyTiling):
     raise TypeError(f"{op}: tiling must be a LinearCrossEntropyTiling, got {tiling!r}")
   check_labels(labels, V, ignore_index, op)
+  interpret = _backend.resolve_interpret(interpret)
+  if tiling is not None and tiling.forward == "mosaic_gpu" and hidden.dtype != jnp.float64:
+    why = mosaic_gpu.supported(hidden.dtype,
+                               tiling.hopper or LinearCrossEntropyHopperTiling())
+    if why is None and interpret:
+      why = "it has no interpret mode (Pallas Mosaic GPU kernels run only on the GPU)"
+    if why is None and not mosaic_device.hopper_device():
+      why = f"it needs a Hopper GPU, and the device is {mosaic_device.device_description()}"
+    if why is not None:
+      raise ValueError(f"{op}: tiling.forward='mosaic_gpu' cannot run: {why}")
 
   flat_labels = labels.reshape(-1).astype(jnp.int32)
   if hidden.dtype == jnp.float64 or hidden.size == 0 or labels.size == 0:
@@ -672,7 +738,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
   dims = _Dims(flat_labels.size, H, V, tiling or LinearCrossEntropyTiling())
   options = _Options(float(label_smoothing), float(z_loss),
                      None if logit_soft_cap is None else float(logit_soft_cap),
-                     bias is not None, _backend.resolve_interpret(interpret))
+                     bias is not None, interpret)
   loss, lse = _rows(hidden.reshape(-1, H), weight, bias, flat_labels, dims, options)
   loss = reduce_losses(jnp.where(flat_labels != ignore_index, loss, 0.0), labels, None,
                        ignore_index, reduction)

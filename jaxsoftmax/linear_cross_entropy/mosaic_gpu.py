@@ -1,0 +1,297 @@
+"""The linear + cross-entropy forward for Hopper GPUs in Pallas Mosaic GPU: a tensor-core
+matrix product whose epilogue keeps the online-softmax state instead of storing logits.
+
+`linear_cross_entropy` takes it with ``LinearCrossEntropyTiling(forward="mosaic_gpu")``
+(see there), its tiles from `LinearCrossEntropyHopperTiling`. For rows x (R, H), weight
+W (H, V) and an optional bias, one CTA per (vocabulary range, block of 2·64 rows), the
+ranges fastest so that the CTAs running at once share their row blocks in L2; three
+warpgroups:
+
+- the producer (warpgroup 2) walks the range's vocabulary tiles and, for each, the hidden
+  dim in chunks of 64: it copies the two consumers' x chunks (64 x 64 each) and the W
+  chunk (64 x block_vocab) by TMA into a ring of ``num_stages`` shared-memory slots,
+  each with a "loaded" barrier the three copies complete and a "free" barrier both
+  consumers arrive on;
+- two consumers (warpgroups 0 and 1) own 64 rows each. Per vocabulary tile they
+  accumulate z = Σ_chunks x·W by wgmma in float32 registers (the product of chunk c is
+  waited for only after chunk c + 1's is issued, and then c's slot is freed), then
+  update the online softmax of their rows from the registers: s = cap(z + b) (+ -inf
+  on the padding columns), m' = max(m, max_j s), l' = l·2^((m - m')·log2 e) +
+  Σ_j 2^((s - m')·log2 e), and, under a soft cap with label smoothing, Σ_j s.
+
+Outputs: per (range, row) m, l (and Σ_j s) in float32, which `linear_cross_entropy`
+merges over the ranges; the label's logit, and Σ_j s without a soft cap (x·(W·1) + Σ b),
+are cheap outside the kernel. Nothing R x V reaches memory.
+
+TMA moves the (8, 64) tiles of the swizzled shared-memory layout, so the rows are padded
+to a multiple of 8 and H and V to multiples of 64 where they are not (a copy of W then:
+V = 131072, 256000, 32000, 128256 need none); rows and columns past the arrays, up to
+whole tiles, TMA reads as zeros, and the padding columns are masked by the -inf of the
+padding vector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsoftmax._backend.mosaic_gpu import pl, plgpu
+
+__all__ = ["forward", "LinearCrossEntropyHopperTiling", "supported"]
+
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a consumer's tile
+_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per vocabulary column of a tile
+_CONSUMERS = 2
+_BLOCK_ROWS = 64  # rows per consumer: one wgmma row block
+_BLOCK_HIDDEN = 64  # hidden-dim chunk: one 128-byte swizzled row of 16-bit values
+# Registers per thread, as in the attention forward: 2 · 128 · 232 + 128 · 40 = 64512.
+_CONSUMER_REGISTERS = 232
+_PRODUCER_REGISTERS = 40
+_LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCrossEntropyHopperTiling:
+  """Tiles of the Hopper forward.
+
+  Attributes:
+    block_vocab: vocabulary columns per tile (the wgmma's N): the consumers' float32
+      accumulators hold 64 x block_vocab, 128 registers a thread at 256.
+    num_stages: hidden chunks in flight (slots of the shared-memory ring).
+    vocab_splits: vocabulary ranges (CTAs per block of rows); None gives each range
+      about 32 tiles.
+  """
+
+  block_vocab: int = 256
+  num_stages: int = 4
+  vocab_splits: int | None = None
+
+  def __post_init__(self):
+    if self.block_vocab not in (64, 128, 192, 256):
+      raise ValueError("LinearCrossEntropyHopperTiling.block_vocab must be 64, 128, 192 "
+                       f"or 256, got {self.block_vocab!r}")
+    if not (isinstance(self.num_stages, int) and self.num_stages >= 2):
+      raise ValueError("LinearCrossEntropyHopperTiling.num_stages must be an int >= 2, "
+                       f"got {self.num_stages!r}")
+    if self.vocab_splits is not None and not (isinstance(self.vocab_splits, int)
+                                              and self.vocab_splits >= 1):
+      raise ValueError("LinearCrossEntropyHopperTiling.vocab_splits must be a positive "
+                       f"int or None, got {self.vocab_splits!r}")
+
+  def smem_bytes(self, itemsize: int) -> int:
+    """The ring's bytes (x chunks of both consumers and a W chunk per slot), the row
+    statistics on their way out, and 1 KiB for the barriers and alignment."""
+    slot = (_CONSUMERS * _BLOCK_ROWS + self.block_vocab) * _BLOCK_HIDDEN * itemsize
+    return self.num_stages * slot + 3 * _CONSUMERS * _BLOCK_ROWS * 4 + 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  R: int
+  H: int
+  V: int
+  tiling: LinearCrossEntropyHopperTiling
+  softcap: float | None
+  pad_columns: bool  # a vector of 0 / -inf (and the bias) is added to every tile
+  with_total: bool  # Σ_j s in the kernel (soft cap and label smoothing)
+
+  @property
+  def block_rows(self) -> int:
+    return _CONSUMERS * _BLOCK_ROWS
+
+  @property
+  def row_blocks(self) -> int:
+    return pl.cdiv(self.R, self.block_rows)
+
+  @property
+  def vocab_tiles(self) -> int:
+    return pl.cdiv(self.V, self.tiling.block_vocab)
+
+  @property
+  def hidden_chunks(self) -> int:
+    return pl.cdiv(self.H, _BLOCK_HIDDEN)
+
+  def splits(self) -> tuple[int, int]:
+    """(vocabulary ranges, tiles per range); every range holds a tile."""
+    wanted = self.tiling.vocab_splits or pl.cdiv(self.vocab_tiles, 32)
+    per = pl.cdiv(self.vocab_tiles, min(wanted, self.vocab_tiles))
+    return pl.cdiv(self.vocab_tiles, per), per
+
+
+def _kernel(x_ref, w_ref, *refs, plan: _Plan, per: int):
+  refs = list(refs)
+  pad_ref = refs.pop(0) if plan.pad_columns else None
+  m_ref, l_ref = refs.pop(0), refs.pop(0)
+  total_ref = refs.pop(0) if plan.with_total else None
+  x_smem, w_smem, stat_smem, loaded, free = refs
+
+  bv, stages, chunks = plan.tiling.block_vocab, plan.tiling.num_stages, plan.hidden_chunks
+  wg = lax.axis_index("wg")
+  split, row_block = lax.axis_index("splits"), lax.axis_index("rows")
+  first = split * per
+  tiles = jnp.minimum(per, plan.vocab_tiles - first)  # the last range may be shorter
+  r0 = row_block * plan.block_rows
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+
+    def logits(t):
+      """The float32 logit tile z of vocabulary tile first + t, by wgmma over the
+      hidden chunks."""
+      step0 = t * chunks
+
+      def products(acc_ref):
+        @pl.loop(0, chunks)
+        def _(c):
+          s = lax.rem(step0 + c, stages)
+          plgpu.barrier_wait(loaded.at[s])
+          plgpu.wgmma(acc_ref, x_smem.at[s, wg], w_smem.at[s])
+          # Keep this product in flight; the previous one is done: free its slot.
+          plgpu.wgmma_wait(1)
+          pl.when(c > 0)(lambda: plgpu.barrier_arrive(
+              free.at[lax.rem(step0 + c - 1, stages)]))
+
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(free.at[lax.rem(step0 + chunks - 1, stages)])
+        return acc_ref[...]
+
+      return pl.run_scoped(products, plgpu.ACC((_BLOCK_ROWS, bv), jnp.float32))
+
+    def tile(t, carry):
+      m, l, total = carry
+      s = logits(t)
+      shape = s.shape
+      pad = None
+      if pad_ref is not None:  # the bias, and -inf past the vocabulary
+        pad = plgpu.load(pad_ref.at[0, pl.ds((first + t) * bv, bv)], layout=_COL,
+                         optimized=False)
+        bias = plgpu.load(pad_ref.at[1, pl.ds((first + t) * bv, bv)], layout=_COL,
+                          optimized=False)
+        s = s + lax.broadcast_in_dim(bias, shape, [1])
+      if plan.softcap is not None:
+        s = plan.softcap * jnp.tanh(s / plan.softcap)
+      if total is not None:  # the padding columns are masked out of the sum
+        valid = s if pad is None else jnp.where(
+            lax.broadcast_in_dim(pad, shape, [1]) == 0, s, 0.0)
+        total = total + valid.sum(axis=1)
+      if pad is not None:
+        s = s + lax.broadcast_in_dim(pad, shape, [1])
+      # Every tile holds a vocabulary column, so m' is finite after the first tile and
+      # 2^((m - m')·log2 e) is 0 there (m = -inf), not NaN.
+      m_new = jnp.maximum(m, s.max(axis=1))
+      shift = m_new * _LOG2E
+      p = jnp.exp2(s * _LOG2E - lax.broadcast_in_dim(shift, shape, [0]))
+      l = l * jnp.exp2(m * _LOG2E - shift) + p.sum(axis=1)
+      return m_new, l, total
+
+    def row(x):
+      return plgpu.layout_cast(x, _ROW)
+
+    init = (row(jnp.full((_BLOCK_ROWS,), -jnp.inf, jnp.float32)),
+            row(jnp.zeros((_BLOCK_ROWS,), jnp.float32)),
+            row(jnp.zeros((_BLOCK_ROWS,), jnp.float32)) if plan.with_total else None)
+    m, l, total = lax.fori_loop(0, tiles, tile, init)
+    rows = pl.ds(r0 + wg * _BLOCK_ROWS, _BLOCK_ROWS)
+    outputs = [(m, m_ref), (l, l_ref)] + ([(total, total_ref)] if plan.with_total else [])
+    for i, (value, ref) in enumerate(outputs):
+      stat_smem.at[i, wg][...] = value
+    plgpu.commit_smem()
+    for i, (_, ref) in enumerate(outputs):
+      plgpu.copy_smem_to_gmem(stat_smem.at[i, wg], ref.at[split, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+    @pl.loop(0, tiles * chunks)
+    def _(g):
+      s = lax.rem(g, stages)
+      t, c = lax.div(g, chunks), lax.rem(g, chunks)
+      hidden = pl.ds(c * _BLOCK_HIDDEN, _BLOCK_HIDDEN)
+      pl.when(g >= stages)(lambda: plgpu.barrier_wait(free.at[s]))
+      for w in range(_CONSUMERS):
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(r0 + w * _BLOCK_ROWS, _BLOCK_ROWS), hidden],
+                                x_smem.at[s, w], loaded.at[s])
+      plgpu.copy_gmem_to_smem(w_ref.at[hidden, pl.ds((first + t) * bv, bv)], w_smem.at[s],
+                              loaded.at[s])
+
+
+def _pad_to(x, axis: int, size: int, value=0):
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def forward(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float | None,
+            with_total: bool):
+  """(m, l, Σ_j s or None), float32 (splits, R_pad), of rows x (R, H) against w (H, V)
+  and the optional bias b (V,), bfloat16 or float16: each range's online-softmax state
+  of the logits s = cap(x w + b)."""
+  R, H = x.shape
+  V = w.shape[1]
+  # TMA moves the (8, 64) tiles of the shared-memory layout: the rows are padded to a
+  # multiple of 8, the hidden dim and the vocabulary to multiples of 64 (a copy of W
+  # only for such sizes).
+  H64, V64 = -(-H // 64) * 64, -(-V // 64) * 64
+  x = _pad_to(_pad_to(x, 0, -(-R // 8) * 8), 1, H64)
+  w = _pad_to(_pad_to(w, 0, H64), 1, V64)
+  pad_columns = b is not None or V % tiling.block_vocab != 0
+  plan = _Plan(R, H, V, tiling, softcap, pad_columns, with_total)
+  splits, per = plan.splits()
+  bv = tiling.block_vocab
+  V_pad = plan.vocab_tiles * bv
+  R_pad = plan.row_blocks * plan.block_rows
+  args = [x, w]
+  if pad_columns:
+    # Row 0: 0 on the vocabulary, -inf past it; row 1: the bias (0 past it).
+    pad = jnp.where(jnp.arange(V_pad) < V, 0.0, -jnp.inf).astype(jnp.float32)
+    bias = jnp.zeros((V_pad,), jnp.float32) if b is None else _pad_to(
+        b.astype(jnp.float32), 0, V_pad)
+    args.append(jnp.stack([pad, bias]))
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  stages = tiling.num_stages
+  scratch = [
+      plgpu.SMEM((stages, _CONSUMERS, _BLOCK_ROWS, _BLOCK_HIDDEN), x.dtype, transforms=tiled),
+      plgpu.SMEM((stages, _BLOCK_HIDDEN, bv), w.dtype, transforms=tiled),
+      plgpu.SMEM((3, _CONSUMERS, _BLOCK_ROWS), jnp.float32),  # statistics on their way out
+      plgpu.Barrier(num_arrivals=_CONSUMERS + 1, num_barriers=stages),  # slot loaded
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # slot free
+  ]
+  stat = jax.ShapeDtypeStruct((splits, R_pad), jnp.float32)
+  outputs = plgpu.kernel(
+      functools.partial(_kernel, plan=plan, per=per),
+      out_type=[stat] * (3 if with_total else 2),
+      scratch_types=scratch,
+      grid=(splits, plan.row_blocks),
+      grid_names=("splits", "rows"),
+      num_threads=_CONSUMERS + 1,
+      thread_name="wg",
+      # Shared memory is written by TMA and read by wgmma, ordered by the barriers; the
+      # statistics are written once. tanh.approx would cost soft-capped logits their
+      # float32 accuracy (as in the attention forward), so soft caps keep exact math.
+      compiler_params=plgpu.CompilerParams(approx_math=softcap is None,
+                                           unsafe_no_auto_barriers=True,
+                                           reduction_scratch_bytes=0),
+      kernel_name="linear_cross_entropy_forward_mosaic_gpu",
+  )(*args)
+  m, l, *total = outputs
+  return m[:, :R], l[:, :R], total[0][:, :R] if total else None
+
+
+def supported(dtype, tiling: LinearCrossEntropyHopperTiling) -> str | None:
+  """Why the Hopper forward cannot take these inputs, or None."""
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    return f"its tensor-core products take bfloat16 or float16, not {jnp.dtype(dtype)}"
+  if tiling.smem_bytes(jnp.dtype(dtype).itemsize) > 227 * 1024:
+    return (f"its shared memory ({tiling.smem_bytes(jnp.dtype(dtype).itemsize)} bytes) "
+            "exceeds the 227 KiB of an H100/H200 block")
+  return None
