@@ -8,8 +8,9 @@ x 64 hidden per product on 4 warps, 2 stages: tiles that Hopper's tensor cores (
 warpgroup's 64-row wgmma) fill only in part. So the sweep tries taller and wider tiles,
 deeper hidden chunks, 8 warps and deeper pipelines, at bench_linear_cross_entropy.py's
 shapes, the loss alone (the backward's default runs XLA's products), beside `x @ w`
-(XLA's bfloat16 product alone: the matmul ceiling, without the loss). Each row is one
-tiling, named in the impl column.
+(XLA's bfloat16 product alone: the matmul ceiling, without the loss); then the Hopper
+(Mosaic GPU) forward's tiles: vocabulary columns per tile, pipeline stages and vocabulary
+ranges. Each row is one tiling, named in the impl column.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ TILES = [(64, 128, 64, 4, 2), (64, 128, 64, 4, 3), (64, 256, 64, 4, 3),
          (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 2),
          (128, 256, 64, 8, 4), (64, 256, 128, 8, 2), (128, 64, 64, 4, 3)]
 SMOKE_TILES = [(16, 16, 16, 4, 2), (32, 16, 16, 4, 2)]
+# The Hopper forward's (block_vocab, num_stages, vocab_splits), its default first; on
+# GPUs other than Hopper's the rows record why they did not run.
+HOPPER_TILES = [(256, 4, None), (256, 3, None), (192, 4, None), (128, 4, None),
+                (256, 4, 8), (256, 4, 64)]
 
 
 def _name(t: js.LinearCrossEntropyTiling) -> str:
@@ -46,9 +51,18 @@ def tune_shape(report: harness.Report, shape, dtype):
     default = tiling == js.LinearCrossEntropyTiling()
     report.measure(impl=_name(tiling) + (" (default)" if default else ""), fn=fn,
                    arg_sets=[(x, w, y)], truth=truth, **common)
+  if (T, H, V) not in [s for s, _ in SHAPES]:
+    return  # --smoke: the Hopper kernel has no interpret mode
+  for block_vocab, stages, splits in HOPPER_TILES:
+    hopper = js.LinearCrossEntropyHopperTiling(block_vocab, stages, splits)
+    tiling = js.LinearCrossEntropyTiling(forward="mosaic_gpu", hopper=hopper)
+    fn = lambda x, w, y, tiling=tiling: js.linear_cross_entropy(x, w, y, tiling=tiling)
+    report.measure(impl=f"Hopper {block_vocab} s{stages} splits {splits or 'auto'}"
+                   + (" (default)" if hopper == js.LinearCrossEntropyHopperTiling() else ""),
+                   fn=fn, arg_sets=[(x, w, y)], truth=truth, **common)
 
 
 if __name__ == "__main__":
   harness.run("tune_linear_cross_entropy", __doc__, SHAPES, SMOKE_SHAPES, tune_shape,
-              lambda shape, dtype: 1 + len(TILES), unit="TFLOP/s",
+              lambda shape, dtype: 1 + len(TILES) + len(HOPPER_TILES), unit="TFLOP/s",
               flops_doc="2·T·H·V (the loss's product)")
