@@ -3,8 +3,9 @@
 The one module that imports it. Its kernels compile only for an sm_90a GPU: Pallas'
 CPU interpreter for Mosaic GPU (``jax._src.pallas.mosaic_gpu.interpret``, JAX 0.12)
 runs neither ``pl.run_state`` over wgmma accumulators nor wgmma with a register operand,
-which FlashAttention's P V product needs, so these kernels have no interpret mode; the
-module still imports everywhere, so that the package does.
+which FlashAttention's P V product needs, so the attention kernels have no interpret
+mode; the linear cross-entropy forward, which needs neither, runs in it
+(``plgpu.InterpretGPUParams``). The module imports everywhere, so that the package does.
 """
 
 from __future__ import annotations

@@ -96,8 +96,9 @@ class LinearCrossEntropyTiling:
     chunk_vocab: vocabulary columns per chunk of the chunked backward; None picks about
       2**24 logits per chunk (a power of two, at least 1024 columns).
     forward: the forward's kernel: "triton" (the tiles above) or "mosaic_gpu" (a Hopper
-      GPU's tensor cores through Pallas Mosaic GPU, bfloat16 and float16 only, no
-      interpret mode; its tiles are ``hopper``); None: "triton".
+      GPU's tensor cores through Pallas Mosaic GPU, bfloat16 and float16 only;
+      interpreted by Pallas' Mosaic GPU interpreter off a GPU; its tiles are
+      ``hopper``); None: "triton".
     hopper: the "mosaic_gpu" forward's `LinearCrossEntropyHopperTiling`; None: its
       defaults.
   """
@@ -284,7 +285,7 @@ def _forward_hopper(x, w, b, labels, dims: _Dims, options: _Options):
   with_total = options.softcap is not None and options.label_smoothing > 0
   tiling = dims.tiling.hopper or LinearCrossEntropyHopperTiling()
   m, l, total = mosaic_gpu.forward(x, w, b, tiling=tiling, softcap=options.softcap,
-                                   with_total=with_total)
+                                   with_total=with_total, interpret=options.interpret)
   m_all = m.max(axis=0)  # every range holds a column of every row: m is finite
   lse = m_all + jnp.log(jnp.sum(l * jnp.exp(m - m_all[None, :]), axis=0))
   # s_y = cap(x_r · W[:, y_r] + b_y); an out-of-range label's row is NaN in `_loss`.
@@ -717,9 +718,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
   if tiling is not None and tiling.forward == "mosaic_gpu" and hidden.dtype != jnp.float64:
     why = mosaic_gpu.supported(hidden.dtype,
                                tiling.hopper or LinearCrossEntropyHopperTiling())
-    if why is None and interpret:
-      why = "it has no interpret mode (Pallas Mosaic GPU kernels run only on the GPU)"
-    if why is None and not mosaic_device.hopper_device():
+    if why is None and not interpret and not mosaic_device.hopper_device():
       why = f"it needs a Hopper GPU, and the device is {mosaic_device.device_description()}"
     if why is not None:
       raise ValueError(f"{op}: tiling.forward='mosaic_gpu' cannot run: {why}")

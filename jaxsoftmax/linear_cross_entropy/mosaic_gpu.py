@@ -222,6 +222,12 @@ def _kernel(x_ref, w_ref, *refs, plan: _Plan, per: int):
       plgpu.copy_gmem_to_smem(w_ref.at[hidden, pl.ds((first + t) * bv, bv)], w_smem.at[s],
                               loaded.at[s])
 
+    # Wait for the last slots to be freed too: every phase of the "free" barriers is then
+    # observed before they are deallocated (Pallas' Mosaic GPU interpreter checks that).
+    @pl.loop(tiles * chunks, tiles * chunks + stages)
+    def _(g):
+      pl.when(g >= stages)(lambda: plgpu.barrier_wait(free.at[lax.rem(g, stages)]))
+
 
 def _pad_to(x, axis: int, size: int, value=0):
   if x.shape[axis] == size:
@@ -232,10 +238,11 @@ def _pad_to(x, axis: int, size: int, value=0):
 
 
 def forward(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float | None,
-            with_total: bool):
+            with_total: bool, interpret: bool = False):
   """(m, l, Σ_j s or None), float32 (splits, R_pad), of rows x (R, H) against w (H, V)
   and the optional bias b (V,), bfloat16 or float16: each range's online-softmax state
-  of the logits s = cap(x w + b)."""
+  of the logits s = cap(x w + b). ``interpret``: run in Pallas' Mosaic GPU interpreter
+  on the CPU (it simulates the warpgroups, barriers, TMA and wgmma)."""
   R, H = x.shape
   V = w.shape[1]
   # TMA moves the (8, 64) tiles of the shared-memory layout: the rows are padded to a
@@ -282,6 +289,7 @@ def forward(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float |
                                            unsafe_no_auto_barriers=True,
                                            reduction_scratch_bytes=0),
       kernel_name="linear_cross_entropy_forward_mosaic_gpu",
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(*args)
   m, l, *total = outputs
   return m[:, :R], l[:, :R], total[0][:, :R] if total else None
