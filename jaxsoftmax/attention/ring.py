@@ -3,13 +3,14 @@
 Inside `jax.shard_map`, each of the P devices of ``axis_name`` holds a shard of the
 queries and of the keys/values along the sequence (layout B T N H). Two strategies:
 
-- ``"ring"`` (Liu et al., Ring Attention, 2023): K and V (with their segment ids) travel
-  around the ring by `lax.ppermute`. At step s device d holds the block of device d - s
-  and runs the attention kernels of its queries against it; the partial (o, lse) merge in
-  float32 through `merge_attention_states`. The transfer for step s + 1 is issued before
-  step s's kernels, so that XLA runs the two at once. The backward walks the ring again:
-  each step gives dQ (kept) and dK, dV of the visiting block, which travel on with it
-  and are home after P steps.
+- ``"ring"`` (Liu et al., Ring Attention, 2023): K and V, stacked into one buffer (with
+  their segment ids), travel around the ring by `lax.ppermute`. At step s device d holds
+  the block of device d - s and runs the attention kernels of its queries against it;
+  the partial (o, lse) merge in float32 through `merge_attention_states`. The transfer
+  for step s + 1 is issued before step s's kernels, so that XLA runs the two at once.
+  The backward walks the ring again: each step gives dQ (kept) and dK, dV of the
+  visiting block, float32 accumulators that travel on with it, stacked, and are home
+  after P steps (the last hop in the inputs' dtype: the sums are complete then).
 - ``"all_gather"`` (Llama 3's context parallelism): K and V gathered once, one kernel
   call per query chunk, the key gradients summed back to their owners by
   `lax.psum_scatter`.
