@@ -17,7 +17,8 @@
 # shapes, RING_NAME names the results), ring-profile (the gaps between back-to-back
 # calls, profile_ring_attention.py, with the GPUs' clocks and power) and ring-example (context parallelism on every
 # visible GPU), lce-tests and
-# lce-bench (linear_cross_entropy; tune-lce sweeps its forward's tiles), norm-tests, norm-bench and tune-norms (layer_norm,
+# lce-bench (linear_cross_entropy; tune-lce sweeps its forward's tiles; LCE_ONLY picks
+# shapes, LCE_NAME names the results), norm-tests, norm-bench and tune-norms (layer_norm,
 # rms_norm; tune_norms.py sweeps their tiles; NORM_ONLY picks shapes; norm-ncu: the
 # backward kernel's counters, profile_norms.py). Each is bounded by a timeout so that one hung stage still leaves the
 # others' results. Everything is also packed into $OUT/run.tgz, since only a few files
@@ -142,10 +143,12 @@ for stage in ${STAGES:-tests tune bench}; do
         tests/test_linear_cross_entropy.py 2>&1 | tee "$out/lce_tests.log" | tail -n 6 \
         | tee -a "$out/summary.log" ;;
     lce-bench)
-      timeout 400 $python benchmarks/bench_linear_cross_entropy.py --out "$out" 2>&1 \
+      timeout 400 $python benchmarks/bench_linear_cross_entropy.py --out "$out" \
+        ${LCE_ONLY:+--only "$LCE_ONLY"} ${LCE_NAME:+--name "$LCE_NAME"} 2>&1 \
         | tee "$out/lce_bench.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     tune-lce)
-      timeout 400 $python benchmarks/tune_linear_cross_entropy.py --out "$out" 2>&1 \
+      timeout 400 $python benchmarks/tune_linear_cross_entropy.py --out "$out" \
+        ${LCE_ONLY:+--only "$LCE_ONLY"} 2>&1 \
         | tee "$out/tune_lce.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     norm-tests)
       timeout 300 $python -m pytest -m gpu -q -p no:cacheprovider -rfEs \
