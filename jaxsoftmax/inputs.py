@@ -87,6 +87,13 @@ def check_floating(x, name: str, fn: str) -> jax.Array:
   return x
 
 
+def check_optional_positive_int(value, name: str) -> None:
+  """A ValueError naming ``name`` unless ``value`` is None or an int >= 1 (tiling
+  fields that default to a heuristic)."""
+  if value is not None and not (isinstance(value, int) and value >= 1):
+    raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
 def check_where(where, shape: tuple[int, ...], fn: str) -> jax.Array | None:
   """``where`` broadcast to ``shape`` as a bool array, or a clear error."""
   if where is None:

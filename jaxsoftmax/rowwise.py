@@ -607,9 +607,8 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
     block_bytes = br * bc * jnp.dtype(inputs[0].dtype).itemsize
     fewest, most = COL_SUM_PROGRAMS_PER_CORE
     per_core = min(most, max(fewest, COL_SUM_BYTES_IN_FLIGHT // block_bytes))
-    programs = min(n_row_blocks, per_core * _backend.num_cores())
-    row_blocks = pl.cdiv(n_row_blocks, programs)
-    programs = pl.cdiv(n_row_blocks, row_blocks)
+    programs, row_blocks = _backend.even_groups(n_row_blocks,
+                                                per_core * _backend.num_cores())
     span = row_blocks * br
     tile_spec = pl.BlockSpec((span, bc), lambda i: (i, 0))
     row_spec = pl.BlockSpec((span,), lambda i: (i,))

@@ -92,6 +92,14 @@ def num_cores() -> int:
   return int(getattr(device, "core_count", 0) or 132)
 
 
+def even_groups(n: int, wanted: int) -> tuple[int, int]:
+  """(groups, items per group) that cut n items into at most ``wanted`` groups of one
+  size, each holding an item (the last may be shorter): how grids share out row blocks
+  or vocabulary tiles among their programs."""
+  per = pl.cdiv(n, max(1, min(wanted, n)))
+  return pl.cdiv(n, per), per
+
+
 def dot(a, b, *, trans_b: bool = False, trans_a: bool = False):
   """A matrix product on the tensor cores, accumulated in float32. float32 operands use
   full float32 precision (Triton would otherwise round them to tf32)."""

@@ -13,10 +13,25 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["pl", "plgpu", "hopper_device", "device_description"]
+__all__ = ["pl", "plgpu", "hopper_device", "device_description", "pad_to", "SMEM_BYTES"]
+
+# Shared memory an H100/H200 block may use, in bytes.
+SMEM_BYTES = 227 * 1024
+
+
+def pad_to(x, axis: int, size: int, value=0):
+  """x padded along ``axis`` to ``size`` with ``value`` (no copy when it has that size):
+  TMA moves whole (8, 64) tiles of the swizzled shared-memory layout, so the kernels
+  pad their operands' sizes to multiples of those."""
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
 
 
 @functools.cache

@@ -63,7 +63,8 @@ from jaxsoftmax import _backend, reference
 from jaxsoftmax._backend import pl
 from jaxsoftmax._backend import mosaic_gpu as mosaic_device
 from jaxsoftmax.cross_entropy import REDUCTIONS, check_labels, reduce_losses
-from jaxsoftmax.inputs import check_floating
+from jaxsoftmax.inputs import check_floating, check_optional_positive_int
+from jaxsoftmax.state import reduce_states, state_lse
 from jaxsoftmax.linear_cross_entropy import mosaic_gpu
 from jaxsoftmax.linear_cross_entropy.mosaic_gpu import LinearCrossEntropyHopperTiling
 
@@ -114,6 +115,11 @@ class LinearCrossEntropyTiling:
   forward: str | None = None
   hopper: LinearCrossEntropyHopperTiling | None = None
 
+  @property
+  def hopper_tiling(self) -> LinearCrossEntropyHopperTiling:
+    """The "mosaic_gpu" forward's tiles: ``hopper``, or their defaults."""
+    return self.hopper or LinearCrossEntropyHopperTiling()
+
   def __post_init__(self):
     for name in ("block_rows", "block_vocab", "block_hidden"):
       value = getattr(self, name)
@@ -130,14 +136,8 @@ class LinearCrossEntropyTiling:
                                                   LinearCrossEntropyHopperTiling):
       raise TypeError("LinearCrossEntropyTiling.hopper must be a "
                       f"LinearCrossEntropyHopperTiling or None, got {self.hopper!r}")
-    if self.chunk_vocab is not None and not (isinstance(self.chunk_vocab, int)
-                                             and self.chunk_vocab >= 1):
-      raise ValueError("LinearCrossEntropyTiling.chunk_vocab must be a positive int or "
-                       f"None, got {self.chunk_vocab!r}")
-    if self.vocab_splits is not None and not (isinstance(self.vocab_splits, int)
-                                              and self.vocab_splits >= 1):
-      raise ValueError("LinearCrossEntropyTiling.vocab_splits must be a positive int or "
-                       f"None, got {self.vocab_splits!r}")
+    for name in ("chunk_vocab", "vocab_splits"):
+      check_optional_positive_int(getattr(self, name), f"LinearCrossEntropyTiling.{name}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +172,7 @@ class _Dims:
     wanted = self.tiling.vocab_splits
     if wanted is None:  # two programs per SM
       wanted = pl.cdiv(2 * _backend.num_cores(), self.row_blocks)
-    per = pl.cdiv(self.vocab_tiles, min(wanted, self.vocab_tiles))
-    return pl.cdiv(self.vocab_tiles, per), per
+    return _backend.even_groups(self.vocab_tiles, wanted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,9 +272,7 @@ def _forward(x, w, b, labels, dims: _Dims, options: _Options):
       in_specs=in_specs, out_specs=[stat] * 4, out_shape=[stat_shape] * 4,
       num_warps=t.num_warps, num_stages=t.num_stages, interpret=options.interpret,
   )(*args, jnp.pad(labels, (0, R_pad - dims.R)))
-  # Merge the ranges' states (every range holds a column of every row: m is finite).
-  m_all = m.max(axis=0)
-  lse = m_all + jnp.log(jnp.sum(l * jnp.exp(m - m_all[None, :]), axis=0))
+  lse = state_lse(*reduce_states(m, l, axis=0))  # the ranges' states merged
   return lse[:dims.R], label.sum(axis=0)[:dims.R], total.sum(axis=0)[:dims.R]
 
 
@@ -283,11 +280,10 @@ def _forward_hopper(x, w, b, labels, dims: _Dims, options: _Options):
   """`_forward` by the Hopper kernel (`mosaic_gpu`): lse from its ranges' states; the
   label's logit, and Σ_j s without a soft cap, from XLA's products beside it."""
   with_total = options.softcap is not None and options.label_smoothing > 0
-  tiling = dims.tiling.hopper or LinearCrossEntropyHopperTiling()
-  m, l, total = mosaic_gpu.forward(x, w, b, tiling=tiling, softcap=options.softcap,
-                                   with_total=with_total, interpret=options.interpret)
-  m_all = m.max(axis=0)  # every range holds a column of every row: m is finite
-  lse = m_all + jnp.log(jnp.sum(l * jnp.exp(m - m_all[None, :]), axis=0))
+  m, l, total = mosaic_gpu.forward(x, w, b, tiling=dims.tiling.hopper_tiling,
+                                   softcap=options.softcap, with_total=with_total,
+                                   interpret=options.interpret)
+  lse = state_lse(*reduce_states(m, l, axis=0))  # the ranges' states merged
   # s_y = cap(x_r · W[:, y_r] + b_y); an out-of-range label's row is NaN in `_loss`.
   y = jnp.clip(labels, 0, dims.V - 1)
   z_y = jnp.einsum("rh,hr->r", x, jnp.take(w, y, axis=1),
@@ -716,8 +712,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
   check_labels(labels, V, ignore_index, op)
   interpret = _backend.resolve_interpret(interpret)
   if tiling is not None and tiling.forward == "mosaic_gpu" and hidden.dtype != jnp.float64:
-    why = mosaic_gpu.supported(hidden.dtype,
-                               tiling.hopper or LinearCrossEntropyHopperTiling())
+    why = mosaic_gpu.supported(hidden.dtype, tiling.hopper_tiling)
     if why is None and not interpret and not mosaic_device.hopper_device():
       why = f"it needs a Hopper GPU, and the device is {mosaic_device.device_description()}"
     if why is not None:

@@ -40,7 +40,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax._backend.mosaic_gpu import pl, plgpu
+from jaxsoftmax import _backend
+from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, pad_to, pl, plgpu
+from jaxsoftmax.inputs import check_optional_positive_int
 
 __all__ = ["forward", "LinearCrossEntropyHopperTiling", "supported"]
 
@@ -78,10 +80,7 @@ class LinearCrossEntropyHopperTiling:
     if not (isinstance(self.num_stages, int) and self.num_stages >= 2):
       raise ValueError("LinearCrossEntropyHopperTiling.num_stages must be an int >= 2, "
                        f"got {self.num_stages!r}")
-    if self.vocab_splits is not None and not (isinstance(self.vocab_splits, int)
-                                              and self.vocab_splits >= 1):
-      raise ValueError("LinearCrossEntropyHopperTiling.vocab_splits must be a positive "
-                       f"int or None, got {self.vocab_splits!r}")
+    check_optional_positive_int(self.vocab_splits, "LinearCrossEntropyHopperTiling.vocab_splits")
 
   def smem_bytes(self, itemsize: int) -> int:
     """The ring's bytes (x chunks of both consumers and a W chunk per slot), the row
@@ -97,8 +96,14 @@ class _Plan:
   V: int
   tiling: LinearCrossEntropyHopperTiling
   softcap: float | None
-  pad_columns: bool  # a vector of 0 / -inf (and the bias) is added to every tile
+  has_bias: bool
   with_total: bool  # Σ_j s in the kernel (soft cap and label smoothing)
+
+  @property
+  def pad_columns(self) -> bool:
+    """Whether a vector of 0 / -inf past the vocabulary (and the bias) is added to
+    every tile."""
+    return self.has_bias or self.V % self.tiling.block_vocab != 0
 
   @property
   def block_rows(self) -> int:
@@ -119,8 +124,7 @@ class _Plan:
   def splits(self) -> tuple[int, int]:
     """(vocabulary ranges, tiles per range); every range holds a tile."""
     wanted = self.tiling.vocab_splits or pl.cdiv(self.vocab_tiles, 32)
-    per = pl.cdiv(self.vocab_tiles, min(wanted, self.vocab_tiles))
-    return pl.cdiv(self.vocab_tiles, per), per
+    return _backend.even_groups(self.vocab_tiles, wanted)
 
 
 def _kernel(x_ref, w_ref, *refs, plan: _Plan, per: int):
@@ -229,14 +233,6 @@ def _kernel(x_ref, w_ref, *refs, plan: _Plan, per: int):
       pl.when(g >= stages)(lambda: plgpu.barrier_wait(free.at[lax.rem(g, stages)]))
 
 
-def _pad_to(x, axis: int, size: int, value=0):
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths, constant_values=value)
-
-
 def forward(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float | None,
             with_total: bool, interpret: bool = False):
   """(m, l, Σ_j s or None), float32 (splits, R_pad), of rows x (R, H) against w (H, V)
@@ -249,19 +245,18 @@ def forward(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float |
   # multiple of 8, the hidden dim and the vocabulary to multiples of 64 (a copy of W
   # only for such sizes).
   H64, V64 = -(-H // 64) * 64, -(-V // 64) * 64
-  x = _pad_to(_pad_to(x, 0, -(-R // 8) * 8), 1, H64)
-  w = _pad_to(_pad_to(w, 0, H64), 1, V64)
-  pad_columns = b is not None or V % tiling.block_vocab != 0
-  plan = _Plan(R, H, V, tiling, softcap, pad_columns, with_total)
+  x = pad_to(pad_to(x, 0, -(-R // 8) * 8), 1, H64)
+  w = pad_to(pad_to(w, 0, H64), 1, V64)
+  plan = _Plan(R, H, V, tiling, softcap, b is not None, with_total)
   splits, per = plan.splits()
   bv = tiling.block_vocab
   V_pad = plan.vocab_tiles * bv
   R_pad = plan.row_blocks * plan.block_rows
   args = [x, w]
-  if pad_columns:
+  if plan.pad_columns:
     # Row 0: 0 on the vocabulary, -inf past it; row 1: the bias (0 past it).
     pad = jnp.where(jnp.arange(V_pad) < V, 0.0, -jnp.inf).astype(jnp.float32)
-    bias = jnp.zeros((V_pad,), jnp.float32) if b is None else _pad_to(
+    bias = jnp.zeros((V_pad,), jnp.float32) if b is None else pad_to(
         b.astype(jnp.float32), 0, V_pad)
     args.append(jnp.stack([pad, bias]))
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -299,7 +294,7 @@ def supported(dtype, tiling: LinearCrossEntropyHopperTiling) -> str | None:
   """Why the Hopper forward cannot take these inputs, or None."""
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
     return f"its tensor-core products take bfloat16 or float16, not {jnp.dtype(dtype)}"
-  if tiling.smem_bytes(jnp.dtype(dtype).itemsize) > 227 * 1024:
-    return (f"its shared memory ({tiling.smem_bytes(jnp.dtype(dtype).itemsize)} bytes) "
-            "exceeds the 227 KiB of an H100/H200 block")
+  needed = tiling.smem_bytes(jnp.dtype(dtype).itemsize)
+  if needed > SMEM_BYTES:
+    return f"it needs {needed} bytes of shared memory, more than {SMEM_BYTES}"
   return None

@@ -12,10 +12,11 @@ does not (deterministic calls above head dim 128). It has no interpret mode (see
 from __future__ import annotations
 
 from jaxsoftmax._backend import mosaic_gpu as _device
+from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES
 from jaxsoftmax.attention.call import Call
 from jaxsoftmax.attention.mosaic_gpu import backward as _backward
 from jaxsoftmax.attention.mosaic_gpu import forward as _forward
-from jaxsoftmax.attention.mosaic_gpu.forward import SMEM_BYTES, HopperBlockSizes, pad_head_dim
+from jaxsoftmax.attention.mosaic_gpu.forward import HopperBlockSizes, pad_head_dim
 
 NAME = "mosaic_gpu"
 MAX_HEAD_DIM = 256

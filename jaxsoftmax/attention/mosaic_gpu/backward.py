@@ -55,14 +55,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax._backend.mosaic_gpu import pl, plgpu
+from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, pad_to, pl, plgpu
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
                                         query_block_ranges, walk_block_ranges)
-from jaxsoftmax.attention.mosaic_gpu.forward import (SMEM_BYTES, pad_head_dim, pad_to,
-                                                     split_aux_refs)
+from jaxsoftmax.attention.mosaic_gpu.forward import pad_head_dim, split_aux_refs
 
 # One value per row, and per column, of a wgmma tile: the dK/dV kernel works on
 # Sᵀ = K Qᵀ (a row per key, a column per query), the dQ kernel on S = Q Kᵀ.

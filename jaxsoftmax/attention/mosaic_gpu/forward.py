@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax import _backend
-from jaxsoftmax._backend.mosaic_gpu import pl, plgpu
+from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, pad_to, pl, plgpu
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
@@ -50,8 +50,6 @@ _CONSUMERS = 2
 # 64K registers of an SM: 2 · 128 · 232 + 128 · 40 = 64512.
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
-# Shared memory an H100/H200 block may use, in bytes.
-SMEM_BYTES = 227 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,15 +367,6 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
       return issued + (hi - lo)
 
     work.for_each(item_body, jnp.int32(0))
-
-
-def pad_to(x, axis: int, size: int, value=0):
-  """x padded along ``axis`` to ``size`` with ``value`` (no copy when it has that size)."""
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths, constant_values=value)
 
 
 def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, scale: float,
