@@ -88,27 +88,34 @@ def _overlap(intervals, others) -> float:
   return total
 
 
+def trace_planes(fn, args, calls: int = 1) -> dict:
+  """A `jax.profiler` trace of ``calls`` back-to-back calls (after one untraced): plane
+  -> line -> [(event name, start us, duration us)], every device and host thread."""
+  from jax.profiler import ProfileData
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as logdir:
+    jax.profiler.start_trace(logdir)
+    jax.block_until_ready([fn(*args) for _ in range(calls)])
+    jax.profiler.stop_trace()
+    [path] = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+    profile = ProfileData.from_file(path)
+  return {plane.name: {line.name: [(event.name, event.start_ns / 1e3,
+                                    event.duration_ns / 1e3) for event in line.events]
+                       for line in plane.lines} for plane in profile.planes}
+
+
 def device0_split(fn, args, timeline_path=None) -> dict:
   """Compute-busy time, NCCL time and the part of it that overlaps compute (us) of one
   call on GPU 0, from a jax.profiler trace: the ring's transfers should hide behind the
   kernels. ``timeline_path``: also write every GPU's kernels there as JSON (stream,
   kernel, start and duration in us from the call's first kernel), to read where the
   idle time sits."""
-  from jax.profiler import ProfileData
-  jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as logdir:
-    jax.profiler.start_trace(logdir)
-    jax.block_until_ready(fn(*args))
-    jax.profiler.stop_trace()
-    [path] = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-    profile = ProfileData.from_file(path)
-  kernels = {}  # GPU plane -> [(stream, kernel, start us, end us)]
-  for plane in profile.planes:
-    if plane.name.startswith("/device:GPU:"):
-      kernels[plane.name] = [
-          (line.name, event.name, event.start_ns / 1e3,
-           (event.start_ns + event.duration_ns) / 1e3)
-          for line in plane.lines if line.name.startswith("Stream") for event in line.events]
+  # GPU plane -> [(stream, kernel, start us, end us)]
+  kernels = {plane: [(line, name, start, start + duration)
+                     for line, events in lines.items() if line.startswith("Stream")
+                     for name, start, duration in events]
+             for plane, lines in trace_planes(fn, args).items()
+             if plane.startswith("/device:GPU:")}
   compute, nccl = [], []
   for _, name, start, stop in kernels["/device:GPU:0"]:
     (nccl if "nccl" in name.lower() else compute).append((start, stop))

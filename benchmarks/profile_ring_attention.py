@@ -23,16 +23,14 @@ os.environ["XLA_FLAGS"] = " ".join(
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import glob  # noqa: E402
 import json  # noqa: E402
-import tempfile  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import jaxsoftmax as js  # noqa: E402
-from bench_ring_attention import wall_us  # noqa: E402
+from bench_ring_attention import trace_planes, wall_us  # noqa: E402
 
 CALLS_TRACED = 10  # as many as bench_ring_attention.wall_us times back to back
 
@@ -41,20 +39,10 @@ def trace(fn, args, path) -> tuple[float, list[float]]:
   """Writes the trace of CALLS_TRACED back-to-back calls to ``path``; returns GPU 0's
   span per call (first kernel's start to last kernel's end, over the calls) and its
   largest idle gaps (us), which would sit between the calls."""
-  from jax.profiler import ProfileData
-  jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as logdir:
-    jax.profiler.start_trace(logdir)
-    jax.block_until_ready([fn(*args) for _ in range(CALLS_TRACED)])
-    jax.profiler.stop_trace()
-    [xplane] = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-    profile = ProfileData.from_file(xplane)
-  planes = {plane.name: {line.name: [(event.name[:120], event.start_ns / 1e3,
-                                      event.duration_ns / 1e3) for event in line.events]
-                         for line in plane.lines} for plane in profile.planes}
+  planes = trace_planes(fn, args, CALLS_TRACED)
   t0 = min(start for lines in planes.values() for events in lines.values()
            for _, start, _ in events)
-  planes = {p: {line: [(n, round(s - t0, 1), round(d, 1)) for n, s, d in events]
+  planes = {p: {line: [(n[:120], round(s - t0, 1), round(d, 1)) for n, s, d in events]
                 for line, events in lines.items()} for p, lines in planes.items()}
   with open(path, "w") as f:
     json.dump(planes, f)

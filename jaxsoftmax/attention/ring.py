@@ -164,14 +164,19 @@ class _Plan:
   def ring_step(self, s: int) -> tuple[list[_Piece], list[_Piece]]:
     """The pieces of ring step s, for devices d >= s (index 0) and for d < s (index 1,
     which hold the block of device d - s + P). The causal zigzag steps s > 0 are not
-    pieces of static place but `_zigzag_tiles`."""
+    pieces of static place but `_zigzag_tiles` (`tiled_step`)."""
     if s == 0 or (self.layout == "zigzag" and not self.is_causal):
       # Its own block (in zigzag order too, the local order is the global one), or no
       # mask to shift.
       own = self._whole(self.S, 0)
       return own, own
-    assert self.layout == "contiguous", "causal zigzag steps are _zigzag_tiles"
+    assert not self.tiled_step(s), "causal zigzag steps are _zigzag_tiles"
     return self._whole(self.S, s * self.T), self._whole(self.S, (s - self.shards) * self.T)
+
+  def tiled_step(self, s: int) -> bool:
+    """Whether ring step s runs `_zigzag_tiles` (the causal zigzag steps after the
+    first) rather than the pieces of `ring_step`."""
+    return s > 0 and self.layout == "zigzag" and self.is_causal
 
   def gathered(self) -> list[list[_Piece]]:
     """The pieces of each device d against all keys in their natural order."""
@@ -265,14 +270,16 @@ def _choose(index, variants: tuple, run, *operands):
 
 
 def _zigzag_tiles(plan: _Plan, later):
-  """The two tiles of a causal zigzag ring step s > 0, as (query chunk start, key chunk
-  start) pairs of chunk length c = T/2, all unmasked. The local chunks are (d, 2P-1-d),
-  the block's (e, 2P-1-e) with e = d - s mod P; ``later`` (traced) is e > d.
+  """(the tiles' `_Piece`, their (query chunk start, key chunk start) pairs): the two
+  tiles of a causal zigzag ring step s > 0, of chunk length c = T/2, all unmasked. The
+  local chunks are (d, 2P-1-d), the block's (e, 2P-1-e) with e = d - s mod P; ``later``
+  (traced) is e > d.
   e < d: both local chunks see chunk e whole, chunk 2P-1-e not at all;
   e > d: chunk 2P-1-d sees both of the block's chunks whole, chunk d neither."""
   c = plan.T // 2
   shifted = jnp.where(later, c, 0)
-  return ((shifted, 0), (c, shifted))
+  piece = _Piece(0, c, 0, c, MaskSpec(c, c, has_segments=plan.has_segments))
+  return piece, ((shifted, 0), (c, shifted))
 
 
 def _chunk(x, start, c: int, axis: int = 1):
@@ -287,9 +294,9 @@ def _add_chunk(acc, x, start, axis: int = 1):
 
 def _zigzag_forward_step(plan: _Plan, later, q, q_seg, k, v, kv_seg, o, lse):
   """(o, lse) of the local queries, the step's two tiles merged in."""
-  c = plan.T // 2
-  piece = _Piece(0, c, 0, c, MaskSpec(c, c, has_segments=plan.has_segments))
-  for q0, k0 in _zigzag_tiles(plan, later):
+  piece, tiles = _zigzag_tiles(plan, later)
+  c = piece.T
+  for q0, k0 in tiles:
     o_t, lse_t = _block_forward(plan, piece, _chunk(q, q0, c), _chunk(k, k0, c),
                                 _chunk(v, k0, c), _chunk(q_seg, q0, c),
                                 _chunk(kv_seg, k0, c))
@@ -304,9 +311,9 @@ def _zigzag_backward_step(plan: _Plan, later, q, q_seg, k, v, kv_seg, delta, lse
                           dq, dkv):
   """(dq, dkv) with the step's two tiles' gradients added (dkv: the visiting block's
   accumulators, dK and dV stacked)."""
-  c = plan.T // 2
-  piece = _Piece(0, c, 0, c, MaskSpec(c, c, has_segments=plan.has_segments))
-  for q0, k0 in _zigzag_tiles(plan, later):
+  piece, tiles = _zigzag_tiles(plan, later)
+  c = piece.T
+  for q0, k0 in tiles:
     rows = functools.partial(_chunk, start=q0, c=c)
     keys = functools.partial(_chunk, start=k0, c=c)
     dq_t, dk_t, dv_t = _block_backward(plan, piece, rows(q), keys(k), keys(v), rows(q_seg),
@@ -346,7 +353,7 @@ def _forward(plan: _Plan, q, k, v, q_seg, kv_seg):
       next_block = _next_device(plan, block)
     kv, seg = block
     k_s, v_s = (k, v) if s == 0 else (kv[0], kv[1])
-    if s > 0 and plan.layout == "zigzag" and plan.is_causal:
+    if plan.tiled_step(s):
       o, lse = _zigzag_forward_step(plan, d < s, q, q_seg, k_s, v_s, seg, o, lse)
     else:
       o_s, lse_s = _choose((d < s).astype(jnp.int32), plan.ring_step(s),
@@ -383,7 +390,7 @@ def _backward(plan: _Plan, q, k, v, q_seg, kv_seg, o, lse, do):
       next_block = _next_device(plan, block)
     kv, seg = block
     k_s, v_s = (k, v) if s == 0 else (kv[0], kv[1])
-    if s > 0 and plan.layout == "zigzag" and plan.is_causal:
+    if plan.tiled_step(s):
       dq, dkv = _zigzag_backward_step(plan, d < s, q, q_seg, k_s, v_s, seg, delta, lse, do,
                                       dq, dkv)
     else:
