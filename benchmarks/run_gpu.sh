@@ -4,25 +4,33 @@
 #
 #   STAGES="tests tune bench" bash benchmarks/run_gpu.sh
 #
-# Stages: tests (pytest -m gpu), tune (tune_rows.py), bench (bench_softmax.py and
-# bench_cross_entropy.py), attn-tests (pytest -m gpu tests/test_attention.py), attn-tune
-# (tune_attention.py; TUNE_ONLY="4,5" picks shapes), attn-bench (bench_attention.py; ATTN_ONLY="0,1" picks shapes,
-# ATTN_NAME names the results, ATTN_MODES="fwd" measures the forward alone), attn-bench-bwd
-# (bench_attention_backward.py: the backwards alone; ATTN_ONLY picks shapes), attn-ncu
-# (Nsight Compute counters of one forward; NCU_SOURCE=1 adds the per-instruction stall
-# samples on the SASS), attn-resources (ptxas' registers and spills
-# of the Mosaic GPU kernels, PROFILE_SHAPES picks shapes), attn-tune-hopper (tune_attention_hopper.py:
-# the Mosaic GPU forward's tiles; TUNE_ONLY picks shapes), example (the transformer
-# example at GPU size, with its profiler trace), ring-tests, ring-bench (RING_ONLY picks
-# shapes, RING_NAME names the results), ring-profile (the gaps between back-to-back
-# calls, profile_ring_attention.py, with the GPUs' clocks and power) and ring-example (context parallelism on every
-# visible GPU), lce-tests and
-# lce-bench (linear_cross_entropy; tune-lce sweeps its forward's tiles; LCE_ONLY picks
-# shapes, LCE_NAME names the results), norm-tests, norm-bench and tune-norms (layer_norm,
-# rms_norm; tune_norms.py sweeps their tiles; NORM_ONLY picks shapes; norm-ncu: the
-# backward kernel's counters, profile_norms.py). Each is bounded by a timeout so that one hung stage still leaves the
-# others' results. Everything is also packed into $OUT/run.tgz, since only a few files
-# come back from the machine.
+# Stages (each bounded by a timeout, so that one hung stage still leaves the others'
+# results; everything is also packed into $OUT/run.tgz, since only a few files come back
+# from the machine):
+#   tests, tune, bench      pytest -m gpu; tune_rows.py; bench_softmax.py and
+#                           bench_cross_entropy.py
+#   attn-tests              pytest -m gpu tests/test_attention.py
+#   attn-tune               tune_attention.py (TUNE_ONLY="4,5" picks shapes)
+#   attn-tune-hopper        tune_attention_hopper.py: the Mosaic GPU forward's tiles
+#                           (TUNE_ONLY picks shapes)
+#   attn-bench              bench_attention.py (ATTN_ONLY="0,1" picks shapes, ATTN_NAME
+#                           names the results, ATTN_MODES="fwd" measures the forward alone)
+#   attn-bench-bwd          bench_attention_backward.py: the backwards alone (ATTN_ONLY)
+#   attn-ncu                Nsight Compute counters of one forward (NCU_SOURCE=1 adds the
+#                           per-instruction stall samples on the SASS)
+#   attn-resources          ptxas' registers and spills of the Mosaic GPU kernels
+#                           (PROFILE_SHAPES picks shapes)
+#   example                 the transformer example at GPU size, with its profiler trace
+#   ring-tests, ring-bench  context parallelism on every visible GPU (RING_ONLY picks
+#                           shapes, RING_NAME names the results)
+#   ring-profile            the gaps between back-to-back calls (profile_ring_attention.py)
+#                           with the GPUs' clocks and power
+#   ring-example            examples/long_context.py on every visible GPU
+#   lce-tests, lce-bench    linear_cross_entropy (LCE_ONLY picks shapes, LCE_NAME names
+#                           the results); tune-lce sweeps its forward's tiles (LCE_ONLY)
+#   norm-tests, norm-bench  layer_norm, rms_norm (NORM_ONLY picks shapes); tune-norms
+#                           sweeps their tiles; norm-ncu: the backward kernel's counters
+#                           (profile_norms.py)
 #
 # The attention peers FA3 and tokamax come as wheels placed in .peers (git-ignored; carry
 # it to the machine); they are installed under /tmp for the run.
