@@ -18,7 +18,8 @@ keep the GPU busy (the union of their intervals), the time in NCCL kernels and h
 of it runs under compute kernels (the ring's overlap), and the exposed communication and
 idle time (wall minus compute); every GPU's kernels of that call go to
 ``<name>_timelines/`` as JSON, to read where the idle time sits, beside the optimized HLO
-(the schedule XLA chose). Speedup: one GPU's time over the context-parallel time;
+(the schedule XLA chose). Error: the largest absolute difference of the output (or of
+dq, dk and dv) from one GPU's. Speedup: one GPU's time over the context-parallel time;
 TFLOP/s over 4·B·N·T²·H (halved when causal; 3.5x for forward + backward) and the wall
 time.
 """
@@ -41,6 +42,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import jaxsoftmax as js  # noqa: E402
@@ -157,6 +159,9 @@ def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype,
   inputs = (q, k, v) if mode == "fwd" else (q, k, v, do)
   rows = []
   base = wall_us(single, inputs)
+  # The error column: the context-parallel results (the output, or dq, dk and dv) against
+  # one GPU's, in natural order on the host.
+  expected = [np.asarray(x, np.float32) for x in jax.tree.leaves(single(*inputs))]
   common = dict(T=T, N=N, K=K, H=head_dim, causal=causal, mode=mode, devices=P)
   rows.append(dict(common, impl="1 device", wall_us=base, speedup=1.0,
                    tflops=flops / base / 1e6))
@@ -178,8 +183,10 @@ def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype,
     fn = timed(attention, compiler_options).lower(*placed).compile()
     t = wall_us(fn, placed)
     impl = f"{P} devices {strategy} {layout}" + (", LHS" if compiler_options else "")
-    row = dict(common, impl=impl, wall_us=t,
-               speedup=base / t, tflops=flops / t / 1e6)
+    got = [np.asarray(js.zigzag_unpermute(x, P) if causal else x, np.float32)
+           for x in jax.tree.leaves(fn(*placed))]
+    row = dict(common, impl=impl, wall_us=t, speedup=base / t, tflops=flops / t / 1e6,
+               max_abs_diff=max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected)))
     if not smoke:
       timeline = None
       if timeline_dir is not None:
@@ -202,17 +209,19 @@ def markdown(rows, meta) -> str:
       "speedup over our attention on one device for the same problem; on device 0 of "
       "one traced call: compute busy (union of its compute kernels), NCCL kernel time, "
       "the NCCL time during which compute kernels run too (the overlap), and wall minus "
-      "compute busy (exposed communication and idle).", "",
+      "compute busy (exposed communication and idle); the largest absolute difference "
+      "of the output (fwd) or of dq, dk and dv (fwd+bwd) from one device's.", "",
       "| T | N/K | causal | mode | impl | wall us | TFLOP/s | speedup | compute us | "
-      "NCCL us | NCCL under compute us | wall - compute us |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+      "NCCL us | NCCL under compute us | wall - compute us | max abs diff from 1 device |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   fmt = lambda r, key, f=".0f": "" if r.get(key) is None else format(r[key], f)
   for r in rows:
     lines.append(
         f"| {r['T']} | {r['N']}/{r['K']} | {'yes' if r['causal'] else 'no'} | {r['mode']} | "
         f"{r['impl']} {r.get('note', '')} | {fmt(r, 'wall_us')} | {fmt(r, 'tflops')} | "
         f"{fmt(r, 'speedup', '.2f')} | {fmt(r, 'compute_us')} | {fmt(r, 'nccl_us')} | "
-        f"{fmt(r, 'nccl_hidden_us')} | {fmt(r, 'exposed_us')} |")
+        f"{fmt(r, 'nccl_hidden_us')} | {fmt(r, 'exposed_us')} | "
+        f"{fmt(r, 'max_abs_diff', '.1e')} |")
   return "\n".join(lines) + "\n"
 
 

@@ -54,6 +54,8 @@ def test_bench_ring_attention_smoke(tmp_path):
                                        "8 devices ring contiguous, LHS",
                                        "8 devices all_gather contiguous"}
   assert all(r["wall_us"] > 0 for r in rows)
+  # The context-parallel results against one device's (float32, interpreted kernels).
+  assert all(r["max_abs_diff"] < 1e-5 for r in rows if r["impl"] != "1 device")
 
 
 def test_profile_ring_attention_smoke(tmp_path):
