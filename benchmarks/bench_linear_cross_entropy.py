@@ -5,8 +5,8 @@
 bfloat16 rows x hidden x vocabulary at T = 8192, H = 4096, V = 131072 and at Gemma 2 2B's
 T = 8192, H = 2304, V = 256000: the loss (fwd) and `jax.value_and_grad` of the mean loss
 with respect to hidden and weight (fwd+bwd), for
-`linear_cross_entropy` (its default: the Triton forward and the chunked backward; the
-Hopper (Mosaic GPU) forward with the chunked backward; and "two_kernels": the
+`linear_cross_entropy` (its default: on a Hopper GPU the Mosaic GPU forward, and the
+chunked backward; the Triton forward with the chunked backward; and "two_kernels": the
 Pallas dhidden and dweight kernels; the atomic backward measured 6-8x slower than the
 unfused loss on 2026-11-30 and is left out),
 for `x @ w` then optax's loss (XLA's own bfloat16 logits: the program a user writes),
@@ -37,16 +37,15 @@ def _logits(x, w, dtype):
 
 
 _TWO_KERNELS = js.LinearCrossEntropyTiling(backward="two_kernels")
-# The Hopper (Mosaic GPU) forward with the default chunked backward; on other devices the
-# row records why it did not run.
-_HOPPER = js.LinearCrossEntropyTiling(forward="mosaic_gpu")
+# The portable forward, which the default replaces on Hopper GPUs.
+_TRITON = js.LinearCrossEntropyTiling(forward="triton")
 # Half the default chunk at T = 8192 (2**23 logits): the memory / time trade of the
 # chunked backward, whose peak is the gradients + a float32 dhidden + one chunk.
 _CHUNK_1024 = js.LinearCrossEntropyTiling(chunk_vocab=1024)
 IMPLS = {
     "jaxsoftmax fused": lambda x, w, y: js.linear_cross_entropy(x, w, y),
-    "jaxsoftmax fused, Hopper fwd": lambda x, w, y: js.linear_cross_entropy(
-        x, w, y, tiling=_HOPPER),
+    "jaxsoftmax fused, Triton fwd": lambda x, w, y: js.linear_cross_entropy(
+        x, w, y, tiling=_TRITON),
     "jaxsoftmax fused chunk 1024": lambda x, w, y: js.linear_cross_entropy(
         x, w, y, tiling=_CHUNK_1024),
     "jaxsoftmax fused two_kernels": lambda x, w, y: js.linear_cross_entropy(

@@ -255,6 +255,23 @@ def test_hopper_forward_refuses_what_it_cannot_run():
     js.LinearCrossEntropyHopperTiling(vocab_splits=0)
 
 
+@pytest.mark.parametrize("dtype, interpret, hopper, forward", [
+    (jnp.bfloat16, False, True, "mosaic_gpu"),
+    (jnp.float16, False, True, "mosaic_gpu"),
+    (jnp.float32, False, True, "triton"),  # the tensor-core kernel takes 16-bit only
+    (jnp.bfloat16, True, True, "triton"),  # interpret mode: the Triton kernel's
+    (jnp.bfloat16, False, False, "triton"),
+])
+def test_default_forward(monkeypatch, dtype, interpret, hopper, forward):
+  # Which forward kernel the default tiling traces, on a (pretended) Hopper GPU or not.
+  monkeypatch.setattr(mosaic_device, "hopper_device", lambda: hopper)
+  x, w, y = jnp.zeros((8, 64), dtype), jnp.zeros((64, 300), dtype), jnp.zeros((8,), jnp.int32)
+  program = str(jax.make_jaxpr(functools.partial(js.linear_cross_entropy,
+                                                 interpret=interpret))(x, w, y))
+  assert "linear_cross_entropy_forward" in program
+  assert ("linear_cross_entropy_forward_mosaic_gpu" in program) == (forward == "mosaic_gpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("rows, H, V, bias, hopper, options", [

@@ -1,11 +1,11 @@
 """The linear + cross-entropy forward for Hopper GPUs in Pallas Mosaic GPU: a tensor-core
 matrix product whose epilogue keeps the online-softmax state instead of storing logits.
 
-`linear_cross_entropy` takes it with ``LinearCrossEntropyTiling(forward="mosaic_gpu")``
-(see there), its tiles from `LinearCrossEntropyHopperTiling`. For rows x (R, H), weight
-W (H, V) and an optional bias, one CTA per (vocabulary range, block of 2·64 rows), the
-ranges fastest so that the CTAs running at once share their row blocks in L2; three
-warpgroups:
+`linear_cross_entropy` runs it by default for 16-bit inputs on a Hopper GPU, and with
+``LinearCrossEntropyTiling(forward="mosaic_gpu")`` (see there), its tiles from
+`LinearCrossEntropyHopperTiling`. For rows x (R, H), weight W (H, V) and an optional
+bias, one CTA per (vocabulary range, block of 2·64 rows), the ranges fastest so that
+the CTAs running at once share their row blocks in L2; three warpgroups:
 
 - the producer (warpgroup 2) walks the range's vocabulary tiles and, for each, the hidden
   dim in chunks of 64: it copies the two consumers' x chunks (64 x 64 each) and the W
@@ -70,7 +70,7 @@ class LinearCrossEntropyHopperTiling:
   """
 
   block_vocab: int = 256
-  num_stages: int = 4
+  num_stages: int = 3
   vocab_splits: int | None = None
 
   def __post_init__(self):
