@@ -81,10 +81,15 @@ def _pallas(x, scale, bias, residual, *, rms):
 
 
 def _vjp(fn, residual: bool):
-  """The forward + backward of ``fn(x, scale, bias, r)`` for cotangents dy (and dh)."""
+  """The forward + backward of ``fn(x, scale, bias, r)`` for cotangents dy (and dh).
+  Without the residual, r is not differentiated: its cotangent would be a (rows, C)
+  array of zeros, a write of one more array that the op does not do."""
   def run(x, scale, bias, r, dy, dh):
-    out, vjp = jax.vjp(fn, x, scale, bias, r)
-    return out, vjp((dy, dh) if residual else dy)
+    if residual:
+      out, vjp = jax.vjp(fn, x, scale, bias, r)
+      return out, vjp((dy, dh))
+    out, vjp = jax.vjp(lambda x, scale, bias: fn(x, scale, bias, None), x, scale, bias)
+    return out, vjp(dy)
   return run
 
 
