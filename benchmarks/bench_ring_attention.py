@@ -34,10 +34,8 @@ os.environ["XLA_FLAGS"] = " ".join(
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import glob  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -45,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
+import harness  # noqa: E402
 import jaxsoftmax as js  # noqa: E402
 
 CALLS = 10
@@ -90,22 +89,6 @@ def _overlap(intervals, others) -> float:
   return total
 
 
-def trace_planes(fn, args, calls: int = 1) -> dict:
-  """A `jax.profiler` trace of ``calls`` back-to-back calls (after one untraced): plane
-  -> line -> [(event name, start us, duration us)], every device and host thread."""
-  from jax.profiler import ProfileData
-  jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as logdir:
-    jax.profiler.start_trace(logdir)
-    jax.block_until_ready([fn(*args) for _ in range(calls)])
-    jax.profiler.stop_trace()
-    [path] = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-    profile = ProfileData.from_file(path)
-  return {plane.name: {line.name: [(event.name, event.start_ns / 1e3,
-                                    event.duration_ns / 1e3) for event in line.events]
-                       for line in plane.lines} for plane in profile.planes}
-
-
 def device0_split(fn, args, timeline_path=None) -> dict:
   """Compute-busy time, NCCL time and the part of it that overlaps compute (us) of one
   call on GPU 0, from a jax.profiler trace: the ring's transfers should hide behind the
@@ -116,7 +99,7 @@ def device0_split(fn, args, timeline_path=None) -> dict:
   kernels = {plane: [(line, name, start, start + duration)
                      for line, events in lines.items() if line.startswith("Stream")
                      for name, start, duration in events]
-             for plane, lines in trace_planes(fn, args).items()
+             for plane, lines in harness.trace_planes(fn, args).items()
              if plane.startswith("/device:GPU:")}
   compute, nccl = [], []
   for _, name, start, stop in kernels["/device:GPU:0"]:

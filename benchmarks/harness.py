@@ -84,6 +84,22 @@ def _trace_times(fn, arg_sets, iterations):
           for i in range(iterations)]
 
 
+def trace_planes(fn, args, calls: int = 1) -> dict:
+  """A `jax.profiler` trace of ``calls`` back-to-back calls (after one untraced): plane
+  -> line -> [(event name, start us, duration us)], every device and host thread."""
+  from jax.profiler import ProfileData
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as logdir:
+    jax.profiler.start_trace(logdir)
+    jax.block_until_ready([fn(*args) for _ in range(calls)])
+    jax.profiler.stop_trace()
+    [path] = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+    profile = ProfileData.from_file(path)
+  return {plane.name: {line.name: [(event.name, event.start_ns / 1e3,
+                                    event.duration_ns / 1e3) for event in line.events]
+                       for line in plane.lines} for plane in profile.planes}
+
+
 def _pipelined_wall_us(jitted, arg_sets) -> float:
   """Wall-clock time per call of ITERATIONS calls issued back to back (us)."""
   start = time.perf_counter()

@@ -30,7 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import jaxsoftmax as js  # noqa: E402
-from bench_ring_attention import trace_planes, wall_us  # noqa: E402
+import harness  # noqa: E402
+from bench_ring_attention import wall_us  # noqa: E402
 
 CALLS_TRACED = 10  # as many as bench_ring_attention.wall_us times back to back
 
@@ -39,7 +40,7 @@ def trace(fn, args, path) -> tuple[float, list[float]]:
   """Writes the trace of CALLS_TRACED back-to-back calls to ``path``; returns GPU 0's
   span per call (first kernel's start to last kernel's end, over the calls) and its
   largest idle gaps (us), which would sit between the calls."""
-  planes = trace_planes(fn, args, CALLS_TRACED)
+  planes = harness.trace_planes(fn, args, CALLS_TRACED)
   t0 = min(start for lines in planes.values() for events in lines.values()
            for _, start, _ in events)
   planes = {p: {line: [(n[:120], round(s - t0, 1), round(d, 1)) for n, s, d in events]

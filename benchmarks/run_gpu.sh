@@ -27,7 +27,9 @@
 #                           with the GPUs' clocks and power
 #   ring-example            examples/long_context.py on every visible GPU
 #   lce-tests, lce-bench    linear_cross_entropy (LCE_ONLY picks shapes, LCE_NAME names
-#                           the results); tune-lce sweeps its forward's tiles (LCE_ONLY)
+#                           the results); tune-lce sweeps its forward's tiles (LCE_ONLY);
+#                           lce-profile: a training step's kernels grouped by name
+#                           (profile_linear_cross_entropy.py, LCE_ONLY)
 #   norm-tests, norm-bench  layer_norm, rms_norm (NORM_ONLY picks shapes); tune-norms
 #                           sweeps their tiles; norm-ncu: the backward kernel's counters
 #                           (profile_norms.py)
@@ -154,6 +156,10 @@ for stage in ${STAGES:-tests tune bench}; do
       timeout 400 $python benchmarks/bench_linear_cross_entropy.py --out "$out" \
         ${LCE_ONLY:+--only "$LCE_ONLY"} ${LCE_NAME:+--name "$LCE_NAME"} 2>&1 \
         | tee "$out/lce_bench.log" | tail -n 3 | tee -a "$out/summary.log" ;;
+    lce-profile)
+      timeout 300 $python benchmarks/profile_linear_cross_entropy.py --out "$out" \
+        ${LCE_ONLY:+--only "$LCE_ONLY"} > "$out/lce_profile.log" 2>&1
+      grep -m 4 "Kernel time" "$out/lce_profile.log" | tee -a "$out/summary.log" ;;
     tune-lce)
       timeout 400 $python benchmarks/tune_linear_cross_entropy.py --out "$out" \
         ${LCE_ONLY:+--only "$LCE_ONLY"} 2>&1 \

@@ -121,6 +121,14 @@ def test_tune_norms_smoke(tmp_path):
   assert all(r["median_us"] > 0 for r in forward)
 
 
+def test_profile_linear_cross_entropy_smoke(tmp_path):
+  _run("benchmarks/profile_linear_cross_entropy.py", "--smoke", "--out", str(tmp_path))
+  report = (tmp_path / "profile_linear_cross_entropy.md").read_text()
+  # Both steps, each with its memory analysis (kernels appear only on a GPU).
+  assert report.count("temporaries + outputs") == 2
+  assert "## jaxsoftmax fused, 37x40x301" in report and "## x @ w + optax" in report
+
+
 def test_tune_linear_cross_entropy_smoke(tmp_path):
   pytest.importorskip("matplotlib")
   _run("benchmarks/tune_linear_cross_entropy.py", "--smoke", "--out", str(tmp_path))

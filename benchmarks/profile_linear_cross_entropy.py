@@ -1,0 +1,96 @@
+"""Where the time of one linear + cross-entropy training step goes, kernel by kernel.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/profile_linear_cross_entropy.py --out DIR
+
+`jax.value_and_grad` of the mean loss with respect to hidden and weight, at
+bench_linear_cross_entropy.py's shapes (``--only`` picks them), for our default and for
+XLA's `x @ w` + optax: a `jax.profiler` trace of CALLS back-to-back steps, GPU 0's
+kernels grouped by name (launches and microseconds per step, share of the step's kernel
+time), and XLA's memory analysis of the compiled step. The fused step's time beyond
+XLA's is the recomputed logits (a fourth T·H·V product) and whatever the grouping shows
+besides: the chunked backward's elementwise passes (dlogits from float32 logits, the
+float32 dhidden accumulation) and its products' speed against cuBLAS's best. Writes
+DIR/profile_linear_cross_entropy.md and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+
+import jax
+import optax
+
+import harness
+import jaxsoftmax as js
+from bench_linear_cross_entropy import SHAPES, SMOKE_SHAPES, shape_inputs
+
+CALLS = 3
+IMPLS = {
+    "jaxsoftmax fused": lambda x, w, y: js.linear_cross_entropy(x, w, y),
+    "x @ w + optax": lambda x, w, y: optax.softmax_cross_entropy_with_integer_labels(
+        x @ w, y).mean(),
+}
+
+
+def kernel_groups(fn, args) -> list[tuple[str, int, float]]:
+  """(kernel name, launches per call, us per call) on the first GPU (or the host's
+  device plane off a GPU), most time first."""
+  planes = harness.trace_planes(fn, args, CALLS)
+  device = sorted(p for p in planes if p.startswith("/device:"))
+  if not device:
+    return []
+  groups = collections.defaultdict(lambda: [0, 0.0])
+  for line, events in planes[device[0]].items():
+    if not line.startswith("Stream"):
+      continue
+    for name, _, duration in events:
+      groups[name][0] += 1
+      groups[name][1] += duration
+  return sorted(((name, n // CALLS, us / CALLS) for name, (n, us) in groups.items()),
+                key=lambda g: -g[2])
+
+
+def profile_shape(shape, dtype) -> list[str]:
+  x, w, y = shape_inputs(shape, dtype)
+  T, H, V = shape
+  lines = []
+  for impl, fn in IMPLS.items():
+    step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+    memory = step.lower(x, w, y).compile().memory_analysis()
+    peak = (memory.temp_size_in_bytes + memory.output_size_in_bytes) / 2**20
+    groups = kernel_groups(step, (x, w, y))
+    total = sum(us for _, _, us in groups)
+    lines += [f"## {impl}, {T}x{H}x{V} {jax.numpy.dtype(dtype).name}", "",
+              f"Kernel time per step {total:.0f} us; temporaries + outputs {peak:.0f} MiB.",
+              "", "| kernel | launches | us per step | share |", "|---|---|---|---|"]
+    lines += [f"| `{name[:100]}` | {n} | {us:.1f} | {us / max(total, 1e-9):.1%} |"
+              for name, n, us in groups]
+    lines.append("")
+  return lines
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--smoke", action="store_true", help="a tiny shape, any backend")
+  parser.add_argument("--only", default=None, help="comma-separated shape indices")
+  args = parser.parse_args()
+  shapes = SMOKE_SHAPES if args.smoke else SHAPES
+  if args.only is not None:
+    shapes = [shapes[int(i)] for i in args.only.split(",")]
+  device = jax.devices()[0]
+  lines = ["# profile_linear_cross_entropy", "",
+           f"{getattr(device, 'device_kind', device.platform)}, JAX {jax.__version__}: "
+           f"kernels of {CALLS} traced steps grouped by name, per step.", ""]
+  for shape, dtype in shapes:
+    lines += profile_shape(shape, dtype)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "profile_linear_cross_entropy.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()
