@@ -20,6 +20,7 @@ import collections
 import os
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import harness
@@ -35,8 +36,8 @@ IMPLS = {
 
 
 def kernel_groups(fn, args) -> list[tuple[str, int, float]]:
-  """(kernel name, launches per call, us per call) on the first GPU (or the host's
-  device plane off a GPU), most time first."""
+  """(kernel name, launches per call, us per call) on the first GPU, most time first;
+  empty off a GPU (the trace has no device plane there)."""
   planes = harness.trace_planes(fn, args, CALLS)
   device = sorted(p for p in planes if p.startswith("/device:"))
   if not device:
@@ -62,7 +63,7 @@ def profile_shape(shape, dtype) -> list[str]:
     peak = (memory.temp_size_in_bytes + memory.output_size_in_bytes) / 2**20
     groups = kernel_groups(step, (x, w, y))
     total = sum(us for _, _, us in groups)
-    lines += [f"## {impl}, {T}x{H}x{V} {jax.numpy.dtype(dtype).name}", "",
+    lines += [f"## {impl}, {T}x{H}x{V} {jnp.dtype(dtype).name}", "",
               f"Kernel time per step {total:.0f} us; temporaries + outputs {peak:.0f} MiB.",
               "", "| kernel | launches | us per step | share |", "|---|---|---|---|"]
     lines += [f"| `{name[:100]}` | {n} | {us:.1f} | {us / max(total, 1e-9):.1%} |"

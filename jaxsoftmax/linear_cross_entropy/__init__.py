@@ -39,12 +39,13 @@ spends its time in the vendor's matrix products instead. ds enters every product
 inputs' dtype (in float16 scaled and as two terms, `_operand_terms`).
 
 The forward has two kernels, ``LinearCrossEntropyTiling.forward``: the Triton one above
-(the default, and the one interpret mode runs) and a Hopper one in Pallas Mosaic GPU
-(`mosaic_gpu`: wgmma products fed by TMA from a warp-specialized producer, the
-online-softmax update as their epilogue; the label's logit and, without a soft cap,
-Σ_j s come from XLA beside it). On a Hopper GPU it is the default for bfloat16 and
-float16: on the H200 it ran at 1.04x-1.08x the time of cuBLAS's bfloat16 product alone,
-1.42x-1.48x faster than the Triton kernel (`benchmarks/results/README.md`).
+(the default off Hopper GPUs and for float32, and the one interpret mode runs by
+default) and a Hopper one in Pallas Mosaic GPU (`mosaic_gpu`: wgmma products fed by TMA
+from a warp-specialized producer, the online-softmax update as their epilogue; the
+label's logit and, without a soft cap, Σ_j s come from XLA beside it). On a Hopper GPU
+it is the default for bfloat16 and float16: on the H200 it ran at 1.04x-1.08x the time
+of cuBLAS's bfloat16 product alone, 1.42x-1.48x faster than the Triton kernel
+(`benchmarks/results/README.md`).
 
 FLOPs: forward 2·R·H·V; backward 6·R·H·V (logits again, dhidden, dweight), 8·R·H·V with
 two kernels.
@@ -727,7 +728,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
   check_labels(labels, V, ignore_index, op)
   interpret = _backend.resolve_interpret(interpret)
   tiling = tiling or LinearCrossEntropyTiling()
-  if hidden.dtype != jnp.float64:
+  if hidden.dtype != jnp.float64 and tiling.forward != "triton":
     why = _hopper_unsupported(hidden.dtype, tiling, interpret)
     if tiling.forward == "mosaic_gpu" and why is not None:
       raise ValueError(f"{op}: tiling.forward='mosaic_gpu' cannot run: {why}")
