@@ -1,96 +1,88 @@
-"""Sweeps the RowTiling of layer_norm's forward + backward on the GPU, to set the tiles
-the norms take (`rowwise.default_tiling` today, tuned on softmax).
+"""Sweeps the warps of the norms' forward and backward kernels on the GPU, each timed
+alone, to set the tilings the norms take.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/tune_norms.py --out benchmarks/results
 
-bench_norms.py's shapes, layer_norm plain and with the residual, forward + backward (the
-backward is where the defaults lose to XLA). The backward's column sums for dscale and
-dbias ride in the resident kernel, each program walking blocks of ``block_rows`` rows and
-carrying the sums of a whole row in registers; so the sweep varies the rows per block
-and the warps of the resident variant, and adds the online variant (whose backward
-takes XLA's column sums) where rows are long. Then the forwards of plain layer_norm
-and rms_norm (layer_norm's runs at 64-81% of copy where rms_norm's reaches 97-101%) on
-fewer warps a row (shorter cross-warp reductions, more programs per SM) and on twice the
-rows a program (scale and bias loaded once for both). % is of the copy ceiling over
-bench_norms.py's minimum traffic; the impl column names the tiling.
+bench_norms.py's shapes; layer_norm and rms_norm, plain and with the residual. The
+forward (mode "fwd") and the backward kernel alone (mode "bwd": `norms._normalize_bwd` on
+the forward's saved h, mean and rstd, its column sums for dscale and dbias included) on
+one resident row a program, at every warp count that leaves a thread between 4 and 128
+float32 values of the row (64 for the backward, which holds h and dy); then the tiling
+the norms take by default, where it is not among them. The earlier H200 runs showed the
+rows' defaults (tuned on softmax) to be the wrong trade for the norms: layer_norm's
+forward at 16384x8192 bfloat16 ran at 65% of copy on 16 warps a row and 83% on 4.
+
+Minimum traffic in (rows, C) arrays: forward 2 (read x, write y), 4 with the residual
+(read x and residual, write y and h); backward 3 (read h and dy, write dh), 4 with the
+residual (also h's cotangent). % is of the copy ceiling; the impl column names the tiling.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
+import jax
 import jax.numpy as jnp
 
 import harness
-import jaxsoftmax as js
-from bench_norms import EPS, SHAPES, SMOKE_SHAPES, _vjp, shape_inputs
+from bench_norms import EPS, SHAPES, SMOKE_SHAPES, shape_inputs
+from jaxsoftmax import _backend, norms
 from jaxsoftmax._backend import pl
-from jaxsoftmax.rowwise import MAX_TILE_ELEMS, STREAM_BLOCK_BYTES, RowTiling
+from jaxsoftmax.rowwise import RowTiling
 
 
 def _name(t: RowTiling) -> str:
   return f"{t.variant} {t.block_rows}x{t.block_cols} w{t.num_warps}"
 
 
-def tilings(rows: int, cols: int, dtype) -> list[RowTiling]:
-  """The default, then resident tiles of 1, 4 and 16 rows at twice the default's warps
-  per element (the backward holds more values per element than the softmax the
-  defaults were tuned on), and the online variant where rows are long."""
+def tilings(cols: int, most_per_thread: int) -> list[RowTiling]:
+  """Resident, one row a program, at 1 to 32 warps: those that leave a thread 4 to
+  ``most_per_thread`` values of the row."""
   cols_pow2 = pl.next_power_of_2(cols)
-  out = [js.rowwise.default_tiling(rows, cols, dtype, reduces=True)]
-  for block_rows in (1, 4, 16):
-    elems = block_rows * cols_pow2
-    if block_rows <= pl.next_power_of_2(rows) and elems <= MAX_TILE_ELEMS // 2:
-      out.append(RowTiling("resident", block_rows, cols_pow2, 1,
-                           max(4, min(32, elems // 256))))
-  stream = STREAM_BLOCK_BYTES // jnp.dtype(dtype).itemsize
-  if cols > stream:
-    out.append(RowTiling("online", 1, stream, 1, 16))
-  return list(dict.fromkeys(out))
+  return [RowTiling("resident", 1, cols_pow2, 1, w) for w in (1, 2, 4, 8, 16, 32)
+          if 4 <= cols_pow2 // (32 * w) <= most_per_thread]
 
 
-def forward_tilings(rows: int, cols: int, dtype) -> list[RowTiling]:
-  """The default, then for a resident default: half and a quarter of its warps (at
-  least 2), and twice its rows at twice its warps."""
-  default = js.rowwise.default_tiling(rows, cols, dtype, reduces=True)
-  out = [default]
-  if default.variant == "resident":
-    out += [dataclasses.replace(default, num_warps=w)
-            for w in (default.num_warps // 2, default.num_warps // 4) if w >= 2]
-    if (2 * default.block_rows <= pl.next_power_of_2(rows)
-        and 2 * default.block_rows * default.block_cols <= MAX_TILE_ELEMS // 2):
-      out.append(dataclasses.replace(default, block_rows=2 * default.block_rows,
-                                     num_warps=min(32, 2 * default.num_warps)))
-  return list(dict.fromkeys(out))
+def _norm(rms: bool, residual: bool, C: int, dtype, tiling) -> norms._Norm:
+  return norms._Norm(rms, EPS, 0.0, C, jnp.dtype(dtype).name, residual, True, not rms,
+                     tiling, _backend.resolve_interpret(None))
 
 
 def tune_shape(report: harness.Report, shape, dtype):
   rows, C = shape
   sets, scale, bias, n_bytes, common = shape_inputs(report, shape, dtype)
-  default = js.rowwise.default_tiling(rows, C, dtype, reduces=True)
-  for residual in (False, True):
-    for t in tilings(rows, C, dtype):
-      norm = lambda x, sc, bi, r, t=t: js.layer_norm(
-          x, sc, bi, epsilon=EPS, residual=r if residual else None, tiling=t)
-      both = _vjp(norm, residual)
-      report.measure(op="layer_norm" + (" +res" if residual else ""),
-                     impl=_name(t) + (" (default)" if t == default else ""), mode="fwd+bwd",
-                     fn=lambda x, r, dy, dh, both=both: both(x, scale, bias, r, dy, dh),
-                     arg_sets=[tuple(s) for s in sets],
-                     nbytes=(8 if residual else 5) * n_bytes, **common)
   for rms in (False, True):
-    for t in forward_tilings(rows, C, dtype):
-      if rms:
-        norm = lambda x, t=t: js.rms_norm(x, scale, epsilon=EPS, tiling=t)
-      else:
-        norm = lambda x, t=t: js.layer_norm(x, scale, bias, epsilon=EPS, tiling=t)
-      report.measure(op="rms_norm" if rms else "layer_norm",
-                     impl=_name(t) + (" (default)" if t == default else ""), mode="fwd",
-                     fn=norm, arg_sets=[(s[0],) for s in sets], nbytes=2 * n_bytes,
-                     **common)
+    b = None if rms else bias
+    for residual in (False, True):
+      op = ("rms_norm" if rms else "layer_norm") + (" +res" if residual else "")
+      default = _norm(rms, residual, C, dtype, None)
+      # The saved values the backward reads: h, mean and rstd of each input set.
+      saved = []
+      for x, r, dy, dh in sets:
+        _, (h, _, _, mean, rstd) = jax.jit(norms._normalize_fwd, static_argnums=4)(
+            x, r if residual else None, scale, b, default)
+        saved.append((h, mean, rstd, dy, dh))
+
+      def forward(x, r, t, rms=rms, residual=residual):
+        return norms._normalize(x, r if residual else None, scale, b,
+                                _norm(rms, residual, C, dtype, t))
+
+      def backward(h, mean, rstd, dy, dh, t, rms=rms, residual=residual):
+        return norms._normalize_bwd(_norm(rms, residual, C, dtype, t),
+                                    (h, scale, b, mean, rstd), (dy, dh if residual else None))
+
+      for mode, fn, most, args, traffic in (
+          ("fwd", forward, 128, [(s[0], s[1]) for s in sets], 4 if residual else 2),
+          ("bwd", backward, 64, saved, 4 if residual else 3)):
+        candidates = tilings(C, most)
+        for t in candidates + [None]:
+          report.measure(op=op, impl="default" if t is None else _name(t), mode=mode,
+                         fn=lambda *a, fn=fn, t=t: fn(*a, t), arg_sets=args,
+                         nbytes=traffic * n_bytes, **common)
+
+
+def rows_per_shape(shape, dtype) -> int:
+  C = shape[1]
+  return 2 + 4 * (len(tilings(C, 128)) + len(tilings(C, 64)) + 2)
 
 
 if __name__ == "__main__":
-  harness.run("tune_norms", __doc__, SHAPES, SMOKE_SHAPES, tune_shape,
-              lambda shape, dtype: 2 + 2 * len(tilings(*shape, dtype))
-              + 2 * len(forward_tilings(*shape, dtype)))
+  harness.run("tune_norms", __doc__, SHAPES, SMOKE_SHAPES, tune_shape, rows_per_shape)
