@@ -37,9 +37,20 @@ from jax import lax
 
 from jaxsoftmax import _backend
 from jaxsoftmax.inputs import RowView, check_floating
-from jaxsoftmax.rowwise import RowOp, RowTiling, row_call
+from jaxsoftmax.rowwise import RESIDENT_MAX_COLS, RowOp, RowTiling, default_tiling, row_call
 
 __all__ = ["layer_norm", "rms_norm"]
+
+# Values of a row each thread of the forward holds, where a program holds one whole row of
+# 1024 to RESIDENT_MAX_COLS columns (fewer warps a row than the softmax defaults give, so
+# more rows are in flight per SM). The H200 sweep of every warp count
+# (benchmarks/results/tune_norms_warps.md): plain layer_norm at 16384x8192 bfloat16
+# 204 -> 162 us on 64 a thread (4 warps), 65536x1024 77 -> 68 us; plain rms_norm at
+# 8192x16384 float32 348 -> 293 us on 128 a thread, where layer_norm (which also holds
+# the deviations from the mean) spills to local memory (3479 us). The residual variants
+# hold x, the residual and h: 128 a thread spilled at 16384x8192 bfloat16 (4658 us), and
+# 32 matches or beats the defaults on every shape.
+_FORWARD_VALUES_PER_THREAD = {"layer_norm": 64, "rms_norm": 128, "residual": 32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +151,23 @@ def _normalize(x, residual, scale, bias, norm: _Norm):
   return _normalize_fwd(x, residual, scale, bias, norm)[0]
 
 
+def _forward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
+  """The forward's default: the rows' default, on fewer warps where a program holds one
+  whole row of at least 1024 columns (see _FORWARD_VALUES_PER_THREAD)."""
+  tiling = default_tiling(n_rows, norm.n_cols, norm.dtype, reduces=True)
+  if (tiling.variant != "resident" or tiling.block_rows != 1
+      or not 1024 <= tiling.block_cols <= RESIDENT_MAX_COLS):
+    return tiling
+  kind = "residual" if norm.has_residual else "rms_norm" if norm.rms else "layer_norm"
+  warps = tiling.block_cols // (32 * _FORWARD_VALUES_PER_THREAD[kind])
+  return dataclasses.replace(tiling, num_warps=min(32, max(1, warps)))
+
+
 def _normalize_fwd(x, residual, scale, bias, norm: _Norm):
   inputs = (x,) if residual is None else (x, residual)
   outs, stats = row_call(_forward_op(norm), inputs, col_inputs=_columns(scale, bias),
-                         tiling=norm.tiling, interpret=norm.interpret)
+                         tiling=norm.tiling or _forward_tiling(norm, x.shape[0]),
+                         interpret=norm.interpret)
   y, h = outs if norm.has_residual else (outs, x)
   mean, rstd = _stats(norm, stats)
   return (y, h if norm.has_residual else None), (h, scale, bias, mean, rstd)

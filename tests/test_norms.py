@@ -203,6 +203,42 @@ def test_matches_truth_gpu(key, rms, shape, dtype):
   _check(*_inputs(key, shape, dtype), rms=rms)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("shape, dtype", [
+    ((2001, 8000), jnp.bfloat16),  # 4 warps (layer_norm), 2 (rms_norm), 8 (residual)
+    ((129, 16383), jnp.float32),  # 8, 4 and 16 warps: the most values a thread holds
+    ((4099, 1100), jnp.float16),  # one warp
+], ids=["8000-bfloat16", "16383-float32", "1100-float16"])
+def test_forward_tilings_gpu(key, rms, residual, shape, dtype):
+  # The compiled forwards on their own default warps (few a row), rows and columns a
+  # multiple of no tile.
+  _check(*_inputs(key, shape, dtype, residual=residual), rms=rms)
+
+
+def test_forward_tiling_choice():
+  # The forward's warps: values a thread holds by kind, only where a program holds one
+  # whole row of 1024 columns or more; otherwise the rows' defaults.
+  from jaxsoftmax import norms
+  from jaxsoftmax.rowwise import default_tiling
+
+  def warps(n_rows, n_cols, dtype, *, rms=False, residual=False):
+    norm = norms._Norm(rms, 1e-6, 0.0, n_cols, jnp.dtype(dtype).name, residual, True,
+                       not rms, None, False)
+    return norms._forward_tiling(norm, n_rows).num_warps
+
+  assert warps(16384, 8192, jnp.bfloat16) == 4
+  assert warps(8192, 16384, jnp.float32, rms=True) == 4
+  assert warps(8192, 16384, jnp.float32) == 8
+  assert warps(16384, 8192, jnp.bfloat16, residual=True) == 8
+  assert warps(65536, 1024, jnp.bfloat16) == warps(65536, 1000, jnp.bfloat16) == 1
+  for n_rows, n_cols in ((37, 300), (300, 40001)):  # many rows a program; online
+    norm = norms._Norm(False, 1e-6, 0.0, n_cols, "float32", False, True, True, None, False)
+    assert norms._forward_tiling(norm, n_rows) == default_tiling(n_rows, n_cols,
+                                                                 jnp.float32, reduces=True)
+
+
 def _rows_for_three_blocks(block_rows: int) -> int:
   """Rows that make each program of the resident column-sum kernel walk three row blocks
   of ``block_rows``, the last program's last block past the rows (for blocks small
