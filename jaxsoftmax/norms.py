@@ -41,16 +41,19 @@ from jaxsoftmax.rowwise import RESIDENT_MAX_COLS, RowOp, RowTiling, default_tili
 
 __all__ = ["layer_norm", "rms_norm"]
 
-# Values of a row each thread of the forward holds, where a program holds one whole row of
-# 1024 to RESIDENT_MAX_COLS columns (fewer warps a row than the softmax defaults give, so
-# more rows are in flight per SM). The H200 sweep of every warp count
-# (benchmarks/results/tune_norms_warps.md): plain layer_norm at 16384x8192 bfloat16
-# 204 -> 162 us on 64 a thread (4 warps), 65536x1024 77 -> 68 us; plain rms_norm at
-# 8192x16384 float32 348 -> 293 us on 128 a thread, where layer_norm (which also holds
-# the deviations from the mean) spills to local memory (3479 us). The residual variants
-# hold x, the residual and h: 128 a thread spilled at 16384x8192 bfloat16 (4658 us), and
-# 32 matches or beats the defaults on every shape.
-_FORWARD_VALUES_PER_THREAD = {"layer_norm": 64, "rms_norm": 128, "residual": 32}
+# Values of a row each thread of the forward holds, by kind and input bytes, where a
+# program holds one whole row of 1024 to RESIDENT_MAX_COLS columns; from the H200 sweep of
+# every warp count, each kernel timed alone (benchmarks/results/tune_norms_warps.md).
+# Fewer warps a row than the softmax defaults (16 values a thread) pay for 16-bit rows:
+# layer_norm at 16384x8192 bfloat16 204 -> 162 us on 64 a thread, 65536x1024 77 -> 68 us
+# (one warp); and for rms_norm's float32 rows: 8192x16384 348 -> 293 us on 128 a thread.
+# layer_norm's float32 rows keep the defaults (None), which no warp count beat by more than
+# the noise: 4096x4096 took 41 us on 16 a thread, 46 on 64; at 16384 columns 64 tied and
+# 128 spilled to local memory (3479 us). The residual variants hold x, the residual and h:
+# 32 matched or beat the defaults everywhere, 128 spilled.
+_FORWARD_VALUES_PER_THREAD = {("layer_norm", 2): 64, ("layer_norm", 4): None,
+                              ("rms_norm", 2): 64, ("rms_norm", 4): 128,
+                              ("residual", 2): 32, ("residual", 4): 32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +162,10 @@ def _forward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
       or not 1024 <= tiling.block_cols <= RESIDENT_MAX_COLS):
     return tiling
   kind = "residual" if norm.has_residual else "rms_norm" if norm.rms else "layer_norm"
-  warps = tiling.block_cols // (32 * _FORWARD_VALUES_PER_THREAD[kind])
+  per_thread = _FORWARD_VALUES_PER_THREAD[kind, jnp.dtype(norm.dtype).itemsize]
+  if per_thread is None:
+    return tiling
+  warps = tiling.block_cols // (32 * per_thread)
   return dataclasses.replace(tiling, num_warps=min(32, max(1, warps)))
 
 
