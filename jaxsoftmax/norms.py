@@ -154,17 +154,10 @@ def _normalize(x, residual, scale, bias, norm: _Norm):
   return _normalize_fwd(x, residual, scale, bias, norm)[0]
 
 
-def _rows_default(norm: _Norm, n_rows: int) -> RowTiling:
-  """The rows' default tiling, holding at most RESIDENT_MAX_COLS columns a program: the
-  norms' tiles hold more per element than softmax's (scale, bias, the residual, h)."""
-  return default_tiling(n_rows, norm.n_cols, norm.dtype, reduces=True,
-                        max_resident_cols=RESIDENT_MAX_COLS)
-
-
 def _forward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
   """The forward's default: the rows' default, on fewer warps where a program holds one
   whole row of at least 1024 columns (see _FORWARD_VALUES_PER_THREAD)."""
-  tiling = _rows_default(norm, n_rows)
+  tiling = default_tiling(n_rows, norm.n_cols, norm.dtype, reduces=True)
   if (tiling.variant != "resident" or tiling.block_rows != 1
       or not 1024 <= tiling.block_cols <= RESIDENT_MAX_COLS):
     return tiling
@@ -192,8 +185,7 @@ def _normalize_bwd(norm: _Norm, saved, cotangents):
   inputs = (h, dy) + ((dh_out,) if norm.has_residual else ())
   dh, _, *col_sums = row_call(_backward_op(norm), inputs, (mean, rstd),
                               col_inputs=(scale,) if norm.has_scale else (),
-                              tiling=norm.tiling or _rows_default(norm, h.shape[0]),
-                              interpret=norm.interpret)
+                              tiling=norm.tiling, interpret=norm.interpret)
   # (dscale, dbias) of those present, from the kernel; None where the rows were too
   # long for one program (the online and split variants): then XLA's column sums.
   col_sums = list(col_sums[0]) if col_sums else []

@@ -58,11 +58,6 @@ VARIANTS = ("resident", "online", "split")
 # Largest row a resident program holds: 16384 float32 values are 32 registers per thread
 # at 16 warps, leaving room for the exp and the output before Triton spills.
 RESIDENT_MAX_COLS = 16384
-# 16-bit rows up to 64 KB stay resident too (32768 values: 32 a thread at 32 warps, as
-# 16384 at 16), read once instead of the online variant's twice: 4096x32768 bfloat16
-# softmax ran online at 79% of copy (benchmarks/results/README.md). Ops whose tiles hold
-# more per element (the norms) pass ``max_resident_cols=RESIDENT_MAX_COLS``.
-RESIDENT_MAX_COLS_16BIT = 32768
 # Short rows share a program up to this many elements. On the H200 one row of 1024 or
 # more per program beat 2 to 16 rows per program at the same row length (H200 sweep,
 # benchmarks/results/tune_rows.md): many small programs hide latency better.
@@ -137,27 +132,19 @@ def _warps_for(tile_elems: int) -> int:
   return max(4, min(16, tile_elems // 512))
 
 
-def default_tiling(n_rows: int, n_cols: int, dtype, *, reduces: bool,
-                   max_resident_cols: int | None = None) -> RowTiling:
-  """The tiling jaxsoftmax uses for an (n_rows, n_cols) view, tuned on an H200.
-  ``max_resident_cols``: the longest row a program holds (default: RESIDENT_MAX_COLS,
-  RESIDENT_MAX_COLS_16BIT for 16-bit inputs)."""
+def default_tiling(n_rows: int, n_cols: int, dtype, *, reduces: bool) -> RowTiling:
+  """The tiling jaxsoftmax uses for an (n_rows, n_cols) view, tuned on an H200."""
   cols_pow2 = pl.next_power_of_2(n_cols)
   rows_pow2 = pl.next_power_of_2(n_rows)
-  itemsize = jnp.dtype(dtype).itemsize
-  stream_cols = STREAM_BLOCK_BYTES // itemsize
+  stream_cols = STREAM_BLOCK_BYTES // jnp.dtype(dtype).itemsize
   if not reduces:
     block_cols = min(cols_pow2, MAP_TILE_ELEMS)
     block_rows = min(rows_pow2, max(1, MAP_TILE_ELEMS // block_cols))
     return RowTiling("split", block_rows, block_cols, 1, _warps_for(block_rows * block_cols))
-  if max_resident_cols is None:
-    max_resident_cols = RESIDENT_MAX_COLS_16BIT if itemsize <= 2 else RESIDENT_MAX_COLS
-  if cols_pow2 <= max_resident_cols:
+  if cols_pow2 <= RESIDENT_MAX_COLS:
     block_rows = min(rows_pow2, max(1, ROWS_TILE_ELEMS // cols_pow2))
-    elems = block_rows * cols_pow2
-    # Past 16384 values, 32 warps keep a thread at 32 of them.
     return RowTiling("resident", block_rows, cols_pow2, 1,
-                     min(32, max(_warps_for(elems), elems // 1024)))
+                     _warps_for(block_rows * cols_pow2))
   cores = _backend.num_cores()
   if n_rows >= 2 * cores:
     return RowTiling("online", 1, stream_cols, 1, _warps_for(stream_cols))

@@ -23,7 +23,7 @@ INTERPRET_CASES = [
 ]
 GPU_CASES = [
     pytest.param(1000, 1000, None, id="resident"),
-    pytest.param(600, 32000, None, id="vocab-32000"),  # bfloat16 resident, float32 online
+    pytest.param(600, 32000, None, id="online-default"),
     pytest.param(3, 262_147, None, id="split-default"),  # a 256k vocabulary, ragged
 ]
 OPTIONS = [
