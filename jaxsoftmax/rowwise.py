@@ -56,7 +56,10 @@ __all__ = ["RowOp", "RowTiling", "Tile", "default_tiling", "exp_for", "row_call"
 VARIANTS = ("resident", "online", "split")
 
 # Largest row a resident program holds: 16384 float32 values are 32 registers per thread
-# at 16 warps, leaving room for the exp and the output before Triton spills.
+# at 16 warps, leaving room for the exp and the output before Triton spills. 16-bit rows
+# of 32768 held by 32 warps (32 values a thread) were slower on the H200 than the online
+# variant's two reads (4096x32768 bfloat16 softmax 207 against 164 us,
+# benchmarks/results/softmax_wide.md): one such program per SM leaves little in flight.
 RESIDENT_MAX_COLS = 16384
 # Short rows share a program up to this many elements. On the H200 one row of 1024 or
 # more per program beat 2 to 16 rows per program at the same row length (H200 sweep,
