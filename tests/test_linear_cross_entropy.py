@@ -106,6 +106,13 @@ def test_no_bias_batch_axes_and_default_tiles(key):
          tiling=None)
 
 
+def test_wide_hidden(key):
+  # H = 8192, the widest hidden dim the op is meant for: 16 hidden chunks a logit tile,
+  # every vocabulary tile ragged.
+  tiling = js.LinearCrossEntropyTiling(16, 64, 512, chunk_vocab=64)
+  _check(*_inputs(key, (5,), 8192, 130, jnp.bfloat16), tiling=tiling, z_loss=1e-3)
+
+
 def test_all_rows_ignored(key):
   x, w, b, y = _inputs(key, (20,), 24, 50, jnp.float32)
   y = jnp.full_like(y, -100)
@@ -177,8 +184,8 @@ def test_bad_input():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
                          ids=["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("rows, H, V", [((512,), 2304, 65537), ((3, 100), 4096, 5003),
-                                        ((256,), 64, 256000)],
-                         ids=["H2304-V65537", "H4096-V5003", "H64-V256000"])
+                                        ((256,), 64, 256000), ((70,), 8192, 3001)],
+                         ids=["H2304-V65537", "H4096-V5003", "H64-V256000", "H8192-V3001"])
 def test_matches_truth_gpu(key, rows, H, V, dtype):
   # The compiled kernels on their default tiles, with every term of the loss.
   _check(*_inputs(key, rows, H, V, dtype, ignored=(1, 2)), tiling=None,
@@ -203,6 +210,7 @@ def test_two_kernel_backward_gpu(key):
     (8192, 2304, 256000, False, None, False, jnp.bfloat16),
     (37, 100, 65537, True, 30.0, True, jnp.float16),
     (128, 64, 131072, False, 30.0, False, jnp.bfloat16),
+    (70, 8192, 3001, True, None, False, jnp.bfloat16),
 ])
 def test_hopper_forward_lowers_for_cuda(R, H, V, bias, softcap, with_total, dtype):
   # The Hopper forward runs only on a Hopper GPU, but it lowers for CUDA anywhere: this
@@ -279,7 +287,8 @@ def test_default_forward(monkeypatch, dtype, interpret, hopper, forward):
      dict(label_smoothing=0.1, z_loss=1e-4, logit_soft_cap=30.0)),
     ((3, 100), 4096, 5003, False, dict(block_vocab=128), dict(label_smoothing=0.1)),
     ((256,), 100, 256000, True, {}, {}),
-], ids=["H2304-V65537-all", "H4096-V5003-smoothing", "H100-V256000"])
+    ((70,), 8192, 3001, True, {}, dict(z_loss=1e-4)),
+], ids=["H2304-V65537-all", "H4096-V5003-smoothing", "H100-V256000", "H8192-V3001"])
 def test_hopper_forward_gpu(key, rows, H, V, bias, hopper, options, dtype):
   # The Hopper forward (with the chunked backward) against the truth: sizes a multiple
   # of no tile (rows, H and V padded to 64 or not), several vocabulary ranges, each term
