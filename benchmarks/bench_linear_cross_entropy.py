@@ -8,7 +8,8 @@ with respect to hidden and weight (fwd+bwd), for
 `linear_cross_entropy` (its default: on a Hopper GPU the Mosaic GPU forward, and the
 chunked backward; the Triton forward with the chunked backward; and "two_kernels": the
 Pallas dhidden and dweight kernels; the atomic backward measured 6-8x slower than the
-unfused loss on 2026-11-30 and is left out),
+unfused loss on 2026-11-30 and is left out; for bfloat16, forward + backward, the Hopper
+dlogits kernel serving the chunked backward, at the default chunk and at 1024 columns),
 for `x @ w` then optax's loss (XLA's own bfloat16 logits: the program a user writes),
 for `jnp.dot` with `preferred_element_type=float32` rounded to bfloat16 logits then our
 `cross_entropy` or optax's (XLA keeps the float32 product: 2x the logits' memory), and
@@ -60,6 +61,15 @@ IMPLS = {
     "dot f32 + optax": lambda x, w, y: optax.softmax_cross_entropy_with_integer_labels(
         _logits(x, w, jnp.float32), y).mean(),
 }
+# The chunked backward with each chunk's ds from the Hopper dlogits kernel (bfloat16
+# only; its forward is the default's).
+_DLOGITS = js.LinearCrossEntropyTiling(dlogits="mosaic_gpu")
+DLOGITS_IMPLS = {
+    "jaxsoftmax fused, Hopper dlogits": lambda x, w, y: js.linear_cross_entropy(
+        x, w, y, tiling=_DLOGITS),
+    "jaxsoftmax fused, Hopper dlogits, chunk 1024": lambda x, w, y: js.linear_cross_entropy(
+        x, w, y, tiling=js.LinearCrossEntropyTiling(dlogits="mosaic_gpu", chunk_vocab=1024)),
+}
 
 
 def shape_inputs(shape, dtype):
@@ -85,14 +95,18 @@ def bench_shape(report: harness.Report, shape, dtype):
            "fwd+bwd": harness.float64_truth(both(ref), x, w, y)}
   flops = {"fwd": 2 * T * H * V, "fwd+bwd": 6 * T * H * V}
   for mode in report.modes:
-    for impl, fn in IMPLS.items():
+    impls = dict(IMPLS)
+    if mode == "fwd+bwd" and dtype == jnp.bfloat16:
+      impls.update(DLOGITS_IMPLS)
+    for impl, fn in impls.items():
       report.measure(mode=mode, impl=impl, fn=fn if mode == "fwd" else both(fn),
                      arg_sets=[(x, w, y)], flops=flops[mode], truth=truth[mode], **common)
 
 
 if __name__ == "__main__":
   harness.run("linear_cross_entropy", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda shape, dtype: 2 * len(IMPLS), unit="TFLOP/s",
+              lambda shape, dtype: 2 * len(IMPLS) + len(DLOGITS_IMPLS) * (dtype == jnp.bfloat16),
+              unit="TFLOP/s",
               flops_doc="2·T·H·V for the loss and 6·T·H·V for loss and gradients (the "
                         "products an unfused step needs; the fused backward recomputes "
                         "the logits, a fourth product it does not count)")

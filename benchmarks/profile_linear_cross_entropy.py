@@ -3,10 +3,11 @@
     PYTHONPATH=.:benchmarks python3 benchmarks/profile_linear_cross_entropy.py --out DIR
 
 `jax.value_and_grad` of the mean loss with respect to hidden and weight, at
-bench_linear_cross_entropy.py's shapes (``--only`` picks them), for our default and for
-XLA's `x @ w` + optax: a `jax.profiler` trace of CALLS back-to-back steps, GPU 0's
-kernels grouped by name (launches and microseconds per step, share of the step's kernel
-time), and XLA's memory analysis of the compiled step. The fused step's time beyond
+bench_linear_cross_entropy.py's shapes (``--only`` picks them), for our default, for XLA's
+`x @ w` + optax and, in bfloat16, for ours with the Hopper dlogits kernel: a
+`jax.profiler` trace of CALLS back-to-back steps, GPU 0's kernels grouped by name
+(launches and microseconds per step, share of the step's kernel time), and XLA's memory
+analysis of the compiled step. The fused step's time beyond
 XLA's is the recomputed logits (a fourth T·H·V product) and whatever the grouping shows
 besides: the chunked backward's elementwise passes (dlogits from float32 logits, the
 float32 dhidden accumulation) and its products' speed against cuBLAS's best. Writes
@@ -57,7 +58,11 @@ def profile_shape(shape, dtype) -> list[str]:
   x, w, y = shape_inputs(shape, dtype)
   T, H, V = shape
   lines = []
-  for impl, fn in IMPLS.items():
+  impls = dict(IMPLS)
+  if dtype == jnp.bfloat16:  # the Hopper dlogits kernel takes bfloat16 only
+    impls["jaxsoftmax fused, Hopper dlogits"] = lambda x, w, y: js.linear_cross_entropy(
+        x, w, y, tiling=js.LinearCrossEntropyTiling(dlogits="mosaic_gpu"))
+  for impl, fn in impls.items():
     step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
     memory = step.lower(x, w, y).compile().memory_analysis()
     peak = (memory.temp_size_in_bytes + memory.output_size_in_bytes) / 2**20

@@ -12,6 +12,7 @@ import pytest
 
 import jaxsoftmax as js
 from jaxsoftmax import reference
+from jaxsoftmax import _backend
 from jaxsoftmax._backend import mosaic_gpu as mosaic_device
 from jaxsoftmax.linear_cross_entropy import mosaic_gpu
 from tolerance import assert_2x, truth
@@ -239,6 +240,102 @@ def test_hopper_forward_interpreted(key, dtype, rows, H, V, bias, hopper, option
   tiling = js.LinearCrossEntropyTiling(
       forward="mosaic_gpu", hopper=js.LinearCrossEntropyHopperTiling(**hopper))
   _check(*_inputs(key, rows, H, V, dtype, bias=bias), tiling=tiling, **options)
+
+
+@pytest.mark.parametrize("rows, H, V, chunk, options", [
+    ((300,), 100, 301, 128, dict(label_smoothing=0.1, z_loss=1e-3)),
+    ((2, 170), 256, 256, 128, dict(logit_soft_cap=4.0, label_smoothing=0.1)),
+], ids=["ragged-smoothing-zloss", "two-row-blocks-softcap"])
+def test_hopper_dlogits_interpreted(key, monkeypatch, rows, H, V, chunk, options):
+  # The Hopper dlogits kernel in Pallas' Mosaic GPU interpreter, serving the chunked
+  # backward: rows, H and V a multiple of no tile (the last chunk overlapping the one
+  # before at V = 301), ignored rows, every term of ds. Four "SMs": the CTAs walk two
+  # row blocks, the last group one.
+  if ON_GPU:
+    pytest.skip("on a GPU, test_hopper_dlogits_gpu runs the compiled kernel")
+  monkeypatch.setattr(_backend, "num_cores", lambda: 4)
+  tiling = js.LinearCrossEntropyTiling(
+      chunk_vocab=chunk, dlogits="mosaic_gpu",
+      hopper=js.LinearCrossEntropyHopperTiling(block_vocab=64))
+  _check(*_inputs(key, rows, H, V, jnp.bfloat16, bias=False, ignored=(1, 2)), tiling=tiling,
+         **options)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+def test_hopper_dlogits_kernel_alone(key, softcap):
+  # ds of one chunk (columns 256-511 of 600) against the formula in float32: equal up to
+  # the bfloat16 rounding of the output; rows past R (padding) are 0.
+  if ON_GPU and not mosaic_device.hopper_device():
+    pytest.skip("the Hopper dlogits kernel needs a Hopper GPU")
+  R, H, V, start, chunk, a, zeta = 300, 100, 600, 256, 256, 0.1, 1e-3
+  kx, kw, ky, kg, kl = jax.random.split(key, 5)
+  x = jax.random.normal(kx, (R, H)).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (H, V)) / 4).astype(jnp.bfloat16)
+  labels = jax.random.randint(ky, (R,), 0, V).at[3].set(-100)
+  g = jax.random.uniform(kg, (R,)).at[3].set(0.0)
+  g_lse = 0.1 * jax.random.normal(kl, (R,))
+  cap = (lambda z: z) if softcap is None else (lambda z: softcap * jnp.tanh(z / softcap))
+  s = cap(jnp.dot(x, w, preferred_element_type=jnp.float32))
+  lse = jax.nn.logsumexp(s, axis=1)
+  inputs = mosaic_gpu.dlogits_inputs(x, labels, lse, g, g_lse, V=V, label_smoothing=a,
+                                     z_loss=zeta)
+  ds = mosaic_gpu.dlogits(inputs, w[:, start:start + chunk], jnp.int32(start),
+                          tiling=js.LinearCrossEntropyHopperTiling(block_vocab=64),
+                          softcap=softcap, interpret=not ON_GPU)
+  s_c = s[:, start:start + chunk]
+  cols = start + jnp.arange(chunk)
+  want = ((g * (1 + 2 * zeta * lse) + g_lse)[:, None] * jnp.exp(s_c - lse[:, None])
+          - jnp.where(cols[None, :] == labels[:, None], (g * (1 - a))[:, None], 0.0)
+          - (g * a / V)[:, None])
+  if softcap is not None:
+    want = want * (1 - jnp.square(s_c / softcap))
+  assert ds.dtype == jnp.bfloat16 and ds.shape == (384, chunk)
+  np.testing.assert_allclose(np.asarray(ds[:R], np.float32), want, rtol=2**-7, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(ds[R:], np.float32), 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, H, V, options", [
+    ((512,), 2304, 65536, dict(label_smoothing=0.1, z_loss=1e-4, logit_soft_cap=30.0)),
+    ((3, 100), 4096, 5003, {}),
+    ((70,), 8192, 3001, dict(z_loss=1e-4)),
+], ids=["H2304-V65536-all", "H4096-V5003", "H8192-V3001"])
+def test_hopper_dlogits_gpu(key, rows, H, V, options):
+  if not mosaic_device.hopper_device():
+    pytest.skip("the Hopper dlogits kernel needs a Hopper GPU")
+  tiling = js.LinearCrossEntropyTiling(chunk_vocab=1024, dlogits="mosaic_gpu")
+  _check(*_inputs(key, rows, H, V, jnp.bfloat16, bias=False, ignored=(1, 2)), tiling=tiling,
+         **options)
+
+
+@pytest.mark.parametrize("R, H, chunk, softcap", [(8192, 4096, 2048, None),
+                                                  (300, 2304, 1024, 30.0)])
+def test_hopper_dlogits_lowers_for_cuda(R, H, chunk, softcap):
+  # As the forward: it lowers for CUDA anywhere, catching Mosaic GPU API drift.
+  tiling = js.LinearCrossEntropyHopperTiling()
+  sds = jax.ShapeDtypeStruct
+  inputs = mosaic_gpu.DlogitsInputs(sds((-(-R // 128) * 128, H), jnp.bfloat16),
+                                    sds((4, -(-R // 128) * 128), jnp.float32),
+                                    sds((-(-R // 128) * 128,), jnp.int32))
+  dlogits = functools.partial(mosaic_gpu.dlogits, tiling=tiling, softcap=softcap)
+  lowered = jax.jit(dlogits).trace(inputs, sds((H, chunk), jnp.bfloat16),
+                                   sds((), jnp.int32)).lower(lowering_platforms=("cuda",))
+  assert "linear_cross_entropy_dlogits_mosaic_gpu" in lowered.as_text()
+
+
+def test_hopper_dlogits_refuses_what_it_cannot_run(key):
+  x, w, b, y = _inputs(key, (8,), 64, 2048, jnp.bfloat16)
+  tiling = js.LinearCrossEntropyTiling(dlogits="mosaic_gpu")
+  run = lambda x, w, b=None, tiling=tiling: js.linear_cross_entropy(x, w, y, bias=b,
+                                                                    tiling=tiling)
+  with pytest.raises(ValueError, match="dlogits='mosaic_gpu' cannot run: dbias needs"):
+    run(x, w, b)
+  with pytest.raises(ValueError, match="cannot run: it writes ds in bfloat16"):
+    run(x.astype(jnp.float16), w.astype(jnp.float16))
+  with pytest.raises(ValueError, match="must be a multiple of block_vocab"):
+    run(x, w, tiling=dataclasses.replace(tiling, chunk_vocab=1000))
+  with pytest.raises(ValueError, match="dlogits must be one of"):
+    js.LinearCrossEntropyTiling(dlogits="cuda")
 
 
 def test_hopper_forward_refuses_what_it_cannot_run():

@@ -75,6 +75,7 @@ __all__ = ["linear_cross_entropy", "LinearCrossEntropyTiling",
 
 _BACKWARDS = ("chunked", "atomic", "two_kernels")
 _FORWARDS = ("triton", "mosaic_gpu")
+_DLOGITS = ("xla", "mosaic_gpu")
 # The chunked backward's default chunk: about this many logits (64 MiB in float32).
 _CHUNK_LOGITS = 1 << 24
 _LOG2E = math.log2(math.e)
@@ -105,6 +106,11 @@ class LinearCrossEntropyTiling:
       not interpreted), else "triton".
     hopper: the "mosaic_gpu" forward's `LinearCrossEntropyHopperTiling`; None: its
       defaults.
+    dlogits: how the chunked backward forms a chunk's ds: "xla" (XLA's product writes
+      the float32 logits, then an elementwise pass rounds ds to the inputs' dtype) or
+      "mosaic_gpu" (one Hopper kernel, `mosaic_gpu.dlogits`: the forward's products with
+      ds formed in their epilogue and written in bfloat16; bfloat16 inputs without a
+      bias, chunks a multiple of ``hopper.block_vocab``); None: "xla".
   """
 
   block_rows: int = 64
@@ -117,6 +123,7 @@ class LinearCrossEntropyTiling:
   chunk_vocab: int | None = None
   forward: str | None = None
   hopper: LinearCrossEntropyHopperTiling | None = None
+  dlogits: str | None = None
 
   @property
   def hopper_tiling(self) -> LinearCrossEntropyHopperTiling:
@@ -135,6 +142,9 @@ class LinearCrossEntropyTiling:
     if self.forward is not None and self.forward not in _FORWARDS:
       raise ValueError(f"LinearCrossEntropyTiling.forward must be one of {_FORWARDS}, "
                        f"got {self.forward!r}")
+    if self.dlogits is not None and self.dlogits not in _DLOGITS:
+      raise ValueError(f"LinearCrossEntropyTiling.dlogits must be one of {_DLOGITS}, "
+                       f"got {self.dlogits!r}")
     if self.hopper is not None and not isinstance(self.hopper,
                                                   LinearCrossEntropyHopperTiling):
       raise TypeError("LinearCrossEntropyTiling.hopper must be a "
@@ -523,21 +533,32 @@ def _backward_chunked(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Opt
   n_chunks = pl.cdiv(dims.V, chunk)
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+  hopper = dims.tiling.dlogits == "mosaic_gpu"
+  if hopper:
+    shared = mosaic_gpu.dlogits_inputs(x, labels, lse, g, g_lse, V=dims.V,
+                                       label_smoothing=options.label_smoothing,
+                                       z_loss=options.z_loss)
 
   def step(carry, c):
     dx, dw, db = carry
     start = jnp.minimum(c * chunk, dims.V - chunk)
     w_c = lax.dynamic_slice_in_dim(w, start, chunk, axis=1)
-    z = dot(x, w_c)
-    if b is not None:
-      z = z + lax.dynamic_slice_in_dim(b, start, chunk).astype(jnp.float32)[None, :]
-    ds = _logit_grad_chunk(z, start, (labels, lse, g, g_lse), dims, options)
-    terms, unscale = _scaled_terms(ds, x.dtype)
+    if hopper:  # ds in bfloat16 from one kernel; no float32 logits in memory
+      ds = mosaic_gpu.dlogits(shared, w_c, start, tiling=dims.tiling.hopper_tiling,
+                              softcap=options.softcap, interpret=options.interpret)[:dims.R]
+      terms, unscale = (ds,), 1.0
+    else:
+      z = dot(x, w_c)
+      if b is not None:
+        z = z + lax.dynamic_slice_in_dim(b, start, chunk).astype(jnp.float32)[None, :]
+      ds = _logit_grad_chunk(z, start, (labels, lse, g, g_lse), dims, options)
+      terms, unscale = _scaled_terms(ds, x.dtype)
     dw_c = _sum_products(terms, lambda d: dot(x.T, d)) * unscale
     dw = lax.dynamic_update_slice_in_dim(dw, dw_c.astype(dw.dtype), start, axis=1)
     if dims.V % chunk:  # the last chunk's columns of the chunk before stay out of dx
       new = (start + jnp.arange(chunk, dtype=jnp.int32) >= c * chunk)[None, :]
-      terms, unscale = _scaled_terms(jnp.where(new, ds, 0.0), x.dtype)
+      terms, unscale = ((jnp.where(new, ds, 0),), 1.0) if hopper else _scaled_terms(
+          jnp.where(new, ds, 0.0), x.dtype)
     dx = dx + _sum_products(terms, lambda d: dot(d, w_c.T)) * unscale
     if db is not None:
       db = lax.dynamic_update_slice_in_dim(db, ds.sum(axis=0), start, axis=0)
@@ -629,6 +650,26 @@ def _hopper_unsupported(dtype, tiling: LinearCrossEntropyTiling, interpret: bool
   if why is None and not interpret and not mosaic_device.hopper_device():
     why = f"it needs a Hopper GPU, and the device is {mosaic_device.device_description()}"
   return why
+
+
+def _dlogits_unsupported(dtype, dims: _Dims, has_bias: bool, interpret: bool):
+  """Why the Hopper dlogits kernel cannot serve the chunked backward, or None."""
+  t = dims.tiling
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    return f"it writes ds in bfloat16 for bfloat16 inputs, not {jnp.dtype(dtype)}"
+  if has_bias:
+    return "dbias needs ds in float32; with a bias the chunked backward forms it in XLA"
+  if t.backward not in (None, "chunked"):
+    return f"it serves the chunked backward, not backward={t.backward!r}"
+  if dims.chunk % t.hopper_tiling.block_vocab:
+    return (f"the chunk ({dims.chunk} columns) must be a multiple of block_vocab "
+            f"({t.hopper_tiling.block_vocab})")
+  needed = mosaic_gpu.dlogits_smem_bytes(t.hopper_tiling, jnp.dtype(dtype).itemsize)
+  if needed > mosaic_device.SMEM_BYTES:
+    return f"it needs {needed} bytes of shared memory, more than {mosaic_device.SMEM_BYTES}"
+  if not interpret and not mosaic_device.hopper_device():
+    return f"it needs a Hopper GPU, and the device is {mosaic_device.device_description()}"
+  return None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -747,6 +788,10 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
                                    reduction=reduction)
     return (loss, reference.logsumexp(logits, axis=-1)) if return_lse else loss
   dims = _Dims(flat_labels.size, H, V, tiling)
+  if tiling.dlogits == "mosaic_gpu":
+    why = _dlogits_unsupported(hidden.dtype, dims, bias is not None, interpret)
+    if why is not None:
+      raise ValueError(f"{op}: tiling.dlogits='mosaic_gpu' cannot run: {why}")
   options = _Options(float(label_smoothing), float(z_loss),
                      None if logit_soft_cap is None else float(logit_soft_cap),
                      bias is not None, interpret)

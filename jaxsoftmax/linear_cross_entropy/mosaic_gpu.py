@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,8 @@ from jaxsoftmax import _backend
 from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, pad_to, pl, plgpu
 from jaxsoftmax.inputs import check_optional_positive_int
 
-__all__ = ["forward", "LinearCrossEntropyHopperTiling", "supported"]
+__all__ = ["DlogitsInputs", "dlogits", "dlogits_inputs", "dlogits_smem_bytes", "forward",
+           "LinearCrossEntropyHopperTiling", "supported"]
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a consumer's tile
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per vocabulary column of a tile
@@ -127,14 +129,79 @@ class _Plan:
     return _backend.even_groups(self.vocab_tiles, wanted)
 
 
+class _Ring(NamedTuple):
+  """The shared-memory ring the producer fills and the consumers' products drain: per
+  slot both consumers' x chunks and a W chunk, a "loaded" barrier (the three copies) and
+  a "free" barrier (both consumers)."""
+
+  x_smem: Any
+  w_smem: Any
+  loaded: Any
+  free: Any
+  stages: int
+  chunks: int  # hidden chunks of one tile
+
+
+def _produce(ring: _Ring, x_ref, w_ref, tiles, origin, bv: int):
+  """The producer warpgroup: for each of the CTA's ``tiles`` logit tiles, at (first row,
+  vocabulary tile) ``origin(t)``, and each hidden chunk, TMA copies of the two consumers'
+  x chunks and the W chunk into the next free slot."""
+  plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+  stages, chunks = ring.stages, ring.chunks
+
+  @pl.loop(0, tiles * chunks)
+  def _(g):
+    s = lax.rem(g, stages)
+    t, c = lax.div(g, chunks), lax.rem(g, chunks)
+    r0, vocab_tile = origin(t)
+    hidden = pl.ds(c * _BLOCK_HIDDEN, _BLOCK_HIDDEN)
+    pl.when(g >= stages)(lambda: plgpu.barrier_wait(ring.free.at[s]))
+    for w in range(_CONSUMERS):
+      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(r0 + w * _BLOCK_ROWS, _BLOCK_ROWS), hidden],
+                              ring.x_smem.at[s, w], ring.loaded.at[s])
+    plgpu.copy_gmem_to_smem(w_ref.at[hidden, pl.ds(vocab_tile * bv, bv)], ring.w_smem.at[s],
+                            ring.loaded.at[s])
+
+  # Wait for the last slots to be freed too: every phase of the "free" barriers is then
+  # observed before they are deallocated (Pallas' Mosaic GPU interpreter checks that).
+  @pl.loop(tiles * chunks, tiles * chunks + stages)
+  def _(g):
+    pl.when(g >= stages)(lambda: plgpu.barrier_wait(ring.free.at[lax.rem(g, stages)]))
+
+
+def _tile_logits(ring: _Ring, wg, t, bv: int):
+  """A consumer's float32 logit tile z (64 x bv) of the CTA's vocabulary tile t, by wgmma
+  over the hidden chunks."""
+  stages, chunks = ring.stages, ring.chunks
+  step0 = t * chunks
+
+  def products(acc_ref):
+    @pl.loop(0, chunks)
+    def _(c):
+      s = lax.rem(step0 + c, stages)
+      plgpu.barrier_wait(ring.loaded.at[s])
+      plgpu.wgmma(acc_ref, ring.x_smem.at[s, wg], ring.w_smem.at[s])
+      # Keep this product in flight; the previous one is done: free its slot.
+      plgpu.wgmma_wait(1)
+      pl.when(c > 0)(lambda: plgpu.barrier_arrive(
+          ring.free.at[lax.rem(step0 + c - 1, stages)]))
+
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(ring.free.at[lax.rem(step0 + chunks - 1, stages)])
+    return acc_ref[...]
+
+  return pl.run_scoped(products, plgpu.ACC((_BLOCK_ROWS, bv), jnp.float32))
+
+
 def _kernel(x_ref, w_ref, *refs, plan: _Plan, per: int):
   refs = list(refs)
   pad_ref = refs.pop(0) if plan.pad_columns else None
   m_ref, l_ref = refs.pop(0), refs.pop(0)
   total_ref = refs.pop(0) if plan.with_total else None
   x_smem, w_smem, stat_smem, loaded, free = refs
+  ring = _Ring(x_smem, w_smem, loaded, free, plan.tiling.num_stages, plan.hidden_chunks)
 
-  bv, stages, chunks = plan.tiling.block_vocab, plan.tiling.num_stages, plan.hidden_chunks
+  bv = plan.tiling.block_vocab
   wg = lax.axis_index("wg")
   split, row_block = lax.axis_index("splits"), lax.axis_index("rows")
   first = split * per
@@ -145,31 +212,9 @@ def _kernel(x_ref, w_ref, *refs, plan: _Plan, per: int):
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
 
-    def logits(t):
-      """The float32 logit tile z of vocabulary tile first + t, by wgmma over the
-      hidden chunks."""
-      step0 = t * chunks
-
-      def products(acc_ref):
-        @pl.loop(0, chunks)
-        def _(c):
-          s = lax.rem(step0 + c, stages)
-          plgpu.barrier_wait(loaded.at[s])
-          plgpu.wgmma(acc_ref, x_smem.at[s, wg], w_smem.at[s])
-          # Keep this product in flight; the previous one is done: free its slot.
-          plgpu.wgmma_wait(1)
-          pl.when(c > 0)(lambda: plgpu.barrier_arrive(
-              free.at[lax.rem(step0 + c - 1, stages)]))
-
-        plgpu.wgmma_wait(0)
-        plgpu.barrier_arrive(free.at[lax.rem(step0 + chunks - 1, stages)])
-        return acc_ref[...]
-
-      return pl.run_scoped(products, plgpu.ACC((_BLOCK_ROWS, bv), jnp.float32))
-
     def tile(t, carry):
       m, l, total = carry
-      s = logits(t)
+      s = _tile_logits(ring, wg, t, bv)
       shape = s.shape
       pad = None
       if pad_ref is not None:  # the bias, and -inf past the vocabulary
@@ -212,25 +257,7 @@ def _kernel(x_ref, w_ref, *refs, plan: _Plan, per: int):
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-
-    @pl.loop(0, tiles * chunks)
-    def _(g):
-      s = lax.rem(g, stages)
-      t, c = lax.div(g, chunks), lax.rem(g, chunks)
-      hidden = pl.ds(c * _BLOCK_HIDDEN, _BLOCK_HIDDEN)
-      pl.when(g >= stages)(lambda: plgpu.barrier_wait(free.at[s]))
-      for w in range(_CONSUMERS):
-        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(r0 + w * _BLOCK_ROWS, _BLOCK_ROWS), hidden],
-                                x_smem.at[s, w], loaded.at[s])
-      plgpu.copy_gmem_to_smem(w_ref.at[hidden, pl.ds((first + t) * bv, bv)], w_smem.at[s],
-                              loaded.at[s])
-
-    # Wait for the last slots to be freed too: every phase of the "free" barriers is then
-    # observed before they are deallocated (Pallas' Mosaic GPU interpreter checks that).
-    @pl.loop(tiles * chunks, tiles * chunks + stages)
-    def _(g):
-      pl.when(g >= stages)(lambda: plgpu.barrier_wait(free.at[lax.rem(g, stages)]))
+    _produce(ring, x_ref, w_ref, tiles, lambda t: (r0, first + t), bv)
 
 
 def forward(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float | None,
@@ -298,3 +325,130 @@ def supported(dtype, tiling: LinearCrossEntropyHopperTiling) -> str | None:
   if needed > SMEM_BYTES:
     return f"it needs {needed} bytes of shared memory, more than {SMEM_BYTES}"
   return None
+
+
+# The per-row values of the dlogits kernel, the rows of its (4, R_pad) float32 operand:
+# lse·log2 e, then the coefficients of p, of the label's one-hot and of the smoothing.
+_LSE2, _P_COEF, _LABEL_COEF, _SMOOTHING = range(4)
+
+
+def _dlogits_kernel(x_ref, w_ref, rowvals_ref, labels_ref, ds_ref, x_smem, w_smem, ds_smem,
+                    loaded, free, *, chunks: int, stages: int, per: int, row_blocks: int,
+                    softcap: float | None):
+  """One CTA per (vocabulary tile of the chunk, group of ``per`` blocks of 2·64 rows),
+  about one CTA per SM: for each block, the tile's logits by wgmma as in the forward,
+  then ds from them in registers, sent out in x's dtype by TMA while the producer
+  already loads the next block's chunks."""
+  ring = _Ring(x_smem, w_smem, loaded, free, stages, chunks)
+  bv = w_smem.shape[-1]
+  wg = lax.axis_index("wg")
+  tile, group = lax.axis_index("tiles"), lax.axis_index("rows")
+  first = group * per
+  blocks = jnp.minimum(per, row_blocks - first)  # the last group may be shorter
+  row0 = lambda t: (first + t) * _CONSUMERS * _BLOCK_ROWS
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+
+    @pl.loop(0, blocks)
+    def _(t):
+      rows = pl.ds(row0(t) + wg * _BLOCK_ROWS, _BLOCK_ROWS)
+      z = _tile_logits(ring, wg, t, bv)
+      shape = z.shape
+
+      def per_row(ref):
+        return lax.broadcast_in_dim(plgpu.load(ref, layout=_ROW, optimized=False), shape,
+                                    [0])
+
+      value = lambda i: per_row(rowvals_ref.at[i, rows])
+      s = z if softcap is None else softcap * jnp.tanh(z / softcap)
+      p = jnp.exp2(s * _LOG2E - value(_LSE2))
+      cols = tile * bv + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                                layout=plgpu.Layout.WGMMA)
+      ds = (value(_P_COEF) * p
+            - jnp.where(cols == per_row(labels_ref.at[rows]), value(_LABEL_COEF), 0.0)
+            - value(_SMOOTHING))
+      if softcap is not None:  # ds/dz = 1 - tanh² = 1 - (s/c)²
+        ds = ds * (1.0 - jnp.square(s / softcap))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's ds has left
+      ds_smem.at[wg][...] = ds.astype(ds_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(ds_smem.at[wg], ds_ref.at[rows, pl.ds(tile * bv, bv)])
+
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    _produce(ring, x_ref, w_ref, blocks, lambda t: (row0(t), tile), bv)
+
+
+class DlogitsInputs(NamedTuple):
+  """What every chunk's `dlogits` call shares: x padded for TMA (rows to a multiple of
+  2·64, H to one of 64), the (4, R_pad) row values and the labels (R_pad,)."""
+
+  x: jax.Array
+  rowvals: jax.Array
+  labels: jax.Array
+
+
+def dlogits_inputs(x, labels, lse, g, g_lse, *, V: int, label_smoothing: float,
+                   z_loss: float) -> DlogitsInputs:
+  """The chunk-independent operands of `dlogits`, for ds = g·[(1 + 2ζ·lse)·p - (1 - a)·
+  [j = y] - a / V] + g_lse·p (the module docstring of `linear_cross_entropy`)."""
+  R, H = x.shape
+  R_pad = -(-R // (_CONSUMERS * _BLOCK_ROWS)) * _CONSUMERS * _BLOCK_ROWS
+  a = label_smoothing
+  rowvals = jnp.stack([lse * _LOG2E, g * (1 + 2 * z_loss * lse) + g_lse, g * (1 - a),
+                       g * (a / V)]).astype(jnp.float32)
+  return DlogitsInputs(pad_to(pad_to(x, 0, R_pad), 1, -(-H // 64) * 64),
+                       pad_to(rowvals, 1, R_pad), pad_to(labels.astype(jnp.int32), 0, R_pad))
+
+
+def dlogits(inputs: DlogitsInputs, w_chunk, start, *, tiling: LinearCrossEntropyHopperTiling,
+            softcap: float | None, interpret: bool = False):
+  """ds (R_pad, chunk) in x's dtype, the loss's gradient with respect to the logits of the
+  vocabulary columns [start, start + chunk), from their weight columns ``w_chunk`` (H,
+  chunk; chunk a multiple of ``tiling.block_vocab``) and `dlogits_inputs`. The rows past
+  R are those of zero rows (their coefficients are 0)."""
+  x, rowvals, labels = inputs
+  R_pad, H64 = x.shape
+  chunk = w_chunk.shape[1]
+  bv, stages = tiling.block_vocab, tiling.num_stages
+  if chunk % bv:
+    raise ValueError(f"dlogits: the chunk ({chunk} columns) must be a multiple of "
+                     f"block_vocab ({bv})")
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  scratch = [
+      plgpu.SMEM((stages, _CONSUMERS, _BLOCK_ROWS, _BLOCK_HIDDEN), x.dtype, transforms=tiled),
+      plgpu.SMEM((stages, _BLOCK_HIDDEN, bv), x.dtype, transforms=tiled),
+      plgpu.SMEM((_CONSUMERS, _BLOCK_ROWS, bv), x.dtype, transforms=tiled),  # ds going out
+      plgpu.Barrier(num_arrivals=_CONSUMERS + 1, num_barriers=stages),  # slot loaded
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # slot free
+  ]
+  # About one CTA per SM (each takes most of an SM's shared memory, so one runs at a
+  # time): the chunk's tiles times groups of row blocks, each CTA walking its group.
+  row_blocks = R_pad // (_CONSUMERS * _BLOCK_ROWS)
+  groups, per = _backend.even_groups(row_blocks, pl.cdiv(_backend.num_cores(), chunk // bv))
+  return plgpu.kernel(
+      functools.partial(_dlogits_kernel, chunks=H64 // _BLOCK_HIDDEN, stages=stages,
+                        per=per, row_blocks=row_blocks, softcap=softcap),
+      out_type=jax.ShapeDtypeStruct((R_pad, chunk), x.dtype),
+      scratch_types=scratch,
+      grid=(chunk // bv, groups),
+      grid_names=("tiles", "rows"),
+      num_threads=_CONSUMERS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=softcap is None,
+                                           unsafe_no_auto_barriers=True,
+                                           reduction_scratch_bytes=0),
+      kernel_name="linear_cross_entropy_dlogits_mosaic_gpu",
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(x, pad_to(w_chunk, 0, H64), rowvals, labels - start)
+
+
+def dlogits_smem_bytes(tiling: LinearCrossEntropyHopperTiling, itemsize: int) -> int:
+  """The dlogits kernel's shared memory: the forward's ring and a ds tile per consumer."""
+  slot = (_CONSUMERS * _BLOCK_ROWS + tiling.block_vocab) * _BLOCK_HIDDEN * itemsize
+  return (tiling.num_stages * slot + _CONSUMERS * _BLOCK_ROWS * tiling.block_vocab * itemsize
+          + 1024)
