@@ -26,7 +26,9 @@ dbias = Σ_rows ds. Three ways, ``LinearCrossEntropyTiling.backward``:
   form its dweight columns (complete: every row contributes) and its share of a float32
   dhidden, with ds formed in between and rounded to the inputs' dtype. A T x chunk
   block of logits and of ds is the only buffer beyond the gradients and the float32
-  dhidden. Deterministic.
+  dhidden. Deterministic. With ``dlogits="mosaic_gpu"`` (bfloat16, no bias, a Hopper
+  GPU) one Pallas Mosaic GPU kernel forms each chunk's ds instead: the forward's
+  products, ds in their epilogue, written in bfloat16 (`mosaic_gpu.dlogits`).
 - "atomic": one Pallas kernel per (block of rows, vocabulary tile) recomputes its logit
   tile and forms ds in registers, then adds ds · Wᵀ, xᵀ · ds and Σ_rows ds into float32
   accumulators with atomic adds (Cut Cross-Entropy's scheme, Wijmans et al. 2024).

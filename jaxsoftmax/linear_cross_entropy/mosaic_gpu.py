@@ -1,5 +1,6 @@
-"""The linear + cross-entropy forward for Hopper GPUs in Pallas Mosaic GPU: a tensor-core
-matrix product whose epilogue keeps the online-softmax state instead of storing logits.
+"""The linear + cross-entropy kernels for Hopper GPUs in Pallas Mosaic GPU: tensor-core
+matrix products whose epilogue keeps the online-softmax state instead of storing logits
+(the forward), or forms the logits' gradient ds (`dlogits`, for the chunked backward).
 
 `linear_cross_entropy` runs it by default for 16-bit inputs on a Hopper GPU, and with
 ``LinearCrossEntropyTiling(forward="mosaic_gpu")`` (see there), its tiles from
@@ -22,6 +23,12 @@ the CTAs running at once share their row blocks in L2; three warpgroups:
 Outputs: per (range, row) m, l (and Σ_j s) in float32, which `linear_cross_entropy`
 merges over the ranges; the label's logit, and Σ_j s without a soft cap (x·(W·1) + Σ b),
 are cheap outside the kernel. Nothing R x V reaches memory.
+
+`dlogits` runs the same producer and products for one vocabulary chunk of the chunked
+backward: one CTA per (vocabulary tile, group of row blocks), each consumer forming
+ds = g·[(1 + 2ζ·lse)·p - (1 - a)·[j = y] - a / V] + g_lse·p (times 1 - (s/c)² under a
+soft cap) from its z tile and per-row values, and sending it out in bfloat16 by TMA
+while the producer loads the next row block.
 
 TMA moves the (8, 64) tiles of the swizzled shared-memory layout, so the rows are padded
 to a multiple of 8 and H and V to multiples of 64 where they are not (a copy of W then:
