@@ -3,7 +3,7 @@
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_ring_attention.py --out benchmarks/results
     ... --smoke   # tiny sizes on the CPU's virtual devices (interpreted kernels)
 
-bfloat16, B=1, N=16 (and GQA 32/8), H=128, T = 32k, 64k, 128k tokens in total, causal
+bfloat16, B=1, N=16 (and GQA 32/8), H=128, T = 32k to 256k tokens in total, causal
 (zigzag layout) and not (contiguous), forward and forward + backward, for the ring and
 all-gather strategies on every visible GPU, beside `dot_product_attention` on one GPU;
 with --lhs, the ring also with XLA's latency-hiding scheduler turned on for its program
@@ -48,7 +48,10 @@ import jaxsoftmax as js  # noqa: E402
 
 CALLS = 10
 # (T, N, K): tokens in total, query and key/value heads; H = 128, B = 1.
-SHAPES = [(32768, 16, 16), (65536, 16, 16), (131072, 16, 16), (65536, 32, 8)]
+# The last three: the 4- and 8-GPU runs' 256k tokens and GQA at 128k and 256k (at 8
+# GPUs, 131072 tokens are 16k a GPU).
+SHAPES = [(32768, 16, 16), (65536, 16, 16), (131072, 16, 16), (65536, 32, 8),
+          (262144, 16, 16), (131072, 32, 8), (262144, 32, 8)]
 SMOKE_SHAPES = [(128, 4, 2)]
 H, SMOKE_H = 128, 16
 
