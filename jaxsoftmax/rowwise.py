@@ -478,14 +478,17 @@ def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_bloc
     stats = _finish(op, _pipelined(n_col_blocks, load, accumulate,
                                    _empty_state(op, bounds.block_rows)))
     if refs.outs:
+      # Sweep 2 walks the row backwards: its first blocks are those sweep 1 read last,
+      # the likeliest to be still in L1 or L2.
+      last = n_col_blocks - 1
 
       def map_block(b, block, carry):
-        cols, in_bounds = tile_bounds(b)
+        cols, in_bounds = tile_bounds(last - b)
         _store_map(op, refs.outs, _tile(block, rows, cols, in_bounds, exp), in_bounds, stats,
-                   start=b * bc, block_cols=bc)
+                   start=(last - b) * bc, block_cols=bc)
         return carry
 
-      _pipelined(n_col_blocks, load, map_block, ())
+      _pipelined(n_col_blocks, lambda b: load(last - b), map_block, ())
   for ref, s in zip(refs.stats, stats):
     _backend.store(ref, s, mask=rows_ok)
 
