@@ -7,8 +7,9 @@
 # Stages (each bounded by a timeout, so that one hung stage still leaves the others'
 # results; everything is also packed into $OUT/run.tgz, since only a few files come back
 # from the machine):
-#   tests, tune, bench      pytest -m gpu; tune_rows.py; bench_softmax.py and
-#                           bench_cross_entropy.py
+#   tests, tune, bench      pytest -m gpu; tune_rows.py; bench_softmax.py (ROWS_ONLY picks
+#                           shapes, ROWS_NAME names the results) and
+#                           bench_cross_entropy.py (CE_ONLY picks shapes)
 #   attn-tests              pytest -m gpu tests/test_attention.py
 #   attn-tune               tune_attention.py (TUNE_ONLY="4,5" picks shapes)
 #   attn-tune-hopper        tune_attention_hopper.py: the Mosaic GPU forward's tiles
@@ -97,9 +98,11 @@ for stage in ${STAGES:-tests tune bench}; do
       timeout 270 $python benchmarks/tune_rows.py --out "$out" 2>&1 \
         | tee "$out/tune.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     bench)
-      timeout 300 $python benchmarks/bench_softmax.py --out "$out" 2>&1 | tee "$out/bench.log"
-      timeout 120 $python benchmarks/bench_cross_entropy.py --out "$out" 2>&1 \
-        | tee -a "$out/bench.log"
+      timeout 300 $python benchmarks/bench_softmax.py --out "$out" \
+        ${ROWS_ONLY:+--only "$ROWS_ONLY"} ${ROWS_NAME:+--name "$ROWS_NAME"} 2>&1 \
+        | tee "$out/bench.log"
+      timeout 120 $python benchmarks/bench_cross_entropy.py --out "$out" \
+        ${CE_ONLY:+--only "$CE_ONLY"} 2>&1 | tee -a "$out/bench.log"
       tail -n 2 "$out/bench.log" | tee -a "$out/summary.log" ;;
     attn-tests)
       # Four workers, a fifth of the memory each (eight at 11% left the driver too little
