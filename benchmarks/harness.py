@@ -60,18 +60,23 @@ def _cupti_times(fn, arg_sets, iterations):
   return [t * 1e3 / len(arg_sets) for t in per_iteration]  # ms -> us per call
 
 
-def _trace_times(fn, arg_sets, iterations):
-  """Kernel time per call from a jax.profiler trace (device planes, stream lines)."""
+def _profile(run: Callable[[], object]):
+  """The `jax.profiler` trace (ProfileData) of ``run()``, waited for."""
   from jax.profiler import ProfileData
-  run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
-  jax.block_until_ready(run_all(arg_sets))
   with tempfile.TemporaryDirectory() as logdir:
     jax.profiler.start_trace(logdir)
-    for _ in range(iterations):
-      jax.block_until_ready(run_all(arg_sets))
+    jax.block_until_ready(run())
     jax.profiler.stop_trace()
     [path] = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-    profile = ProfileData.from_file(path)
+    return ProfileData.from_file(path)
+
+
+def _trace_times(fn, arg_sets, iterations):
+  """Kernel time per call from a jax.profiler trace (device planes, stream lines)."""
+  run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
+  jax.block_until_ready(run_all(arg_sets))
+  profile = _profile(lambda: [jax.block_until_ready(run_all(arg_sets))
+                              for _ in range(iterations)])
   events = sorted(
       (event.start_ns, event.duration_ns)
       for plane in profile.planes if plane.name.startswith("/device:GPU")
@@ -87,14 +92,8 @@ def _trace_times(fn, arg_sets, iterations):
 def trace_planes(fn, args, calls: int = 1) -> dict:
   """A `jax.profiler` trace of ``calls`` back-to-back calls (after one untraced): plane
   -> line -> [(event name, start us, duration us)], every device and host thread."""
-  from jax.profiler import ProfileData
   jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as logdir:
-    jax.profiler.start_trace(logdir)
-    jax.block_until_ready([fn(*args) for _ in range(calls)])
-    jax.profiler.stop_trace()
-    [path] = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-    profile = ProfileData.from_file(path)
+  profile = _profile(lambda: [fn(*args) for _ in range(calls)])
   return {plane.name: {line.name: [(event.name, event.start_ns / 1e3,
                                     event.duration_ns / 1e3) for event in line.events]
                        for line in plane.lines} for plane in profile.planes}
