@@ -3,6 +3,9 @@ copy / read ceilings: square, tall, wide and very long rows in float32 and bfloa
 
     PYTHONPATH=. python3 benchmarks/bench_softmax.py --out benchmarks/results
 
+On a Hopper GPU, where its rows fit, also the softmax forward of `rowwise_hopper` (rows
+staged in shared memory; not yet the default).
+
 Minimum traffic (N elements of b bytes): forward softmax / log_softmax 2·N·b (read x,
 write y), logsumexp N·b; forward + backward 5·N·b (forward, then read y or x and dy,
 write dx). % is of the copy ceiling, or of the read ceiling for logsumexp.
@@ -18,7 +21,8 @@ import jax.numpy as jnp
 
 import harness
 import jaxsoftmax as js
-from jaxsoftmax import reference
+from jaxsoftmax import reference, rowwise_hopper
+from jaxsoftmax._backend import mosaic_gpu as mosaic_device
 
 SHAPES = [
     ((4096, 4096), jnp.float32),
@@ -71,6 +75,9 @@ def bench_shape(report: harness.Report, shape, dtype):
     impls = [("jaxsoftmax", ours), ("xla (jax.nn)", xla)]
     if op == "softmax" and shape[-1] <= PALLAS_MAX_COLS:
       impls.append(("pallas ops softmax", _pallas_softmax()))
+    if (op == "softmax" and rowwise_hopper.supported(shape, dtype) is None
+        and mosaic_device.hopper_device()):  # the trial kernel, forward only
+      impls.append(("jaxsoftmax smem rows (Hopper)", lambda x, axis: rowwise_hopper.softmax(x)))
     is_lse = op == "logsumexp"
     nbytes = n * itemsize + (shape[0] * itemsize if is_lse else n * itemsize)
     truth = harness.float64_truth(_forward(ref), xs[0])
@@ -89,8 +96,10 @@ def bench_shape(report: harness.Report, shape, dtype):
 
 def _rows(shape, dtype):
   pallas = shape[-1] <= PALLAS_MAX_COLS
-  # ceilings; softmax fwd (+ Pallas) and fwd+bwd; log_softmax fwd and fwd+bwd; logsumexp fwd
-  return 2 + (2 + pallas) + 2 + 2 + 2 + 2
+  smem = rowwise_hopper.supported(shape, dtype) is None and mosaic_device.hopper_device()
+  # ceilings; softmax fwd (+ Pallas, + smem rows) and fwd+bwd; log_softmax fwd and
+  # fwd+bwd; logsumexp fwd
+  return 2 + (2 + pallas + smem) + 2 + 2 + 2 + 2
 
 
 if __name__ == "__main__":
