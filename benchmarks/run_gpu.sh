@@ -27,6 +27,7 @@
 #   ring-profile            the gaps between back-to-back calls (profile_ring_attention.py)
 #                           with the GPUs' clocks and power
 #   ring-example            examples/long_context.py on every visible GPU
+#   pytest                  any tests: PYTEST_ARGS (files, -k), TEST_TIMEOUT
 #   lce-tests, lce-bench    linear_cross_entropy (LCE_ONLY picks shapes, LCE_NAME names
 #                           the results); tune-lce sweeps its forward's tiles (LCE_ONLY);
 #                           lce-profile: a training step's kernels grouped by name
@@ -151,6 +152,10 @@ for stage in ${STAGES:-tests tune bench}; do
         grep -iE "Compiling entry|spill|Used [0-9]+ registers|error" "$out/ptxas_$shape.log" \
           | head -n 20 | sed "s/^/$shape: /" | tee -a "$out/summary.log"
       done ;;
+    pytest)
+      # Any tests: PYTEST_ARGS (e.g. "tests/test_rowwise_hopper.py -k matches"), on the GPU.
+      timeout ${TEST_TIMEOUT:-300} $python -m pytest -q -p no:cacheprovider -rfEs \
+        $PYTEST_ARGS 2>&1 | tee -a "$out/pytest.log" | tail -n 6 | tee -a "$out/summary.log" ;;
     lce-tests)
       # Compiling dominates (one worker took 298 s): four workers, a fifth of the memory each.
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout 300 $python -m pytest -m gpu -q -n 4 \
