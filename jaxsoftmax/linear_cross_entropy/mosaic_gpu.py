@@ -334,11 +334,6 @@ def supported(dtype, tiling: LinearCrossEntropyHopperTiling) -> str | None:
   return None
 
 
-# The per-row values of the dlogits kernel, the rows of its (4, R_pad) float32 operand:
-# lse·log2 e, then the coefficients of p, of the label's one-hot and of the smoothing.
-_LSE2, _P_COEF, _LABEL_COEF, _SMOOTHING = range(4)
-
-
 def _dlogits_kernel(x_ref, w_ref, rowvals_ref, labels_ref, ds_ref, x_smem, w_smem, ds_smem,
                     loaded, free, *, chunks: int, stages: int, per: int, row_blocks: int,
                     softcap: float | None):
@@ -361,21 +356,20 @@ def _dlogits_kernel(x_ref, w_ref, rowvals_ref, labels_ref, ds_ref, x_smem, w_sme
     @pl.loop(0, blocks)
     def _(t):
       rows = pl.ds(row0(t) + wg * _BLOCK_ROWS, _BLOCK_ROWS)
+      # The rows' values, loaded before the products so that their latency hides there.
+      load = lambda ref: plgpu.load(ref, layout=_ROW, optimized=False)
+      lse2, p_coef, label_coef, smoothing = (load(rowvals_ref.at[i, rows]) for i in range(4))
+      label = load(labels_ref.at[rows])
       z = _tile_logits(ring, wg, t, bv)
       shape = z.shape
-
-      def per_row(ref):
-        return lax.broadcast_in_dim(plgpu.load(ref, layout=_ROW, optimized=False), shape,
-                                    [0])
-
-      value = lambda i: per_row(rowvals_ref.at[i, rows])
+      per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
       s = z if softcap is None else softcap * jnp.tanh(z / softcap)
-      p = jnp.exp2(s * _LOG2E - value(_LSE2))
+      p = jnp.exp2(s * _LOG2E - per_row(lse2))
       cols = tile * bv + plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                 layout=plgpu.Layout.WGMMA)
-      ds = (value(_P_COEF) * p
-            - jnp.where(cols == per_row(labels_ref.at[rows]), value(_LABEL_COEF), 0.0)
-            - value(_SMOOTHING))
+      ds = (per_row(p_coef) * p
+            - jnp.where(cols == per_row(label), per_row(label_coef), 0.0)
+            - per_row(smoothing))
       if softcap is not None:  # ds/dz = 1 - tanh² = 1 - (s/c)²
         ds = ds * (1.0 - jnp.square(s / softcap))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's ds has left
@@ -406,6 +400,7 @@ def dlogits_inputs(x, labels, lse, g, g_lse, *, V: int, label_smoothing: float,
   R, H = x.shape
   R_pad = -(-R // (_CONSUMERS * _BLOCK_ROWS)) * _CONSUMERS * _BLOCK_ROWS
   a = label_smoothing
+  # The rows of the kernel's (4, R_pad) float32 operand, in the order it unpacks them.
   rowvals = jnp.stack([lse * _LOG2E, g * (1 + 2 * z_loss * lse) + g_lse, g * (1 - a),
                        g * (a / V)]).astype(jnp.float32)
   return DlogitsInputs(pad_to(pad_to(x, 0, R_pad), 1, -(-H // 64) * 64),
