@@ -8,8 +8,8 @@ forward (mode "fwd") and the backward kernel alone (mode "bwd": `norms._normaliz
 the forward's saved h, mean and rstd, its column sums for dscale and dbias included) on
 one resident row a program, at every warp count that leaves a thread between 4 and 128
 float32 values of the row (64 for the backward, which holds h and dy), and at rows of
-4096 columns or more the online variant on half and quarter rows; then the tiling the
-norms take by default. The earlier H200 runs showed the
+4096 columns or more the online variant on half and quarter rows and resident tiles of
+two rows; then the tiling the norms take by default. The earlier H200 runs showed the
 rows' defaults (tuned on softmax) to be the wrong trade for the norms: layer_norm's
 forward at 16384x8192 bfloat16 ran at 65% of copy on 16 warps a row and 83% on 4.
 
@@ -39,13 +39,18 @@ def tilings(cols: int, most_per_thread: int) -> list[RowTiling]:
   ``most_per_thread`` values of the row. For rows of 4096 columns or more, also the
   online variant on a half and a quarter of the row a block, 16 and 32 values a thread:
   its second read of the row, from L1 or L2 right after the first, trades against the
-  registers a resident program holds the row in (what bounds layer_norm's wide rows)."""
+  registers a resident program holds the row in (what bounds layer_norm's wide rows); and
+  resident tiles of two rows."""
   cols_pow2 = pl.next_power_of_2(cols)
   out = [RowTiling("resident", 1, cols_pow2, 1, w) for w in (1, 2, 4, 8, 16, 32)
          if 4 <= cols_pow2 // (32 * w) <= most_per_thread]
   if cols_pow2 >= 4096:
     out += [RowTiling("online", 1, cols_pow2 // parts, 1, cols_pow2 // parts // (32 * v))
             for parts in (2, 4) for v in (16, 32)]
+    # Two rows a tile on 16 and 32 warps: twice the rows in flight per program, while
+    # the backward's column sums (reduced over the tile's rows first) stay one vector.
+    out += [RowTiling("resident", 2, cols_pow2, 1, w) for w in (16, 32)
+            if 2 * cols_pow2 // (32 * w) <= most_per_thread]
   return out
 
 
