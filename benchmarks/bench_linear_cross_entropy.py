@@ -9,7 +9,8 @@ with respect to hidden and weight (fwd+bwd), for
 chunked backward; the Triton forward with the chunked backward; and "two_kernels": the
 Pallas dhidden and dweight kernels; the atomic backward measured 6-8x slower than the
 unfused loss on 2026-11-30 and is left out; for bfloat16, forward + backward, the Hopper
-dlogits kernel serving the chunked backward, at the default chunk and at 1024 columns),
+dlogits kernel serving the chunked backward, at the default chunk and at 1024 and 4096
+columns),
 for `x @ w` then optax's loss (XLA's own bfloat16 logits: the program a user writes),
 for `jnp.dot` with `preferred_element_type=float32` rounded to bfloat16 logits then our
 `cross_entropy` or optax's (XLA keeps the float32 product: 2x the logits' memory), and
@@ -69,6 +70,10 @@ DLOGITS_IMPLS = {
         x, w, y, tiling=_DLOGITS),
     "jaxsoftmax fused, Hopper dlogits, chunk 1024": lambda x, w, y: js.linear_cross_entropy(
         x, w, y, tiling=js.LinearCrossEntropyTiling(dlogits="mosaic_gpu", chunk_vocab=1024)),
+    # Without a float32 chunk of logits, twice the chunk costs only its bfloat16 ds, and
+    # the chunk's products grow toward cuBLAS's whole-matrix speed.
+    "jaxsoftmax fused, Hopper dlogits, chunk 4096": lambda x, w, y: js.linear_cross_entropy(
+        x, w, y, tiling=js.LinearCrossEntropyTiling(dlogits="mosaic_gpu", chunk_vocab=4096)),
 }
 
 
