@@ -348,7 +348,10 @@ def _operand_terms(ds, dtype):
   also the rounding remainder as a second term. float16's 11 bits on ds put dhidden at
   2.5x a float16 reference's error (which keeps ds in float32); the remainder brings it
   to float32 accuracy for one more product, as the Triton attention backward does for
-  dS. bfloat16's reference rounds coarsely enough that one term suffices."""
+  dS. bfloat16 takes one term: it keeps dhidden within the 2x rule on the tests' shapes
+  and the H200 runs', but not everywhere a small H leaves few products to average the
+  rounding (3.3x a bfloat16 reference's error at H = 64, soft cap 4, 340 rows); a
+  second term would cost one more product a chunk."""
   high = ds.astype(dtype)
   if dtype != jnp.float16:
     return (high,)
