@@ -22,6 +22,8 @@ against the float64 truth, the largest over them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -69,11 +71,11 @@ DLOGITS_IMPLS = {
     "jaxsoftmax fused, Hopper dlogits": lambda x, w, y: js.linear_cross_entropy(
         x, w, y, tiling=_DLOGITS),
     "jaxsoftmax fused, Hopper dlogits, chunk 1024": lambda x, w, y: js.linear_cross_entropy(
-        x, w, y, tiling=js.LinearCrossEntropyTiling(dlogits="mosaic_gpu", chunk_vocab=1024)),
+        x, w, y, tiling=dataclasses.replace(_DLOGITS, chunk_vocab=1024)),
     # Without a float32 chunk of logits, twice the chunk costs only its bfloat16 ds, and
     # the chunk's products grow toward cuBLAS's whole-matrix speed.
     "jaxsoftmax fused, Hopper dlogits, chunk 4096": lambda x, w, y: js.linear_cross_entropy(
-        x, w, y, tiling=js.LinearCrossEntropyTiling(dlogits="mosaic_gpu", chunk_vocab=4096)),
+        x, w, y, tiling=dataclasses.replace(_DLOGITS, chunk_vocab=4096)),
 }
 
 

@@ -26,7 +26,7 @@ import optax
 
 import harness
 import jaxsoftmax as js
-from bench_linear_cross_entropy import SHAPES, SMOKE_SHAPES, shape_inputs
+from bench_linear_cross_entropy import DLOGITS_IMPLS, SHAPES, SMOKE_SHAPES, shape_inputs
 
 CALLS = 3
 IMPLS = {
@@ -60,8 +60,8 @@ def profile_shape(shape, dtype) -> list[str]:
   lines = []
   impls = dict(IMPLS)
   if dtype == jnp.bfloat16:  # the Hopper dlogits kernel takes bfloat16 only
-    impls["jaxsoftmax fused, Hopper dlogits"] = lambda x, w, y: js.linear_cross_entropy(
-        x, w, y, tiling=js.LinearCrossEntropyTiling(dlogits="mosaic_gpu"))
+    name = "jaxsoftmax fused, Hopper dlogits"
+    impls[name] = DLOGITS_IMPLS[name]
   for impl, fn in impls.items():
     step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
     memory = step.lower(x, w, y).compile().memory_analysis()

@@ -543,6 +543,9 @@ def _backward_chunked(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Opt
     shared = mosaic_gpu.dlogits_inputs(x, labels, lse, g, g_lse, V=dims.V,
                                        label_smoothing=options.label_smoothing,
                                        z_loss=options.z_loss)
+    operands = lambda ds: ((ds,), 1.0)  # already bfloat16, the products' operand
+  else:
+    operands = lambda ds: _scaled_terms(ds, x.dtype)
 
   def step(carry, c):
     dx, dw, db = carry
@@ -551,19 +554,17 @@ def _backward_chunked(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Opt
     if hopper:  # ds in bfloat16 from one kernel; no float32 logits in memory
       ds = mosaic_gpu.dlogits(shared, w_c, start, tiling=dims.tiling.hopper_tiling,
                               softcap=options.softcap, interpret=options.interpret)[:dims.R]
-      terms, unscale = (ds,), 1.0
     else:
       z = dot(x, w_c)
       if b is not None:
         z = z + lax.dynamic_slice_in_dim(b, start, chunk).astype(jnp.float32)[None, :]
       ds = _logit_grad_chunk(z, start, (labels, lse, g, g_lse), dims, options)
-      terms, unscale = _scaled_terms(ds, x.dtype)
+    terms, unscale = operands(ds)
     dw_c = _sum_products(terms, lambda d: dot(x.T, d)) * unscale
     dw = lax.dynamic_update_slice_in_dim(dw, dw_c.astype(dw.dtype), start, axis=1)
     if dims.V % chunk:  # the last chunk's columns of the chunk before stay out of dx
       new = (start + jnp.arange(chunk, dtype=jnp.int32) >= c * chunk)[None, :]
-      terms, unscale = ((jnp.where(new, ds, 0),), 1.0) if hopper else _scaled_terms(
-          jnp.where(new, ds, 0.0), x.dtype)
+      terms, unscale = operands(jnp.where(new, ds, 0))
     dx = dx + _sum_products(terms, lambda d: dot(d, w_c.T)) * unscale
     if db is not None:
       db = lax.dynamic_update_slice_in_dim(db, ds.sum(axis=0), start, axis=0)

@@ -91,11 +91,16 @@ class LinearCrossEntropyHopperTiling:
                        f"got {self.num_stages!r}")
     check_optional_positive_int(self.vocab_splits, "LinearCrossEntropyHopperTiling.vocab_splits")
 
-  def smem_bytes(self, itemsize: int) -> int:
-    """The ring's bytes (x chunks of both consumers and a W chunk per slot), the row
-    statistics on their way out, and 1 KiB for the barriers and alignment."""
+  def ring_bytes(self, itemsize: int) -> int:
+    """The ring's bytes (x chunks of both consumers and a W chunk per slot) and 1 KiB for
+    the barriers and alignment: the shared memory both kernels take besides their
+    outputs on the way out."""
     slot = (_CONSUMERS * _BLOCK_ROWS + self.block_vocab) * _BLOCK_HIDDEN * itemsize
-    return self.num_stages * slot + 3 * _CONSUMERS * _BLOCK_ROWS * 4 + 1024
+    return self.num_stages * slot + 1024
+
+  def smem_bytes(self, itemsize: int) -> int:
+    """The forward's shared memory: the ring and the row statistics on their way out."""
+    return self.ring_bytes(itemsize) + 3 * _CONSUMERS * _BLOCK_ROWS * 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +152,44 @@ class _Ring(NamedTuple):
   free: Any
   stages: int
   chunks: int  # hidden chunks of one tile
+
+
+_TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _ring_scratch(stages: int, bv: int, dtype) -> list:
+  """The scratch of a `_Ring`, in its order: x chunks, W chunks, "loaded" and "free"
+  barriers (TMA writes the chunks in the swizzled layout wgmma reads)."""
+  return [
+      plgpu.SMEM((stages, _CONSUMERS, _BLOCK_ROWS, _BLOCK_HIDDEN), dtype, transforms=_TILED),
+      plgpu.SMEM((stages, _BLOCK_HIDDEN, bv), dtype, transforms=_TILED),
+      plgpu.Barrier(num_arrivals=_CONSUMERS + 1, num_barriers=stages),  # slot loaded
+      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # slot free
+  ]
+
+
+def _launch(kernel, *, out_type, scratch: list, grid, grid_names, softcap, name: str,
+            interpret: bool):
+  """``kernel`` on the grid with two consumer warpgroups and the producer; ``scratch``:
+  the ring's (`_ring_scratch`), then the kernel's own."""
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=grid,
+      grid_names=grid_names,
+      num_threads=_CONSUMERS + 1,
+      thread_name="wg",
+      # Shared memory is written by TMA and read by wgmma, ordered by the barriers; the
+      # outputs' tiles are waited for explicitly. tanh.approx would cost soft-capped
+      # logits their float32 accuracy (as in the attention forward), so soft caps keep
+      # exact math.
+      compiler_params=plgpu.CompilerParams(approx_math=softcap is None,
+                                           unsafe_no_auto_barriers=True,
+                                           reduction_scratch_bytes=0),
+      kernel_name=name,
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
 
 
 def _produce(ring: _Ring, x_ref, w_ref, tiles, origin, bv: int):
@@ -205,8 +248,8 @@ def _kernel(x_ref, w_ref, *refs, plan: _Plan, per: int):
   pad_ref = refs.pop(0) if plan.pad_columns else None
   m_ref, l_ref = refs.pop(0), refs.pop(0)
   total_ref = refs.pop(0) if plan.with_total else None
-  x_smem, w_smem, stat_smem, loaded, free = refs
-  ring = _Ring(x_smem, w_smem, loaded, free, plan.tiling.num_stages, plan.hidden_chunks)
+  *ring_refs, stat_smem = refs
+  ring = _Ring(*ring_refs, plan.tiling.num_stages, plan.hidden_chunks)
 
   bv = plan.tiling.block_vocab
   wg = lax.axis_index("wg")
@@ -293,32 +336,14 @@ def forward(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float |
     bias = jnp.zeros((V_pad,), jnp.float32) if b is None else pad_to(
         b.astype(jnp.float32), 0, V_pad)
     args.append(jnp.stack([pad, bias]))
-  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  stages = tiling.num_stages
-  scratch = [
-      plgpu.SMEM((stages, _CONSUMERS, _BLOCK_ROWS, _BLOCK_HIDDEN), x.dtype, transforms=tiled),
-      plgpu.SMEM((stages, _BLOCK_HIDDEN, bv), w.dtype, transforms=tiled),
-      plgpu.SMEM((3, _CONSUMERS, _BLOCK_ROWS), jnp.float32),  # statistics on their way out
-      plgpu.Barrier(num_arrivals=_CONSUMERS + 1, num_barriers=stages),  # slot loaded
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # slot free
-  ]
   stat = jax.ShapeDtypeStruct((splits, R_pad), jnp.float32)
-  outputs = plgpu.kernel(
+  outputs = _launch(
       functools.partial(_kernel, plan=plan, per=per),
       out_type=[stat] * (3 if with_total else 2),
-      scratch_types=scratch,
-      grid=(splits, plan.row_blocks),
-      grid_names=("splits", "rows"),
-      num_threads=_CONSUMERS + 1,
-      thread_name="wg",
-      # Shared memory is written by TMA and read by wgmma, ordered by the barriers; the
-      # statistics are written once. tanh.approx would cost soft-capped logits their
-      # float32 accuracy (as in the attention forward), so soft caps keep exact math.
-      compiler_params=plgpu.CompilerParams(approx_math=softcap is None,
-                                           unsafe_no_auto_barriers=True,
-                                           reduction_scratch_bytes=0),
-      kernel_name="linear_cross_entropy_forward_mosaic_gpu",
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      scratch=_ring_scratch(tiling.num_stages, bv, x.dtype)
+      + [plgpu.SMEM((3, _CONSUMERS, _BLOCK_ROWS), jnp.float32)],  # statistics going out
+      grid=(splits, plan.row_blocks), grid_names=("splits", "rows"), softcap=softcap,
+      name="linear_cross_entropy_forward_mosaic_gpu", interpret=interpret,
   )(*args)
   m, l, *total = outputs
   return m[:, :R], l[:, :R], total[0][:, :R] if total else None
@@ -334,8 +359,8 @@ def supported(dtype, tiling: LinearCrossEntropyHopperTiling) -> str | None:
   return None
 
 
-def _dlogits_kernel(x_ref, w_ref, rowvals_ref, labels_ref, ds_ref, x_smem, w_smem, ds_smem,
-                    loaded, free, *, chunks: int, stages: int, per: int, row_blocks: int,
+def _dlogits_kernel(x_ref, w_ref, rowvals_ref, labels_ref, ds_ref, x_smem, w_smem, loaded,
+                    free, ds_smem, *, chunks: int, stages: int, per: int, row_blocks: int,
                     softcap: float | None):
   """One CTA per (vocabulary tile of the chunk, group of ``per`` blocks of 2·64 rows),
   about one CTA per SM: for each block, the tile's logits by wgmma as in the forward,
@@ -420,37 +445,21 @@ def dlogits(inputs: DlogitsInputs, w_chunk, start, *, tiling: LinearCrossEntropy
   if chunk % bv:
     raise ValueError(f"dlogits: the chunk ({chunk} columns) must be a multiple of "
                      f"block_vocab ({bv})")
-  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  scratch = [
-      plgpu.SMEM((stages, _CONSUMERS, _BLOCK_ROWS, _BLOCK_HIDDEN), x.dtype, transforms=tiled),
-      plgpu.SMEM((stages, _BLOCK_HIDDEN, bv), x.dtype, transforms=tiled),
-      plgpu.SMEM((_CONSUMERS, _BLOCK_ROWS, bv), x.dtype, transforms=tiled),  # ds going out
-      plgpu.Barrier(num_arrivals=_CONSUMERS + 1, num_barriers=stages),  # slot loaded
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # slot free
-  ]
   # About one CTA per SM (each takes most of an SM's shared memory, so one runs at a
   # time): the chunk's tiles times groups of row blocks, each CTA walking its group.
   row_blocks = R_pad // (_CONSUMERS * _BLOCK_ROWS)
   groups, per = _backend.even_groups(row_blocks, pl.cdiv(_backend.num_cores(), chunk // bv))
-  return plgpu.kernel(
+  return _launch(
       functools.partial(_dlogits_kernel, chunks=H64 // _BLOCK_HIDDEN, stages=stages,
                         per=per, row_blocks=row_blocks, softcap=softcap),
       out_type=jax.ShapeDtypeStruct((R_pad, chunk), x.dtype),
-      scratch_types=scratch,
-      grid=(chunk // bv, groups),
-      grid_names=("tiles", "rows"),
-      num_threads=_CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=softcap is None,
-                                           unsafe_no_auto_barriers=True,
-                                           reduction_scratch_bytes=0),
-      kernel_name="linear_cross_entropy_dlogits_mosaic_gpu",
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      scratch=_ring_scratch(stages, bv, x.dtype)
+      + [plgpu.SMEM((_CONSUMERS, _BLOCK_ROWS, bv), x.dtype, transforms=_TILED)],  # ds out
+      grid=(chunk // bv, groups), grid_names=("tiles", "rows"), softcap=softcap,
+      name="linear_cross_entropy_dlogits_mosaic_gpu", interpret=interpret,
   )(x, pad_to(w_chunk, 0, H64), rowvals, labels - start)
 
 
 def dlogits_smem_bytes(tiling: LinearCrossEntropyHopperTiling, itemsize: int) -> int:
-  """The dlogits kernel's shared memory: the forward's ring and a ds tile per consumer."""
-  slot = (_CONSUMERS * _BLOCK_ROWS + tiling.block_vocab) * _BLOCK_HIDDEN * itemsize
-  return (tiling.num_stages * slot + _CONSUMERS * _BLOCK_ROWS * tiling.block_vocab * itemsize
-          + 1024)
+  """The dlogits kernel's shared memory: the ring and a ds tile per consumer."""
+  return tiling.ring_bytes(itemsize) + _CONSUMERS * _BLOCK_ROWS * tiling.block_vocab * itemsize
