@@ -40,6 +40,11 @@ OPS = ("softmax", "log_softmax", "logsumexp")
 PALLAS_MAX_COLS = 32768
 
 
+def _smem_rows(shape, dtype) -> bool:
+  """Whether the trial `rowwise_hopper` softmax runs here: a Hopper GPU, rows it takes."""
+  return rowwise_hopper.supported(shape, dtype) is None and mosaic_device.hopper_device()
+
+
 def _pallas_softmax():
   with warnings.catch_warnings():  # importing it warns that it is deprecated
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -75,8 +80,7 @@ def bench_shape(report: harness.Report, shape, dtype):
     impls = [("jaxsoftmax", ours), ("xla (jax.nn)", xla)]
     if op == "softmax" and shape[-1] <= PALLAS_MAX_COLS:
       impls.append(("pallas ops softmax", _pallas_softmax()))
-    if (op == "softmax" and rowwise_hopper.supported(shape, dtype) is None
-        and mosaic_device.hopper_device()):  # the trial kernel, forward only
+    if op == "softmax" and _smem_rows(shape, dtype):  # the trial kernel, forward only
       impls.append(("jaxsoftmax smem rows (Hopper)", lambda x, axis: rowwise_hopper.softmax(x)))
     is_lse = op == "logsumexp"
     nbytes = n * itemsize + (shape[0] * itemsize if is_lse else n * itemsize)
@@ -96,7 +100,7 @@ def bench_shape(report: harness.Report, shape, dtype):
 
 def _rows(shape, dtype):
   pallas = shape[-1] <= PALLAS_MAX_COLS
-  smem = rowwise_hopper.supported(shape, dtype) is None and mosaic_device.hopper_device()
+  smem = _smem_rows(shape, dtype)
   # ceilings; softmax fwd (+ Pallas, + smem rows) and fwd+bwd; log_softmax fwd and
   # fwd+bwd; logsumexp fwd
   return 2 + (2 + pallas + smem) + 2 + 2 + 2 + 2
