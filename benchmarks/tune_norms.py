@@ -62,6 +62,7 @@ def _norm(rms: bool, residual: bool, C: int, dtype, tiling) -> norms._Norm:
 def tune_shape(report: harness.Report, shape, dtype):
   rows, C = shape
   sets, scale, bias, n_bytes, common = shape_inputs(report, shape, dtype)
+  forward_saving = jax.jit(norms._normalize_fwd, static_argnums=4)
   for rms in (False, True):
     b = None if rms else bias
     for residual in (False, True):
@@ -70,8 +71,8 @@ def tune_shape(report: harness.Report, shape, dtype):
       # The saved values the backward reads: h, mean and rstd of each input set.
       saved = []
       for x, r, dy, dh in sets:
-        _, (h, _, _, mean, rstd) = jax.jit(norms._normalize_fwd, static_argnums=4)(
-            x, r if residual else None, scale, b, default)
+        _, (h, _, _, mean, rstd) = forward_saving(x, r if residual else None, scale, b,
+                                                  default)
         saved.append((h, mean, rstd, dy, dh))
 
       def forward(x, r, t, rms=rms, residual=residual):
@@ -85,8 +86,7 @@ def tune_shape(report: harness.Report, shape, dtype):
       for mode, fn, most, args, traffic in (
           ("fwd", forward, 128, [(s[0], s[1]) for s in sets], 4 if residual else 2),
           ("bwd", backward, 64, saved, 4 if residual else 3)):
-        candidates = tilings(C, most)
-        for t in candidates + [None]:
+        for t in tilings(C, most) + [None]:
           report.measure(op=op, impl="default" if t is None else _name(t), mode=mode,
                          fn=lambda *a, fn=fn, t=t: fn(*a, t), arg_sets=args,
                          nbytes=traffic * n_bytes, **common)
