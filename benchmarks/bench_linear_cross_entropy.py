@@ -6,11 +6,11 @@ bfloat16 rows x hidden x vocabulary at T = 8192, H = 4096, V = 131072 and at Gem
 T = 8192, H = 2304, V = 256000: the loss (fwd) and `jax.value_and_grad` of the mean loss
 with respect to hidden and weight (fwd+bwd), for
 `linear_cross_entropy` (its default: on a Hopper GPU the Mosaic GPU forward, and the
-chunked backward; the Triton forward with the chunked backward; and "two_kernels": the
-Pallas dhidden and dweight kernels; the atomic backward measured 6-8x slower than the
-unfused loss on 2026-11-30 and is left out; for bfloat16, forward + backward, the Hopper
-dlogits kernel serving the chunked backward, at the default chunk and at 1024 and 4096
-columns),
+chunked backward, whose ds comes from the Hopper dlogits kernel in bfloat16; the Triton
+forward; chunks of 1024 columns; and "two_kernels": the Pallas dhidden and dweight
+kernels; the atomic backward measured 6-8x slower than the unfused loss on 2026-11-30
+and is left out; for bfloat16, forward + backward, ds from XLA's float32 logits instead
+of the dlogits kernel, and chunks of 4096 columns),
 for `x @ w` then optax's loss (XLA's own bfloat16 logits: the program a user writes),
 for `jnp.dot` with `preferred_element_type=float32` rounded to bfloat16 logits then our
 `cross_entropy` or optax's (XLA keeps the float32 product: 2x the logits' memory), and
@@ -21,8 +21,6 @@ against the float64 truth, the largest over them.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -64,18 +62,16 @@ IMPLS = {
     "dot f32 + optax": lambda x, w, y: optax.softmax_cross_entropy_with_integer_labels(
         _logits(x, w, jnp.float32), y).mean(),
 }
-# The chunked backward with each chunk's ds from the Hopper dlogits kernel (bfloat16
-# only; its forward is the default's).
-_DLOGITS = js.LinearCrossEntropyTiling(dlogits="mosaic_gpu")
-DLOGITS_IMPLS = {
-    "jaxsoftmax fused, Hopper dlogits": lambda x, w, y: js.linear_cross_entropy(
-        x, w, y, tiling=_DLOGITS),
-    "jaxsoftmax fused, Hopper dlogits, chunk 1024": lambda x, w, y: js.linear_cross_entropy(
-        x, w, y, tiling=dataclasses.replace(_DLOGITS, chunk_vocab=1024)),
-    # Without a float32 chunk of logits, twice the chunk costs only its bfloat16 ds, and
-    # the chunk's products grow toward cuBLAS's whole-matrix speed.
-    "jaxsoftmax fused, Hopper dlogits, chunk 4096": lambda x, w, y: js.linear_cross_entropy(
-        x, w, y, tiling=dataclasses.replace(_DLOGITS, chunk_vocab=4096)),
+# bfloat16, forward + backward: the default's chunked backward with each chunk's ds
+# formed by XLA (float32 logits, then an elementwise pass) instead of the Hopper dlogits
+# kernel, and the default at chunks of 4096 columns (without a float32 chunk of logits,
+# twice the chunk costs only its bfloat16 ds, and the chunk's products grow toward
+# cuBLAS's whole-matrix speed).
+BACKWARD_IMPLS = {
+    "jaxsoftmax fused, XLA dlogits": lambda x, w, y: js.linear_cross_entropy(
+        x, w, y, tiling=js.LinearCrossEntropyTiling(dlogits="xla")),
+    "jaxsoftmax fused chunk 4096": lambda x, w, y: js.linear_cross_entropy(
+        x, w, y, tiling=js.LinearCrossEntropyTiling(chunk_vocab=4096)),
 }
 
 
@@ -104,7 +100,7 @@ def bench_shape(report: harness.Report, shape, dtype):
   for mode in report.modes:
     impls = dict(IMPLS)
     if mode == "fwd+bwd" and dtype == jnp.bfloat16:
-      impls.update(DLOGITS_IMPLS)
+      impls.update(BACKWARD_IMPLS)
     for impl, fn in impls.items():
       report.measure(mode=mode, impl=impl, fn=fn if mode == "fwd" else both(fn),
                      arg_sets=[(x, w, y)], flops=flops[mode], truth=truth[mode], **common)
@@ -112,7 +108,7 @@ def bench_shape(report: harness.Report, shape, dtype):
 
 if __name__ == "__main__":
   harness.run("linear_cross_entropy", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda shape, dtype: 2 * len(IMPLS) + len(DLOGITS_IMPLS) * (dtype == jnp.bfloat16),
+              lambda shape, dtype: 2 * len(IMPLS) + len(BACKWARD_IMPLS) * (dtype == jnp.bfloat16),
               unit="TFLOP/s",
               flops_doc="2·T·H·V for the loss and 6·T·H·V for loss and gradients (the "
                         "products an unfused step needs; the fused backward recomputes "

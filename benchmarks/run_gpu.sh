@@ -31,7 +31,9 @@
 #   lce-tests, lce-bench    linear_cross_entropy (LCE_ONLY picks shapes, LCE_NAME names
 #                           the results); tune-lce sweeps its forward's tiles (LCE_ONLY);
 #                           lce-profile: a training step's kernels grouped by name
-#                           (profile_linear_cross_entropy.py, LCE_ONLY)
+#                           (profile_linear_cross_entropy.py, LCE_ONLY); lce-accuracy:
+#                           the float32 accumulation error of its products and XLA's
+#                           (accuracy_linear_cross_entropy.py)
 #   norm-tests, norm-bench  layer_norm, rms_norm (NORM_ONLY picks shapes); tune-norms
 #                           sweeps their tiles; norm-ncu: the backward kernel's counters
 #                           (profile_norms.py)
@@ -169,6 +171,9 @@ for stage in ${STAGES:-tests tune bench}; do
       timeout 300 $python benchmarks/profile_linear_cross_entropy.py --out "$out" \
         ${LCE_ONLY:+--only "$LCE_ONLY"} > "$out/lce_profile.log" 2>&1
       grep -m 4 "Kernel time" "$out/lce_profile.log" | tee -a "$out/summary.log" ;;
+    lce-accuracy)
+      timeout 200 $python benchmarks/accuracy_linear_cross_entropy.py --out "$out" 2>&1 \
+        | tail -n 12 | tee -a "$out/summary.log" ;;
     tune-lce)
       timeout 400 $python benchmarks/tune_linear_cross_entropy.py --out "$out" \
         ${LCE_ONLY:+--only "$LCE_ONLY"} 2>&1 \

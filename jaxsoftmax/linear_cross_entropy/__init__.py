@@ -26,9 +26,10 @@ dbias = Σ_rows ds. Three ways, ``LinearCrossEntropyTiling.backward``:
   form its dweight columns (complete: every row contributes) and its share of a float32
   dhidden, with ds formed in between and rounded to the inputs' dtype. A T x chunk
   block of logits and of ds is the only buffer beyond the gradients and the float32
-  dhidden. Deterministic. With ``dlogits="mosaic_gpu"`` (bfloat16, no bias, a Hopper
-  GPU) one Pallas Mosaic GPU kernel forms each chunk's ds instead: the forward's
-  products, ds in their epilogue, written in bfloat16 (`mosaic_gpu.dlogits`).
+  dhidden. Deterministic. For bfloat16 without a bias on a Hopper GPU (by default, or
+  ``dlogits="mosaic_gpu"``) one Pallas Mosaic GPU kernel forms each chunk's ds instead:
+  the forward's products, ds in their epilogue, written in bfloat16
+  (`mosaic_gpu.dlogits`), with no float32 logits between them.
 - "atomic": one Pallas kernel per (block of rows, vocabulary tile) recomputes its logit
   tile and forms ds in registers, then adds ds · Wᵀ, xᵀ · ds and Σ_rows ds into float32
   accumulators with atomic adds (Cut Cross-Entropy's scheme, Wijmans et al. 2024).
@@ -112,7 +113,8 @@ class LinearCrossEntropyTiling:
       the float32 logits, then an elementwise pass rounds ds to the inputs' dtype) or
       "mosaic_gpu" (one Hopper kernel, `mosaic_gpu.dlogits`: the forward's products with
       ds formed in their epilogue and written in bfloat16; bfloat16 inputs without a
-      bias, chunks a multiple of ``hopper.block_vocab``); None: "xla".
+      bias, chunks a multiple of ``hopper.block_vocab``); None: "mosaic_gpu" where it
+      can run (not interpreted), else "xla".
   """
 
   block_rows: int = 64
@@ -673,6 +675,8 @@ def _dlogits_unsupported(dtype, dims: _Dims, has_bias: bool, interpret: bool):
   needed = mosaic_gpu.dlogits_smem_bytes(t.hopper_tiling, jnp.dtype(dtype).itemsize)
   if needed > mosaic_device.SMEM_BYTES:
     return f"it needs {needed} bytes of shared memory, more than {mosaic_device.SMEM_BYTES}"
+  if interpret and t.dlogits is None:
+    return "interpret mode forms ds in XLA unless dlogits='mosaic_gpu' is asked for"
   if not interpret and not mosaic_device.hopper_device():
     return f"it needs a Hopper GPU, and the device is {mosaic_device.device_description()}"
   return None
@@ -794,10 +798,15 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
                                    reduction=reduction)
     return (loss, reference.logsumexp(logits, axis=-1)) if return_lse else loss
   dims = _Dims(flat_labels.size, H, V, tiling)
-  if tiling.dlogits == "mosaic_gpu":
+  if tiling.dlogits != "xla":
     why = _dlogits_unsupported(hidden.dtype, dims, bias is not None, interpret)
-    if why is not None:
+    if tiling.dlogits == "mosaic_gpu" and why is not None:
       raise ValueError(f"{op}: tiling.dlogits='mosaic_gpu' cannot run: {why}")
+    if tiling.dlogits is None:
+      # The Hopper kernel saves XLA's float32 logits and their elementwise pass: 54.2
+      # against 57.7 ms of kernels a step (benchmarks/results/README.md, "Fifth run").
+      tiling = dataclasses.replace(tiling, dlogits="xla" if why else "mosaic_gpu")
+      dims = dataclasses.replace(dims, tiling=tiling)
   options = _Options(float(label_smoothing), float(z_loss),
                      None if logit_soft_cap is None else float(logit_soft_cap),
                      bias is not None, interpret)
