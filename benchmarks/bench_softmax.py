@@ -3,9 +3,6 @@ copy / read ceilings: square, tall, wide and very long rows in float32 and bfloa
 
     PYTHONPATH=. python3 benchmarks/bench_softmax.py --out benchmarks/results
 
-On a Hopper GPU, where its rows fit, also the softmax forward of `rowwise_hopper` (rows
-staged in shared memory; not yet the default).
-
 Minimum traffic (N elements of b bytes): forward softmax / log_softmax 2·N·b (read x,
 write y), logsumexp N·b; forward + backward 5·N·b (forward, then read y or x and dy,
 write dx). % is of the copy ceiling, or of the read ceiling for logsumexp.
@@ -21,8 +18,7 @@ import jax.numpy as jnp
 
 import harness
 import jaxsoftmax as js
-from jaxsoftmax import reference, rowwise_hopper
-from jaxsoftmax._backend import mosaic_gpu as mosaic_device
+from jaxsoftmax import reference
 
 SHAPES = [
     ((4096, 4096), jnp.float32),
@@ -38,11 +34,6 @@ SMOKE_SHAPES = [((8, 300), jnp.float32), ((2, 5000), jnp.bfloat16)]
 OPS = ("softmax", "log_softmax", "logsumexp")
 # Pallas' own softmax holds a whole row in one block: longer rows exhaust registers.
 PALLAS_MAX_COLS = 32768
-
-
-def _smem_rows(shape, dtype) -> bool:
-  """Whether the trial `rowwise_hopper` softmax runs here: a Hopper GPU, rows it takes."""
-  return rowwise_hopper.supported(shape, dtype) is None and mosaic_device.hopper_device()
 
 
 def _pallas_softmax():
@@ -80,8 +71,6 @@ def bench_shape(report: harness.Report, shape, dtype):
     impls = [("jaxsoftmax", ours), ("xla (jax.nn)", xla)]
     if op == "softmax" and shape[-1] <= PALLAS_MAX_COLS:
       impls.append(("pallas ops softmax", _pallas_softmax()))
-    if op == "softmax" and _smem_rows(shape, dtype):  # the trial kernel, forward only
-      impls.append(("jaxsoftmax smem rows (Hopper)", lambda x, axis: rowwise_hopper.softmax(x)))
     is_lse = op == "logsumexp"
     nbytes = n * itemsize + (shape[0] * itemsize if is_lse else n * itemsize)
     truth = harness.float64_truth(_forward(ref), xs[0])
@@ -100,10 +89,8 @@ def bench_shape(report: harness.Report, shape, dtype):
 
 def _rows(shape, dtype):
   pallas = shape[-1] <= PALLAS_MAX_COLS
-  smem = _smem_rows(shape, dtype)
-  # ceilings; softmax fwd (+ Pallas, + smem rows) and fwd+bwd; log_softmax fwd and
-  # fwd+bwd; logsumexp fwd
-  return 2 + (2 + pallas + smem) + 2 + 2 + 2 + 2
+  # ceilings; softmax fwd (+ Pallas) and fwd+bwd; log_softmax fwd and fwd+bwd; logsumexp fwd
+  return 2 + (2 + pallas) + 2 + 2 + 2 + 2
 
 
 if __name__ == "__main__":

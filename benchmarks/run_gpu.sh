@@ -155,7 +155,7 @@ for stage in ${STAGES:-tests tune bench}; do
           | head -n 20 | sed "s/^/$shape: /" | tee -a "$out/summary.log"
       done ;;
     pytest)
-      # Any tests: PYTEST_ARGS (e.g. "tests/test_rowwise_hopper.py -k matches"), on the GPU.
+      # Any tests: PYTEST_ARGS (e.g. "tests/test_norms.py -k online"), on the GPU.
       timeout ${TEST_TIMEOUT:-300} $python -m pytest -q -p no:cacheprovider -rfEs \
         $PYTEST_ARGS 2>&1 | tee -a "$out/pytest.log" | tail -n 6 | tee -a "$out/summary.log" ;;
     lce-tests)

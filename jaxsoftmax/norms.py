@@ -156,11 +156,18 @@ def _normalize(x, residual, scale, bias, norm: _Norm):
 
 def _forward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
   """The forward's default: the rows' default, on fewer warps where a program holds one
-  whole row of at least 1024 columns (see _FORWARD_VALUES_PER_THREAD)."""
+  whole row of at least 1024 columns (see _FORWARD_VALUES_PER_THREAD), and layer_norm's
+  rows of 8192 columns and more read twice in halves (the online variant, 8 warps): a
+  whole row's mean and variance in registers cost more than the second read, which L2
+  serves. On the H200 (benchmarks/results/tune_norms_online.md): 8192x16384 float32
+  397 -> 339 us, 16384x8192 bfloat16 162 -> 156 us and with a residual 306 -> 291 us;
+  8192x16384 float32 with a residual tied (705 / 707 us)."""
   tiling = default_tiling(n_rows, norm.n_cols, norm.dtype, reduces=True)
   if (tiling.variant != "resident" or tiling.block_rows != 1
       or not 1024 <= tiling.block_cols <= RESIDENT_MAX_COLS):
     return tiling
+  if not norm.rms and tiling.block_cols >= 8192:
+    return RowTiling("online", 1, tiling.block_cols // 2, 1, 8)
   kind = "residual" if norm.has_residual else "rms_norm" if norm.rms else "layer_norm"
   per_thread = _FORWARD_VALUES_PER_THREAD[kind, jnp.dtype(norm.dtype).itemsize]
   if per_thread is None:
@@ -179,13 +186,27 @@ def _normalize_fwd(x, residual, scale, bias, norm: _Norm):
   return (y, h if norm.has_residual else None), (h, scale, bias, mean, rstd)
 
 
+def _backward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
+  """The backward's default: the rows' default, with two rows a program for rms_norm's
+  16-bit rows of 8192 columns without a residual. On the H200 16384x8192 bfloat16 took
+  340 -> 284 us (benchmarks/results/tune_norms_online.md); two rows were slower for
+  layer_norm (359 -> 390 us), with a residual (341 -> 365) and at 8192x16384 float32."""
+  tiling = default_tiling(n_rows, norm.n_cols, norm.dtype, reduces=True)
+  if (norm.rms and not norm.has_residual and jnp.dtype(norm.dtype).itemsize == 2
+      and tiling.variant == "resident" and tiling.block_rows == 1 and n_rows > 1
+      and tiling.block_cols == 8192):
+    return dataclasses.replace(tiling, block_rows=2)
+  return tiling
+
+
 def _normalize_bwd(norm: _Norm, saved, cotangents):
   h, scale, bias, mean, rstd = saved
   dy, dh_out = cotangents
   inputs = (h, dy) + ((dh_out,) if norm.has_residual else ())
   dh, _, *col_sums = row_call(_backward_op(norm), inputs, (mean, rstd),
                               col_inputs=(scale,) if norm.has_scale else (),
-                              tiling=norm.tiling, interpret=norm.interpret)
+                              tiling=norm.tiling or _backward_tiling(norm, h.shape[0]),
+                              interpret=norm.interpret)
   # (dscale, dbias) of those present, from the kernel; None where the rows were too
   # long for one program (the online and split variants): then XLA's column sums.
   col_sums = list(col_sums[0]) if col_sums else []

@@ -207,8 +207,9 @@ def test_matches_truth_gpu(key, rms, shape, dtype):
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("shape, dtype", [
-    ((2001, 8000), jnp.bfloat16),  # 4 warps, 8 with the residual
-    ((129, 16383), jnp.float32),  # 16 warps (layer_norm, residual), 4 (rms_norm)
+    ((2001, 8000), jnp.bfloat16),  # layer_norm online; rms_norm 4 warps (2 rows in the
+                                   # backward), 8 with the residual
+    ((129, 16383), jnp.float32),  # layer_norm online; rms_norm 4 warps, 16 with residual
     ((4099, 1100), jnp.float16),  # one warp
 ], ids=["8000-bfloat16", "16383-float32", "1100-float16"])
 def test_forward_tilings_gpu(key, rms, residual, shape, dtype):
@@ -217,26 +218,53 @@ def test_forward_tilings_gpu(key, rms, residual, shape, dtype):
   _check(*_inputs(key, shape, dtype, residual=residual), rms=rms)
 
 
+def _norm_of(n_cols, dtype, *, rms=False, residual=False):
+  from jaxsoftmax import norms
+  return norms._Norm(rms, 1e-6, 0.0, n_cols, jnp.dtype(dtype).name, residual, True,
+                     not rms, None, False)
+
+
 def test_forward_tiling_choice():
   # The forward's warps: values a thread holds by kind, only where a program holds one
-  # whole row of 1024 columns or more; otherwise the rows' defaults.
+  # whole row of 1024 columns or more; layer_norm's rows of 8192 columns and more in
+  # halves (online, 8 warps); otherwise the rows' defaults.
+  from jaxsoftmax import norms
+  from jaxsoftmax.rowwise import RowTiling, default_tiling
+
+  def tiling(n_rows, n_cols, dtype, **kind):
+    return norms._forward_tiling(_norm_of(n_cols, dtype, **kind), n_rows)
+
+  warps = lambda *args, **kind: tiling(*args, **kind).num_warps
+  assert tiling(16384, 8192, jnp.bfloat16) == RowTiling("online", 1, 4096, 1, 8)
+  assert tiling(16384, 8000, jnp.bfloat16, residual=True) == RowTiling("online", 1, 4096,
+                                                                        1, 8)
+  assert tiling(8192, 16383, jnp.float32) == RowTiling("online", 1, 8192, 1, 8)
+  assert warps(8192, 16384, jnp.float32, rms=True) == 4
+  assert warps(16384, 8192, jnp.bfloat16, rms=True) == 4
+  assert warps(16384, 8192, jnp.bfloat16, rms=True, residual=True) == 8
+  assert warps(4096, 4096, jnp.float32) == 8 and warps(4096, 4096, jnp.bfloat16) == 2
+  assert warps(65536, 1024, jnp.bfloat16) == warps(65536, 1000, jnp.bfloat16) == 1
+  for n_rows, n_cols in ((37, 300), (300, 40001)):  # many rows a program; online
+    assert tiling(n_rows, n_cols, jnp.float32) == default_tiling(n_rows, n_cols,
+                                                                 jnp.float32, reduces=True)
+
+
+def test_backward_tiling_choice():
+  # Two rows a program only for rms_norm's 16-bit rows of 8192 columns, no residual.
   from jaxsoftmax import norms
   from jaxsoftmax.rowwise import default_tiling
 
-  def warps(n_rows, n_cols, dtype, *, rms=False, residual=False):
-    norm = norms._Norm(rms, 1e-6, 0.0, n_cols, jnp.dtype(dtype).name, residual, True,
-                       not rms, None, False)
-    return norms._forward_tiling(norm, n_rows).num_warps
-
-  assert warps(16384, 8192, jnp.bfloat16) == 4
-  assert warps(8192, 16384, jnp.float32, rms=True) == 4
-  assert warps(8192, 16384, jnp.float32) == 16 and warps(4096, 4096, jnp.float32) == 8
-  assert warps(16384, 8192, jnp.bfloat16, residual=True) == 8
-  assert warps(65536, 1024, jnp.bfloat16) == warps(65536, 1000, jnp.bfloat16) == 1
-  for n_rows, n_cols in ((37, 300), (300, 40001)):  # many rows a program; online
-    norm = norms._Norm(False, 1e-6, 0.0, n_cols, "float32", False, True, True, None, False)
-    assert norms._forward_tiling(norm, n_rows) == default_tiling(n_rows, n_cols,
-                                                                 jnp.float32, reduces=True)
+  rows = lambda n_rows, n_cols, dtype, **kind: norms._backward_tiling(
+      _norm_of(n_cols, dtype, **kind), n_rows).block_rows
+  assert rows(16384, 8192, jnp.bfloat16, rms=True) == rows(9, 5000, jnp.float16, rms=True) == 2
+  assert rows(16384, 8192, jnp.bfloat16) == 1
+  assert rows(16384, 8192, jnp.bfloat16, rms=True, residual=True) == 1
+  assert rows(8192, 8192, jnp.float32, rms=True) == rows(1, 8192, jnp.bfloat16, rms=True) == 1
+  assert rows(8192, 4096, jnp.bfloat16, rms=True) == rows(8192, 16384, jnp.bfloat16,
+                                                           rms=True) == 1
+  norm = _norm_of(300, jnp.bfloat16, rms=True)
+  assert norms._backward_tiling(norm, 37) == default_tiling(37, 300, jnp.bfloat16,
+                                                            reduces=True)
 
 
 def _rows_for_three_blocks(block_rows: int) -> int:
