@@ -20,6 +20,7 @@ probabilities that underflow).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import glob
 import json
@@ -97,6 +98,42 @@ def trace_planes(fn, args, calls: int = 1) -> dict:
   return {plane.name: {line.name: [(event.name, event.start_ns / 1e3,
                                     event.duration_ns / 1e3) for event in line.events]
                        for line in plane.lines} for plane in profile.planes}
+
+
+def device_kernels(planes: dict) -> list[tuple[str, float, float]]:
+  """The kernels of a `trace_planes` trace on its first device, by start: (name, start
+  us, duration us); empty off a GPU (the trace has no device plane there)."""
+  device = sorted(p for p in planes if p.startswith("/device:"))
+  if not device:
+    return []
+  return sorted(((name, start, duration) for line, events in planes[device[0]].items()
+                 if line.startswith("Stream") for name, start, duration in events),
+                key=lambda k: k[1])
+
+
+def kernel_groups(kernels, calls: int) -> list[tuple[str, int, float]]:
+  """`device_kernels` grouped by name: (name, launches per call, us per call), most time
+  first."""
+  groups = collections.defaultdict(lambda: [0, 0.0])
+  for name, _, duration in kernels:
+    groups[name][0] += 1
+    groups[name][1] += duration
+  return sorted(((name, n // calls, us / calls) for name, (n, us) in groups.items()),
+                key=lambda g: -g[2])
+
+
+def span_and_gaps(kernels, calls: int) -> tuple[float, list[float]]:
+  """The device's span per call of `device_kernels` (first kernel's start to last
+  kernel's end, over the calls; NaN without kernels) and its idle gaps (us), largest
+  first."""
+  if not kernels:
+    return float("nan"), []
+  gaps, end = [], None
+  for _, start, duration in kernels:
+    if end is not None and start > end:
+      gaps.append(start - end)
+    end = start + duration if end is None else max(end, start + duration)
+  return (end - kernels[0][1]) / calls, sorted(gaps, reverse=True)
 
 
 def _pipelined_wall_us(jitted, arg_sets) -> float:

@@ -17,7 +17,6 @@ against cuBLAS's best. Writes DIR/profile_linear_cross_entropy.md and prints it.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 
 import jax
@@ -36,24 +35,6 @@ IMPLS = {
 }
 
 
-def kernel_groups(fn, args) -> list[tuple[str, int, float]]:
-  """(kernel name, launches per call, us per call) on the first GPU, most time first;
-  empty off a GPU (the trace has no device plane there)."""
-  planes = harness.trace_planes(fn, args, CALLS)
-  device = sorted(p for p in planes if p.startswith("/device:"))
-  if not device:
-    return []
-  groups = collections.defaultdict(lambda: [0, 0.0])
-  for line, events in planes[device[0]].items():
-    if not line.startswith("Stream"):
-      continue
-    for name, _, duration in events:
-      groups[name][0] += 1
-      groups[name][1] += duration
-  return sorted(((name, n // CALLS, us / CALLS) for name, (n, us) in groups.items()),
-                key=lambda g: -g[2])
-
-
 def profile_shape(shape, dtype) -> list[str]:
   x, w, y = shape_inputs(shape, dtype)
   T, H, V = shape
@@ -66,7 +47,8 @@ def profile_shape(shape, dtype) -> list[str]:
     step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
     memory = step.lower(x, w, y).compile().memory_analysis()
     peak = (memory.temp_size_in_bytes + memory.output_size_in_bytes) / 2**20
-    groups = kernel_groups(step, (x, w, y))
+    groups = harness.kernel_groups(
+        harness.device_kernels(harness.trace_planes(step, (x, w, y), CALLS)), CALLS)
     total = sum(us for _, _, us in groups)
     lines += [f"## {impl}, {T}x{H}x{V} {jnp.dtype(dtype).name}", "",
               f"Kernel time per step {total:.0f} us; temporaries + outputs {peak:.0f} MiB.",

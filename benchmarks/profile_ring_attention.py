@@ -47,16 +47,8 @@ def trace(fn, args, path) -> tuple[float, list[float]]:
                 for line, events in lines.items()} for p, lines in planes.items()}
   with open(path, "w") as f:
     json.dump(planes, f)
-  kernels = sorted((s, s + d) for line, events in planes.get("/device:GPU:0", {}).items()
-                   if line.startswith("Stream") for _, s, d in events)
-  gaps, end = [], None
-  for start, stop in kernels:
-    if end is not None and start > end:
-      gaps.append(start - end)
-    end = stop if end is None else max(end, stop)
-  if not kernels:  # --smoke: no GPU
-    return float("nan"), []
-  return (end - kernels[0][0]) / CALLS_TRACED, sorted(gaps, reverse=True)[:3]
+  span, gaps = harness.span_and_gaps(harness.device_kernels(planes), CALLS_TRACED)
+  return span, gaps[:3]
 
 
 def main():

@@ -10,6 +10,8 @@
 #   tests, tune, bench      pytest -m gpu; tune_rows.py; bench_softmax.py (ROWS_ONLY picks
 #                           shapes, ROWS_NAME names the results) and
 #                           bench_cross_entropy.py (CE_ONLY picks shapes)
+#   rows-profile            profile_rows.py: a row op's kernels and gaps per call, ours
+#                           and XLA's (ROWS_ONLY picks shapes, ROWS_OPS="softmax,logsumexp")
 #   attn-tests              pytest -m gpu tests/test_attention.py
 #   attn-tune               tune_attention.py (TUNE_ONLY="4,5" picks shapes)
 #   attn-tune-hopper        tune_attention_hopper.py: the Mosaic GPU forward's tiles
@@ -107,6 +109,11 @@ for stage in ${STAGES:-tests tune bench}; do
       timeout 120 $python benchmarks/bench_cross_entropy.py --out "$out" \
         ${CE_ONLY:+--only "$CE_ONLY"} 2>&1 | tee -a "$out/bench.log"
       tail -n 2 "$out/bench.log" | tee -a "$out/summary.log" ;;
+    rows-profile)
+      timeout 300 $python benchmarks/profile_rows.py --out "$out" \
+        ${ROWS_ONLY:+--only "$ROWS_ONLY"} ${ROWS_OPS:+--ops "$ROWS_OPS"} \
+        > "$out/rows_profile.log" 2>&1
+      grep "^## \|^Span" "$out/rows_profile.log" | tee -a "$out/summary.log" ;;
     attn-tests)
       # Four workers, a fifth of the memory each (eight at 11% left the driver too little
       # to instantiate CUDA graphs); compiling dominates, hence the long timeout.

@@ -1,4 +1,4 @@
-"""The attention benchmarks, the report merge and the long-context example run end to end
+"""The benchmarks, the report merge and the long-context example run end to end
 (--smoke: tiny shapes, interpreted kernels), so that the scripts the GPU run depends on do
 not rot off-GPU."""
 
@@ -126,6 +126,36 @@ def test_profile_linear_cross_entropy_smoke(tmp_path):
   # Both steps, each with its memory analysis (kernels appear only on a GPU).
   assert report.count("temporaries + outputs") == 2
   assert "## jaxsoftmax fused, 37x40x301" in report and "## x @ w + optax" in report
+
+
+def test_profile_rows_smoke(tmp_path):
+  _run("benchmarks/profile_rows.py", "--smoke", "--ops", "softmax,logsumexp", "--out",
+       str(tmp_path))
+  report = (tmp_path / "profile_rows.md").read_text()
+  # Each op, mode and implementation once; logsumexp forward only (kernels appear only on
+  # a GPU).
+  for title in ("softmax fwd, jaxsoftmax, 8x300 float32", "softmax fwd+bwd, xla (jax.nn), 8x300",
+                "logsumexp fwd, jaxsoftmax, 2x5000 bfloat16"):
+    assert report.count(f"## {title}") == 1, title
+  assert "logsumexp fwd+bwd" not in report and report.count("Span per call") == 12
+
+
+def test_kernel_timeline_helpers():
+  # Two calls of two kernels each: a (2 us) then b (1 us), the second call 6 us later.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import harness
+  finally:
+    sys.path.pop(0)
+  planes = {"/host:CPU": {"python": [("a", 0.0, 99.0)]},
+            "/device:GPU:0": {"Stream #1": [("a", 10.0, 2.0), ("b", 12.0, 1.0)],
+                              "Stream #2": [("a", 0.0, 2.0), ("b", 3.0, 1.0)],
+                              "XLA Ops": [("fusion", 0.0, 13.0)]}}
+  kernels = harness.device_kernels(planes)
+  assert [k[1] for k in kernels] == [0.0, 3.0, 10.0, 12.0]
+  assert harness.kernel_groups(kernels, 2) == [("a", 1, 2.0), ("b", 1, 1.0)]
+  assert harness.span_and_gaps(kernels, 2) == (6.5, [6.0, 1.0])
+  assert harness.device_kernels({"/host:CPU": {}}) == []
 
 
 def test_tune_linear_cross_entropy_smoke(tmp_path):
