@@ -114,6 +114,63 @@ def test_wide_hidden(key):
   _check(*_inputs(key, (5,), 8192, 130, jnp.bfloat16), tiling=tiling, z_loss=1e-3)
 
 
+def _extreme(kind, key, rows, H, V, dtype, **inputs):
+  """Inputs with one kind of extreme value: "huge" logits (standard deviation 3000,
+  probabilities one-hot or nearly tied), a NaN row of hidden (row 5), or one +inf in
+  hidden (row 7: that row's logits are +inf and -inf, its lse +inf)."""
+  x, w, b, y = _inputs(key, rows, H, V, dtype, **inputs)
+  if kind == "huge":
+    x = (x.astype(jnp.float32) * 1000).astype(dtype)
+  elif kind == "nan-row":
+    x = x.at[5].set(jnp.nan)
+  else:
+    x = x.at[7, 3].set(jnp.inf)
+  return x, w, b, y
+
+
+EXTREMES = ["huge", "nan-row", "inf-hidden"]
+
+
+@pytest.mark.parametrize("backward", ["chunked", "atomic", "two_kernels"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", EXTREMES)
+def test_extremes(key, kind, dtype, backward):
+  # Per-row losses and every gradient against the truth: NaN exactly where it is NaN,
+  # +inf where the loss is +inf (a -inf label logit), the 2x rule elsewhere.
+  if backward == "chunked" and dtype == jnp.float32:
+    pytest.skip("float32 takes the two-kernel backward")
+  tiling = dataclasses.replace(SMALL, backward=backward, chunk_vocab=64)
+  _check(*_extreme(kind, key, (37,), 40, 301, dtype), tiling=tiling, reduction="none")
+
+
+# The interpreter's products warn of the NaN that inf·0 gives, which the test expects.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.parametrize("kind", EXTREMES)
+def test_hopper_extremes_interpreted(key, monkeypatch, kind):
+  # The Hopper forward and dlogits kernels in Pallas' Mosaic GPU interpreter, on the
+  # extreme inputs.
+  if ON_GPU:
+    pytest.skip("on a GPU, test_extremes_gpu runs the compiled kernels")
+  monkeypatch.setattr(_backend, "num_cores", lambda: 4)
+  tiling = js.LinearCrossEntropyTiling(
+      forward="mosaic_gpu", chunk_vocab=128, dlogits="mosaic_gpu",
+      hopper=js.LinearCrossEntropyHopperTiling(block_vocab=64))
+  _check(*_extreme(kind, key, (70,), 100, 301, jnp.bfloat16, bias=False), tiling=tiling,
+         reduction="none")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("kind", EXTREMES)
+def test_extremes_gpu(key, kind, bias, dtype):
+  # The compiled default kernels (on a Hopper GPU: the Mosaic GPU forward, and without a
+  # bias in bfloat16 the dlogits kernel) on the extreme inputs.
+  _check(*_extreme(kind, key, (300,), 256, 5003, dtype, bias=bias), tiling=None,
+         reduction="none")
+
+
 def test_all_rows_ignored(key):
   x, w, b, y = _inputs(key, (20,), 24, 50, jnp.float32)
   y = jnp.full_like(y, -100)
@@ -280,14 +337,14 @@ def test_hopper_dlogits_kernel_alone(key, softcap):
   cap = (lambda z: z) if softcap is None else (lambda z: softcap * jnp.tanh(z / softcap))
   s = cap(jnp.dot(x, w, preferred_element_type=jnp.float32))
   lse = jax.nn.logsumexp(s, axis=1)
-  inputs = mosaic_gpu.dlogits_inputs(x, labels, lse, g, g_lse, V=V, label_smoothing=a,
-                                     z_loss=zeta)
+  coefficient = g * (1 + 2 * zeta * lse) + g_lse  # of p in ds
+  inputs = mosaic_gpu.dlogits_inputs(x, labels, lse, g, coefficient, V=V, label_smoothing=a)
   ds = mosaic_gpu.dlogits(inputs, w[:, start:start + chunk], jnp.int32(start),
                           tiling=js.LinearCrossEntropyHopperTiling(block_vocab=64),
                           softcap=softcap, interpret=not ON_GPU)
   s_c = s[:, start:start + chunk]
   cols = start + jnp.arange(chunk)
-  want = ((g * (1 + 2 * zeta * lse) + g_lse)[:, None] * jnp.exp(s_c - lse[:, None])
+  want = (coefficient[:, None] * jnp.exp(s_c - lse[:, None])
           - jnp.where(cols[None, :] == labels[:, None], (g * (1 - a))[:, None], 0.0)
           - (g * a / V)[:, None])
   if softcap is not None:

@@ -69,7 +69,7 @@ from jaxsoftmax._backend import pl
 from jaxsoftmax._backend import mosaic_gpu as mosaic_device
 from jaxsoftmax.cross_entropy import REDUCTIONS, check_labels, reduce_losses
 from jaxsoftmax.inputs import check_floating, check_optional_positive_int
-from jaxsoftmax.state import reduce_states, state_lse
+from jaxsoftmax.state import reduce_states, safe_shift, state_lse
 from jaxsoftmax.linear_cross_entropy import mosaic_gpu
 from jaxsoftmax.linear_cross_entropy.mosaic_gpu import LinearCrossEntropyHopperTiling
 
@@ -251,8 +251,13 @@ def _forward_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options, per: in
     s, _, cols, col_ok, _ = _logit_tile(x_ref, 0, w_ref, b_ref, r0, (first + k) * bv, dims,
                                         options)
     s_in = jnp.where(col_ok[None, :], s, -jnp.inf)
-    m_new = jnp.maximum(m, s_in.max(axis=1))  # every tile holds a column: finite
-    l = l * exp2((m - m_new) * _LOG2E) + exp2((s_in - m_new[:, None]) * _LOG2E).sum(axis=1)
+    m_new = jnp.maximum(m, s_in.max(axis=1))
+    # l is relative to safe_shift(m) (state.py), so a +inf logit gives l = +inf and
+    # lse = +inf, as jax.nn.logsumexp does; the empty state's l = 0 stays 0 however far
+    # the shift moves.
+    shift = safe_shift(m_new)
+    scaled = jnp.where(l > 0, l * exp2((safe_shift(m) - shift) * _LOG2E), l)
+    l = scaled + exp2((s_in - shift[:, None]) * _LOG2E).sum(axis=1)
     label = label + jnp.where(cols[None, :] == labels[:, None], s, 0.0).sum(axis=1)
     total = total + jnp.where(col_ok[None, :], s, 0.0).sum(axis=1)
     return m_new, l, label, total
@@ -331,13 +336,19 @@ def _logit_grad(x_ref, x_row0, w_ref, b_ref, r0, v0, rows, dims: _Dims,
   return _dlogits(p, dsdz, cols, col_ok, rows, dims, options), row_ok, col_ok
 
 
+def p_coefficient(g, g_lse, lse, z_loss: float):
+  """The factor of p in ds, g·(1 + 2ζ·lse) + g_lse; without a z-loss g + g_lse, so that
+  an infinite lse (a +inf logit) does not make 0·inf = NaN of every ds in its row."""
+  return (g * (1 + 2 * z_loss * lse) if z_loss else g) + g_lse
+
+
 def _dlogits(p, dsdz, cols, col_ok, rows, dims: _Dims, options: _Options):
   """ds of a block of logits (see the module docstring) from their probabilities p (0
   where masked), ds/dz (None without a soft cap), column indices and which of them lie
   in the vocabulary (None: all), for ``rows`` = (labels, lse, g, g_lse)."""
   labels, lse, g, g_lse = rows
   a = options.label_smoothing
-  ds = (g * (1 + 2 * options.z_loss * lse) + g_lse)[:, None] * p
+  ds = p_coefficient(g, g_lse, lse, options.z_loss)[:, None] * p
   ds = ds - jnp.where(cols[None, :] == labels[:, None], (g * (1 - a))[:, None], 0.0)
   if a:
     smoothing = (g * (a / dims.V))[:, None]
@@ -542,9 +553,9 @@ def _backward_chunked(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Opt
   dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
   hopper = dims.tiling.dlogits == "mosaic_gpu"
   if hopper:
-    shared = mosaic_gpu.dlogits_inputs(x, labels, lse, g, g_lse, V=dims.V,
-                                       label_smoothing=options.label_smoothing,
-                                       z_loss=options.z_loss)
+    shared = mosaic_gpu.dlogits_inputs(x, labels, lse, g,
+                                       p_coefficient(g, g_lse, lse, options.z_loss),
+                                       V=dims.V, label_smoothing=options.label_smoothing)
     operands = lambda ds: ((ds,), 1.0)  # already bfloat16, the products' operand
   else:
     operands = lambda ds: _scaled_terms(ds, x.dtype)
@@ -689,7 +700,13 @@ def _rows(x, w, b, labels, dims: _Dims, options: _Options):
 
 def _loss(lse, label_logit, total, labels, dims: _Dims, options: _Options):
   a = options.label_smoothing
-  loss = lse - (1 - a) * label_logit - a * total / dims.V + options.z_loss * lse * lse
+  # Terms with a zero coefficient are left out, as the reference does: with infinite
+  # logits they would make 0·inf = NaN where the loss is +inf.
+  loss = lse - (1 - a) * label_logit
+  if a:
+    loss = loss - a * total / dims.V
+  if options.z_loss:
+    loss = loss + options.z_loss * lse * lse
   in_range = (labels >= 0) & (labels < dims.V)
   return jnp.where(in_range, loss, jnp.nan)  # ignored rows are zeroed by the caller
 

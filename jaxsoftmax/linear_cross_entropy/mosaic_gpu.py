@@ -33,8 +33,9 @@ while the producer loads the next row block.
 TMA moves the (8, 64) tiles of the swizzled shared-memory layout, so the rows are padded
 to a multiple of 8 and H and V to multiples of 64 where they are not (a copy of W then:
 V = 131072, 256000, 32000, 128256 need none); rows and columns past the arrays, up to
-whole tiles, TMA reads as zeros, and the padding columns are masked by the -inf of the
-padding vector.
+whole tiles, TMA reads as zeros, and the logits of the padding columns are set to -inf
+where the padding vector is -inf (selected, not added: an infinite hidden value times a
+zero column is NaN).
 """
 
 from __future__ import annotations
@@ -219,6 +220,11 @@ def _produce(ring: _Ring, x_ref, w_ref, tiles, origin, bv: int):
     pl.when(g >= stages)(lambda: plgpu.barrier_wait(ring.free.at[lax.rem(g, stages)]))
 
 
+def _safe(m):
+  """m where it is finite, else 0 (`state.safe_shift`, in operations Mosaic GPU lowers)."""
+  return jnp.where(m == jnp.inf, 0.0, jnp.where(m == -jnp.inf, 0.0, m))
+
+
 def _tile_logits(ring: _Ring, wg, t, bv: int):
   """A consumer's float32 logit tile z (64 x bv) of the CTA's vocabulary tile t, by wgmma
   over the hidden chunks."""
@@ -279,14 +285,16 @@ def _kernel(x_ref, w_ref, *refs, plan: _Plan, per: int):
         valid = s if pad is None else jnp.where(
             lax.broadcast_in_dim(pad, shape, [1]) == 0, s, 0.0)
         total = total + valid.sum(axis=1)
-      if pad is not None:
-        s = s + lax.broadcast_in_dim(pad, shape, [1])
-      # Every tile holds a vocabulary column, so m' is finite after the first tile and
-      # 2^((m - m')·log2 e) is 0 there (m = -inf), not NaN.
+      if pad is not None:  # selected, not added: an infinite hidden value times the
+        # padding's zero columns is NaN there
+        s = jnp.where(lax.broadcast_in_dim(pad, shape, [1]) == 0, s, -jnp.inf)
+      # l is relative to m made safe (state.py: 0 for an infinite m), so a +inf logit
+      # gives l = +inf and lse = +inf, as jax.nn.logsumexp does; the empty state's
+      # l = 0 stays 0 however far the shift moves.
       m_new = jnp.maximum(m, s.max(axis=1))
-      shift = m_new * _LOG2E
+      shift = _safe(m_new) * _LOG2E
       p = jnp.exp2(s * _LOG2E - lax.broadcast_in_dim(shift, shape, [0]))
-      l = l * jnp.exp2(m * _LOG2E - shift) + p.sum(axis=1)
+      l = jnp.where(l > 0, l * jnp.exp2(_safe(m) * _LOG2E - shift), l) + p.sum(axis=1)
       return m_new, l, total
 
     def row(x):
@@ -418,15 +426,16 @@ class DlogitsInputs(NamedTuple):
   labels: jax.Array
 
 
-def dlogits_inputs(x, labels, lse, g, g_lse, *, V: int, label_smoothing: float,
-                   z_loss: float) -> DlogitsInputs:
-  """The chunk-independent operands of `dlogits`, for ds = g·[(1 + 2ζ·lse)·p - (1 - a)·
-  [j = y] - a / V] + g_lse·p (the module docstring of `linear_cross_entropy`)."""
+def dlogits_inputs(x, labels, lse, g, p_coefficient, *, V: int,
+                   label_smoothing: float) -> DlogitsInputs:
+  """The chunk-independent operands of `dlogits`, for ds = p_coefficient·p - g·[(1 - a)·
+  [j = y] + a / V], with p_coefficient = g·(1 + 2ζ·lse) + g_lse (the module docstring of
+  `linear_cross_entropy`, and its `p_coefficient`)."""
   R, H = x.shape
   R_pad = -(-R // (_CONSUMERS * _BLOCK_ROWS)) * _CONSUMERS * _BLOCK_ROWS
   a = label_smoothing
   # The rows of the kernel's (4, R_pad) float32 operand, in the order it unpacks them.
-  rowvals = jnp.stack([lse * _LOG2E, g * (1 + 2 * z_loss * lse) + g_lse, g * (1 - a),
+  rowvals = jnp.stack([lse * _LOG2E, p_coefficient, g * (1 - a),
                        g * (a / V)]).astype(jnp.float32)
   return DlogitsInputs(pad_to(pad_to(x, 0, R_pad), 1, -(-H // 64) * 64),
                        pad_to(rowvals, 1, R_pad), pad_to(labels.astype(jnp.int32), 0, R_pad))
