@@ -143,6 +143,23 @@ def test_extremes(key, kind, dtype, backward):
   _check(*_extreme(kind, key, (37,), 40, 301, dtype), tiling=tiling, reduction="none")
 
 
+@pytest.mark.parametrize("backward", ["atomic", "two_kernels"])
+def test_tied_huge_logits_float32(key, backward):
+  # In every row two logits lie near 12000, 12000 + r·k/64 for row r, exactly
+  # representable (the others thousands below): p of the two is a sigmoid of their
+  # difference. Through an lse rounded to float32 (ulp 2^-10 there) p would be off by up
+  # to 2.4e-4; the backward forms p from the saved (m, log l) instead.
+  R, H, V = 37, 40, 301
+  kw, kk = jax.random.split(key)
+  x = jnp.zeros((R, H)).at[:, 0].set(1000.0).at[:, 1].set(jnp.arange(R) / 8)
+  w = jnp.zeros((H, V)).at[0].set(3.0 * jax.random.normal(kw, (V,)))
+  w = w.at[0, 5].set(12.0).at[0, 9].set(12.0)
+  w = w.at[1].set(jax.random.randint(kk, (V,), -4, 5) / 8)
+  y = jnp.arange(R) % V
+  _check(x, w, None, y, tiling=dataclasses.replace(SMALL, backward=backward),
+         reduction="none")
+
+
 # The interpreter's products warn of the NaN that inf·0 gives, which the test expects.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 @pytest.mark.parametrize("kind", EXTREMES)
@@ -336,9 +353,12 @@ def test_hopper_dlogits_kernel_alone(key, softcap):
   g_lse = 0.1 * jax.random.normal(kl, (R,))
   cap = (lambda z: z) if softcap is None else (lambda z: softcap * jnp.tanh(z / softcap))
   s = cap(jnp.dot(x, w, preferred_element_type=jnp.float32))
-  lse = jax.nn.logsumexp(s, axis=1)
+  m = jnp.max(s, axis=1)
+  log_l = jnp.log(jnp.sum(jnp.exp(s - m[:, None]), axis=1))
+  lse = m + log_l
   coefficient = g * (1 + 2 * zeta * lse) + g_lse  # of p in ds
-  inputs = mosaic_gpu.dlogits_inputs(x, labels, lse, g, coefficient, V=V, label_smoothing=a)
+  inputs = mosaic_gpu.dlogits_inputs(x, labels, m, log_l, g, coefficient, V=V,
+                                     label_smoothing=a)
   ds = mosaic_gpu.dlogits(inputs, w[:, start:start + chunk], jnp.int32(start),
                           tiling=js.LinearCrossEntropyHopperTiling(block_vocab=64),
                           softcap=softcap, interpret=not ON_GPU)

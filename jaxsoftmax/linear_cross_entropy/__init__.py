@@ -19,7 +19,9 @@ Backward: the gradient with respect to the logits is
     ds = g·[(1 + 2ζ·lse)·p - (1 - a)·[j = y] - a / V] + g_lse·p,   p = exp(s - lse)
 
 (times 1 - (s/c)² under a soft cap), then dhidden = ds · Wᵀ, dweight = xᵀ · ds and
-dbias = Σ_rows ds. Three ways, ``LinearCrossEntropyTiling.backward``:
+dbias = Σ_rows ds. p is formed as exp((s - m) - log l) from the forward's merged state,
+not from lse = m + log l, whose float32 rounding would cost p up to half an ulp of lse
+(the forward saves both). Three ways, ``LinearCrossEntropyTiling.backward``:
 
 - "chunked" (the default): the vocabulary in chunks of ``chunk_vocab`` columns; per
   chunk, XLA's matrix products (cuBLAS on a GPU) recompute its logits in float32 and
@@ -59,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +72,7 @@ from jaxsoftmax._backend import pl
 from jaxsoftmax._backend import mosaic_gpu as mosaic_device
 from jaxsoftmax.cross_entropy import REDUCTIONS, check_labels, reduce_losses
 from jaxsoftmax.inputs import check_floating, check_optional_positive_int
-from jaxsoftmax.state import reduce_states, safe_shift, state_lse
+from jaxsoftmax.state import reduce_states, safe_shift
 from jaxsoftmax.linear_cross_entropy import mosaic_gpu
 from jaxsoftmax.linear_cross_entropy.mosaic_gpu import LinearCrossEntropyHopperTiling
 
@@ -270,7 +273,8 @@ def _forward_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options, per: in
 
 
 def _forward(x, w, b, labels, dims: _Dims, options: _Options):
-  """Per row: lse, the label's logit s_y and Σ_j s_j, float32 (R,)."""
+  """Per row, float32 (R,): the softmax state as its shift m and log l (`_Rows`; lse =
+  m + log l), the label's logit s_y and Σ_j s_j."""
   if dims.tiling.forward == "mosaic_gpu":
     return _forward_hopper(x, w, b, labels, dims, options)
   t = dims.tiling
@@ -294,18 +298,24 @@ def _forward(x, w, b, labels, dims: _Dims, options: _Options):
       in_specs=in_specs, out_specs=[stat] * 4, out_shape=[stat_shape] * 4,
       num_warps=t.num_warps, num_stages=t.num_stages, interpret=options.interpret,
   )(*args, jnp.pad(labels, (0, R_pad - dims.R)))
-  lse = state_lse(*reduce_states(m, l, axis=0))  # the ranges' states merged
-  return lse[:dims.R], label.sum(axis=0)[:dims.R], total.sum(axis=0)[:dims.R]
+  m, log_l = _shift_and_log_l(m, l)
+  return m[:dims.R], log_l[:dims.R], label.sum(axis=0)[:dims.R], total.sum(axis=0)[:dims.R]
+
+
+def _shift_and_log_l(m, l):
+  """The ranges' states (m, l), stacked on axis 0, merged: (safe_shift(m), log l)."""
+  m, l = reduce_states(m, l, axis=0)
+  return safe_shift(m), jnp.log(l)
 
 
 def _forward_hopper(x, w, b, labels, dims: _Dims, options: _Options):
-  """`_forward` by the Hopper kernel (`mosaic_gpu`): lse from its ranges' states; the
-  label's logit, and Σ_j s without a soft cap, from XLA's products beside it."""
+  """`_forward` by the Hopper kernel (`mosaic_gpu`): the state from its ranges' states;
+  the label's logit, and Σ_j s without a soft cap, from XLA's products beside it."""
   with_total = options.softcap is not None and options.label_smoothing > 0
   m, l, total = mosaic_gpu.forward(x, w, b, tiling=dims.tiling.hopper_tiling,
                                    softcap=options.softcap, with_total=with_total,
                                    interpret=options.interpret)
-  lse = state_lse(*reduce_states(m, l, axis=0))  # the ranges' states merged
+  m, log_l = _shift_and_log_l(m, l)
   # s_y = cap(x_r · W[:, y_r] + b_y); an out-of-range label's row is NaN in `_loss`.
   y = jnp.clip(labels, 0, dims.V - 1)
   z_y = jnp.einsum("rh,hr->r", x, jnp.take(w, y, axis=1),
@@ -321,18 +331,42 @@ def _forward_hopper(x, w, b, labels, dims: _Dims, options: _Options):
     if b is not None:
       total = total + jnp.sum(b, dtype=jnp.float32)
   else:
-    total = jnp.zeros_like(lse)
-  return lse, s_y, total
+    total = jnp.zeros_like(m)
+  return m, log_l, s_y, total
 
 
-def _logit_grad(x_ref, x_row0, w_ref, b_ref, r0, v0, rows, dims: _Dims,
+class _Rows(NamedTuple):
+  """The backward's values of each row: its label; the forward's softmax state as its
+  shift m (the finite row maximum, `state.safe_shift`) and log l, so that p =
+  exp((s - m) - log l) stays exact in float32 where s is near m (through an lse rounded
+  to float32, p would be off by up to half its ulp: 5e-4 at |lse| ~ 1e4); and the
+  cotangents g of the loss and g_lse of the returned lse."""
+
+  labels: jax.Array
+  m: jax.Array
+  log_l: jax.Array
+  g: jax.Array
+  g_lse: jax.Array
+
+  @property
+  def lse(self):
+    return self.m + self.log_l
+
+
+def _probabilities(s, rows: _Rows, exp):
+  """p = exp((s - m) - log l) of a block of logits s (rows x columns)."""
+  return exp((s - rows.m[:, None]) - rows.log_l[:, None])
+
+
+def _logit_grad(x_ref, x_row0, w_ref, b_ref, r0, v0, rows: _Rows, dims: _Dims,
                 options: _Options):
   """(ds, row mask, column mask): the float32 gradient of the loss with respect to the
-  tile's logits z, for ``rows`` = (labels, lse, g, g_lse) of its rows."""
+  tile's logits z, for the `_Rows` of its rows."""
   s, dsdz, cols, col_ok, row_ok = _logit_tile(x_ref, x_row0, w_ref, b_ref, r0, v0, dims,
                                               options)
+  exp2 = _backend.exp2(options.interpret)
   p = jnp.where(row_ok[:, None] & col_ok[None, :],
-                _backend.exp2(options.interpret)((s - rows[1][:, None]) * _LOG2E), 0.0)
+                _probabilities(s, rows, lambda t: exp2(t * _LOG2E)), 0.0)
   return _dlogits(p, dsdz, cols, col_ok, rows, dims, options), row_ok, col_ok
 
 
@@ -342,13 +376,13 @@ def p_coefficient(g, g_lse, lse, z_loss: float):
   return (g * (1 + 2 * z_loss * lse) if z_loss else g) + g_lse
 
 
-def _dlogits(p, dsdz, cols, col_ok, rows, dims: _Dims, options: _Options):
+def _dlogits(p, dsdz, cols, col_ok, rows: _Rows, dims: _Dims, options: _Options):
   """ds of a block of logits (see the module docstring) from their probabilities p (0
   where masked), ds/dz (None without a soft cap), column indices and which of them lie
-  in the vocabulary (None: all), for ``rows`` = (labels, lse, g, g_lse)."""
-  labels, lse, g, g_lse = rows
+  in the vocabulary (None: all), for the `_Rows` of its rows."""
+  labels, g = rows.labels, rows.g
   a = options.label_smoothing
-  ds = p_coefficient(g, g_lse, lse, options.z_loss)[:, None] * p
+  ds = p_coefficient(g, rows.g_lse, rows.lse, options.z_loss)[:, None] * p
   ds = ds - jnp.where(cols[None, :] == labels[:, None], (g * (1 - a))[:, None], 0.0)
   if a:
     smoothing = (g * (a / dims.V))[:, None]
@@ -404,11 +438,11 @@ def _sum_products(terms, product):
   return out
 
 
-def _row_loads(refs, r0=None, rows=None):
-  """(labels, lse, g, g_lse) of a block of rows: whole refs (``r0``) or row blocks."""
+def _row_loads(refs, r0=None, rows=None) -> _Rows:
+  """The `_Rows` of a block of rows: whole refs (``r0`` None) or row blocks."""
   if r0 is None:
-    return tuple(ref[...] for ref in refs)
-  return tuple(ref[pl.ds(r0, rows)] for ref in refs)
+    return _Rows(*(ref[...] for ref in refs))
+  return _Rows(*(ref[pl.ds(r0, rows)] for ref in refs))
 
 
 def _active(g, g_lse):
@@ -427,13 +461,13 @@ def _atomic_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
   """One program per (block of rows, vocabulary tile): its products go to dhidden,
   dweight and dbias by float32 atomic adds."""
   b_ref = refs[0] if options.has_bias else None
-  row_refs = refs[1 if options.has_bias else 0:][:4]
+  row_refs = refs[1 if options.has_bias else 0:][:len(_Rows._fields)]
   dx_ref, dw_ref, *db_ref = refs[-3 if options.has_bias else -2:]
   bt, bv = dims.tiling.block_rows, dims.tiling.block_vocab
   r0, v0 = pl.program_id(0) * bt, pl.program_id(1) * bv
   rows = _row_loads(row_refs)
 
-  @pl.when(_active(*rows[2:]))
+  @pl.when(_active(rows.g, rows.g_lse))
   def _():
     ds, row_ok, col_ok = _logit_grad(x_ref, 0, w_ref, b_ref, r0, v0, rows, dims, options)
     terms = _operand_terms(ds, x_ref.dtype)
@@ -472,14 +506,14 @@ def _dx_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
   """Deterministic backward, dhidden: one program per block of rows, walking every
   vocabulary tile; it owns its rows of dhidden."""
   b_ref = refs[0] if options.has_bias else None
-  row_refs = refs[1 if options.has_bias else 0:][:4]
+  row_refs = refs[1 if options.has_bias else 0:][:len(_Rows._fields)]
   dx_ref = refs[-1]
   bt, bv = dims.tiling.block_rows, dims.tiling.block_vocab
   r0 = pl.program_id(0) * bt
   rows = _row_loads(row_refs)
   _zero_chunks(dx_ref, dims, axis=1)
 
-  @pl.when(_active(*rows[2:]))
+  @pl.when(_active(rows.g, rows.g_lse))
   def _():
     @pl.loop(0, dims.vocab_tiles)
     def _(j):
@@ -499,7 +533,7 @@ def _dw_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
   """Deterministic backward, dweight and dbias: one program per vocabulary tile, walking
   every block of rows; it owns its columns of dweight and dbias."""
   b_ref = refs[0] if options.has_bias else None
-  row_refs = refs[1 if options.has_bias else 0:][:4]
+  row_refs = refs[1 if options.has_bias else 0:][:len(_Rows._fields)]
   dw_ref, *db_ref = refs[-2 if options.has_bias else -1:]
   bt, bv = dims.tiling.block_rows, dims.tiling.block_vocab
   v0 = pl.program_id(0) * bv
@@ -512,7 +546,7 @@ def _dw_kernel(x_ref, w_ref, *refs, dims: _Dims, options: _Options):
     r0 = i * bt
     rows = _row_loads(row_refs, r0, bt)
 
-    @pl.when(_active(*rows[2:]))
+    @pl.when(_active(rows.g, rows.g_lse))
     def _():
       ds, row_ok, _ = _logit_grad(x_ref, r0, w_ref, b_ref, r0, v0, rows, dims, options)
       terms = _operand_terms(ds, x_ref.dtype)
@@ -533,16 +567,16 @@ def _logit_grad_chunk(z, start, rows, dims: _Dims, options: _Options):
   [start, start + chunk); `_logit_grad` for a whole chunk, in XLA."""
   s, dsdz = _capped(z, options)
   cols = start + jnp.arange(z.shape[1], dtype=jnp.int32)
-  return _dlogits(jnp.exp(s - rows[1][:, None]), dsdz, cols, None, rows, dims, options)
+  return _dlogits(_probabilities(s, rows, jnp.exp), dsdz, cols, None, rows, dims, options)
 
 
-def _backward_chunked(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options):
+def _backward_chunked(x, w, b, rows: _Rows, dims: _Dims, options: _Options):
   """(dx float32, dw in w's dtype, db float32 or None) over vocabulary chunks. The last
   chunk ends at V; where V is not a multiple of the chunk it overlaps the one before,
   whose columns it leaves out of dx and rewrites, with the same values, in dw and db.
 
   Its logits are XLA's product, not the forward kernel's: the two round their float32
-  sums differently, so p = exp(s - lse) of a row sums to 1 only up to that difference.
+  sums differently, so p of a row sums to 1 only up to that difference.
   For 16-bit inputs that is far below their own rounding; for float32 inputs it put
   dhidden at 2-3x a float32 reference's error (whose softmax is normalized by its own
   sum), so float32 defaults to the "two_kernels" backward, whose logit tiles are the
@@ -553,9 +587,10 @@ def _backward_chunked(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Opt
   dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
   hopper = dims.tiling.dlogits == "mosaic_gpu"
   if hopper:
-    shared = mosaic_gpu.dlogits_inputs(x, labels, lse, g,
-                                       p_coefficient(g, g_lse, lse, options.z_loss),
-                                       V=dims.V, label_smoothing=options.label_smoothing)
+    shared = mosaic_gpu.dlogits_inputs(
+        x, rows.labels, rows.m, rows.log_l, rows.g,
+        p_coefficient(rows.g, rows.g_lse, rows.lse, options.z_loss), V=dims.V,
+        label_smoothing=options.label_smoothing)
     operands = lambda ds: ((ds,), 1.0)  # already bfloat16, the products' operand
   else:
     operands = lambda ds: _scaled_terms(ds, x.dtype)
@@ -571,7 +606,7 @@ def _backward_chunked(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Opt
       z = dot(x, w_c)
       if b is not None:
         z = z + lax.dynamic_slice_in_dim(b, start, chunk).astype(jnp.float32)[None, :]
-      ds = _logit_grad_chunk(z, start, (labels, lse, g, g_lse), dims, options)
+      ds = _logit_grad_chunk(z, start, rows, dims, options)
     terms, unscale = operands(ds)
     dw_c = _sum_products(terms, lambda d: dot(x.T, d)) * unscale
     dw = lax.dynamic_update_slice_in_dim(dw, dw_c.astype(dw.dtype), start, axis=1)
@@ -589,25 +624,24 @@ def _backward_chunked(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Opt
   return dx, dw, db
 
 
-def _backward(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options):
+def _backward(x, w, b, rows: _Rows, dims: _Dims, options: _Options):
   """float32 (dx, dw, db or None)."""
   t = dims.tiling
   backward = t.backward or ("two_kernels" if x.dtype == jnp.float32 else "chunked")
   if backward == "chunked":
-    return _backward_chunked(x, w, b, labels, lse, g, g_lse, dims, options)
+    return _backward_chunked(x, w, b, rows, dims, options)
   # The kernels form ds in registers: in float16 the cotangents are scaled instead (ds
   # is linear in them), leaving room for |ds / g| up to 2^8.
   scale = 1.0
   if x.dtype == jnp.float16:
-    scale = _power_of_two_scale(jnp.maximum(jnp.max(jnp.abs(g)), jnp.max(jnp.abs(g_lse))),
-                                _F16_TOP - 8)
-    g, g_lse = g * scale, g_lse * scale
-  dx, dw, db = _backward_kernels(x, w, b, labels, lse, g, g_lse, dims, options,
-                                 atomic=backward == "atomic")
+    scale = _power_of_two_scale(
+        jnp.maximum(jnp.max(jnp.abs(rows.g)), jnp.max(jnp.abs(rows.g_lse))), _F16_TOP - 8)
+    rows = rows._replace(g=rows.g * scale, g_lse=rows.g_lse * scale)
+  dx, dw, db = _backward_kernels(x, w, b, rows, dims, options, atomic=backward == "atomic")
   return dx / scale, dw / scale, None if db is None else db / scale
 
 
-def _backward_kernels(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Options, *,
+def _backward_kernels(x, w, b, rows: _Rows, dims: _Dims, options: _Options, *,
                       atomic: bool):
   """float32 (dx, dw, db or None) from the "atomic" or "two_kernels" Pallas kernels."""
   t = dims.tiling
@@ -615,8 +649,7 @@ def _backward_kernels(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Opt
   H_pad = dims.hidden_chunks * t.block_hidden
   V_pad = dims.vocab_tiles * t.block_vocab
   pad_rows = lambda a: jnp.pad(a, (0, R_pad - dims.R))
-  args = [x, w, *([b] if options.has_bias else []),
-          pad_rows(labels), pad_rows(lse), pad_rows(g), pad_rows(g_lse)]
+  args = [x, w, *([b] if options.has_bias else []), *map(pad_rows, rows)]
   padded = [(R_pad, H_pad), (H_pad, V_pad)] + ([(V_pad,)] if options.has_bias else [])
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   common = dict(num_warps=t.num_warps, num_stages=t.num_stages, interpret=options.interpret)
@@ -624,13 +657,13 @@ def _backward_kernels(x, w, b, labels, lse, g, g_lse, dims: _Dims, options: _Opt
   whole = lambda shape: pl.BlockSpec(shape, lambda *i: (0,) * len(shape))  # any grid
 
   def specs(index, rows_block: bool):
-    """BlockSpecs of x, w, bias and the four row vectors."""
+    """BlockSpecs of x, w, bias and the `_Rows` vectors."""
     x_spec = (pl.BlockSpec((t.block_rows, H_pad), lambda *i: (index(*i), 0)) if rows_block
               else whole((R_pad, H_pad)))
     row = (pl.BlockSpec((t.block_rows,), lambda *i: (index(*i),)) if rows_block
            else whole((R_pad,)))
     return [x_spec, whole((H_pad, V_pad)), *([whole((V_pad,))] if options.has_bias else []),
-            row, row, row, row]
+            *[row] * len(_Rows._fields)]
 
   if atomic:
     # The float32 accumulators (padded to whole tiles), zeroed and updated in place.
@@ -712,19 +745,20 @@ def _loss(lse, label_logit, total, labels, dims: _Dims, options: _Options):
 
 
 def _rows_fwd(x, w, b, labels, dims: _Dims, options: _Options):
-  lse, label_logit, total = _forward(x, w, b, labels, dims, options)
+  m, log_l, label_logit, total = _forward(x, w, b, labels, dims, options)
+  lse = m + log_l
   loss = _loss(lse, label_logit, total, labels, dims, options)
-  return (loss, lse), (x, w, b, labels, lse)
+  return (loss, lse), (x, w, b, labels, m, log_l)
 
 
 def _rows_bwd(dims: _Dims, options: _Options, residuals, cotangents):
-  x, w, b, labels, lse = residuals
+  x, w, b, labels, m, log_l = residuals
   g, g_lse = cotangents
   # Rows with a label out of range (possible only inside jit) give NaN gradients.
   in_range = (labels >= 0) & (labels < dims.V)
   g = jnp.where(in_range | (g == 0), g.astype(jnp.float32), jnp.nan)
-  dx, dw, db = _backward(x, w, b, labels, lse, g, g_lse.astype(jnp.float32), dims,
-                         options)
+  rows = _Rows(labels, m, log_l, g, g_lse.astype(jnp.float32))
+  dx, dw, db = _backward(x, w, b, rows, dims, options)
   return (dx.astype(x.dtype), dw.astype(w.dtype), None if b is None else db.astype(b.dtype),
           None)
 

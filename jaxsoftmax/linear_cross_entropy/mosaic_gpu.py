@@ -65,6 +65,9 @@ _BLOCK_HIDDEN = 64  # hidden-dim chunk: one 128-byte swizzled row of 16-bit valu
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
 _LOG2E = math.log2(math.e)
+# Row values of the dlogits kernel: m, log2 l, and the coefficients of p, of the label
+# and of the smoothing (`dlogits_inputs`).
+_ROWVALS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,13 +394,15 @@ def _dlogits_kernel(x_ref, w_ref, rowvals_ref, labels_ref, ds_ref, x_smem, w_sme
       rows = pl.ds(row0(t) + wg * _BLOCK_ROWS, _BLOCK_ROWS)
       # The rows' values, loaded before the products so that their latency hides there.
       load = lambda ref: plgpu.load(ref, layout=_ROW, optimized=False)
-      lse2, p_coef, label_coef, smoothing = (load(rowvals_ref.at[i, rows]) for i in range(4))
+      m, log2_l, p_coef, label_coef, smoothing = (load(rowvals_ref.at[i, rows])
+                                                  for i in range(_ROWVALS))
       label = load(labels_ref.at[rows])
       z = _tile_logits(ring, wg, t, bv)
       shape = z.shape
       per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
       s = z if softcap is None else softcap * jnp.tanh(z / softcap)
-      p = jnp.exp2(s * _LOG2E - per_row(lse2))
+      # s - m first: exact where s is near m, which an lse rounded to float32 is not.
+      p = jnp.exp2((s - per_row(m)) * _LOG2E - per_row(log2_l))
       cols = tile * bv + plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                 layout=plgpu.Layout.WGMMA)
       ds = (per_row(p_coef) * p
@@ -419,23 +424,25 @@ def _dlogits_kernel(x_ref, w_ref, rowvals_ref, labels_ref, ds_ref, x_smem, w_sme
 
 class DlogitsInputs(NamedTuple):
   """What every chunk's `dlogits` call shares: x padded for TMA (rows to a multiple of
-  2·64, H to one of 64), the (4, R_pad) row values and the labels (R_pad,)."""
+  2·64, H to one of 64), the (_ROWVALS, R_pad) row values and the labels (R_pad,)."""
 
   x: jax.Array
   rowvals: jax.Array
   labels: jax.Array
 
 
-def dlogits_inputs(x, labels, lse, g, p_coefficient, *, V: int,
+def dlogits_inputs(x, labels, m, log_l, g, p_coefficient, *, V: int,
                    label_smoothing: float) -> DlogitsInputs:
   """The chunk-independent operands of `dlogits`, for ds = p_coefficient·p - g·[(1 - a)·
-  [j = y] + a / V], with p_coefficient = g·(1 + 2ζ·lse) + g_lse (the module docstring of
+  [j = y] + a / V], p = exp((s - m) - log l), with each row's softmax state as its
+  shift m and log l and p_coefficient = g·(1 + 2ζ·lse) + g_lse (the module docstring of
   `linear_cross_entropy`, and its `p_coefficient`)."""
   R, H = x.shape
   R_pad = -(-R // (_CONSUMERS * _BLOCK_ROWS)) * _CONSUMERS * _BLOCK_ROWS
   a = label_smoothing
-  # The rows of the kernel's (4, R_pad) float32 operand, in the order it unpacks them.
-  rowvals = jnp.stack([lse * _LOG2E, p_coefficient, g * (1 - a),
+  # The rows of the kernel's (_ROWVALS, R_pad) float32 operand, in the order it
+  # unpacks them.
+  rowvals = jnp.stack([m, log_l * _LOG2E, p_coefficient, g * (1 - a),
                        g * (a / V)]).astype(jnp.float32)
   return DlogitsInputs(pad_to(pad_to(x, 0, R_pad), 1, -(-H // 64) * 64),
                        pad_to(rowvals, 1, R_pad), pad_to(labels.astype(jnp.int32), 0, R_pad))
