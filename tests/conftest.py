@@ -48,3 +48,14 @@ def key(request):
     nodeid = nodeid.replace(f"[{backend}-", "[", 1).replace(f"[{backend}]", "")
   seed = int(os.environ.get("JAXSOFTMAX_TEST_SEED", "0"))
   return jax.random.PRNGKey(zlib.crc32(nodeid.encode()) ^ seed)
+
+
+@pytest.fixture
+def as_if_on_an_h200(monkeypatch):
+  """Pallas' Triton lowering asks the device for its compute capability: answer as an
+  H200 would, so that the kernels lower for CUDA on a machine without a GPU."""
+  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+  if not hasattr(gpu_info, "GpuVersion"):
+    pytest.skip("this JAX's Triton lowering has no GpuVersion table")
+  monkeypatch.setattr(gpu_info, "get_gpu_info",
+                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))

@@ -4,6 +4,7 @@ of no tile (16-row, 32-column, 16-deep tiles here; the kernels interpreted on a 
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -302,6 +303,28 @@ def test_two_kernel_backward_gpu(key):
                           argnums=(0, 1, 2)))
   for first, second in zip(step(x, w, b), step(x, w, b)):
     np.testing.assert_array_equal(first, second)
+
+
+@pytest.mark.parametrize("backward, dtype, kernels", [
+    ("atomic", jnp.bfloat16, {"backward"}),
+    ("two_kernels", jnp.float32, {"backward_dx", "backward_dw"}),
+    ("chunked", jnp.float16, set()),
+])
+def test_triton_kernels_lower_for_cuda(as_if_on_an_h200, backward, dtype, kernels):
+  # The Triton forward and backward kernels, with a bias and every term of the loss,
+  # lower for CUDA without a GPU (as the Hopper kernels below): Pallas API drift shows
+  # on every CI run.
+  tiling = js.LinearCrossEntropyTiling(forward="triton", backward=backward)
+  y = jnp.zeros((300,), jnp.int32)
+  step = jax.value_and_grad(lambda x, w, b: js.linear_cross_entropy(
+      x, w, y, bias=b, tiling=tiling, interpret=False, label_smoothing=0.1, z_loss=1e-4),
+      argnums=(0, 1, 2))
+  sds = jax.ShapeDtypeStruct
+  text = jax.jit(step).trace(sds((300, 256), dtype), sds((256, 5003), dtype),
+                             sds((5003,), dtype)).lower(lowering_platforms=("cuda",)).as_text()
+  names = set(re.findall(r'name = \\?"(linear_cross_entropy_[a-z_]+)', text))
+  assert names == {"linear_cross_entropy_forward"} | {
+      f"linear_cross_entropy_{kernel}" for kernel in kernels}
 
 
 @pytest.mark.parametrize("R, H, V, bias, softcap, with_total, dtype", [

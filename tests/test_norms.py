@@ -3,6 +3,7 @@ against the float64 truth under the 2x rule (docs/testing.md), on every kernel v
 of the row engine (interpreted on a CPU), with and without the fused residual add."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -327,3 +328,21 @@ def test_wide_resident_rows_take_xla_column_sums(key):
   # columns on 4 warps: 64 a thread) leaves dscale and dbias to XLA's sums.
   _check(*_inputs(key, (5, 3000), jnp.float32), rms=False,
          tiling=RowTiling("resident", 1, 4096, 1, 4))
+
+
+@pytest.mark.parametrize("tiling, kernels", [
+    (None, {"layer_norm_resident", "layer_norm_bwd_resident_col_sums"}),
+    (RowTiling("split", 2, 1024, 3), {f"layer_norm{step}_split_{kernel}"
+                                      for step in ("", "_bwd") for kernel in ("stats", "map")}),
+], ids=["resident-col-sums", "split"])
+def test_norm_kernels_lower_for_cuda(as_if_on_an_h200, tiling, kernels):
+  # layer_norm with scale, bias and the residual, forward and backward, lowers for CUDA
+  # without a GPU: Pallas API drift shows on every CI run.
+  def step(x, r, scale, bias):
+    loss = lambda *a: jnp.sum(js.layer_norm(a[0], a[2], a[3], residual=a[1], tiling=tiling,
+                                            interpret=False)[0])
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, r, scale, bias)
+  rows, cols = jax.ShapeDtypeStruct((300, 4096), jnp.bfloat16), jax.ShapeDtypeStruct(
+      (4096,), jnp.bfloat16)
+  text = jax.jit(step).trace(rows, rows, cols, cols).lower(lowering_platforms=("cuda",))
+  assert set(re.findall(r'name = \\?"(layer_norm[a-z_]*)', text.as_text())) == kernels

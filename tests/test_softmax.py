@@ -6,6 +6,7 @@ cases compile the kernels and use the sizes the default tiling sends to each var
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -386,3 +387,25 @@ def test_default_tiling_picks_the_variant(shape, variant):
   if variant == "split":  # enough programs to fill the GPU
     n_chunks = -(-shape[1] // (tiling.chunk_blocks * tiling.block_cols))
     assert shape[0] * n_chunks >= 2 * 132
+
+
+@pytest.mark.parametrize("shape, dtype, variant", [
+    ((64, 1000), jnp.float32, ("resident",)),
+    ((4096, 32768), jnp.bfloat16, ("online",)),
+    ((8, 4194304), jnp.bfloat16, ("split_stats", "split_map")),
+], ids=["resident", "online", "split"])
+def test_row_kernels_lower_for_cuda(as_if_on_an_h200, shape, dtype, variant):
+  # The Triton kernels compile only on a GPU, but they lower for CUDA anywhere: this
+  # catches Pallas API drift in the newest JAX on every CI run. Forward and backward of
+  # each softmax-family op, on the variant the default tiling picks for the shape
+  # (logsumexp: the statistics kernel of the split variant, and a map for its backward).
+  x = jax.ShapeDtypeStruct(shape, dtype)
+  for name, (op, _) in OPS.items():
+    def forward_backward(x, op=op):
+      y, vjp = jax.vjp(lambda x: op(x, interpret=False), x)
+      return y, vjp(jnp.ones_like(y))[0]
+    text = jax.jit(forward_backward).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = set(re.findall(r'name = \\?"([a-z_]+)', text))
+    want = ({"logsumexp_split_stats", "logsumexp_bwd_map"} if name == "logsumexp" else
+            {f"{name}{step}_{kernel}" for step in ("", "_bwd") for kernel in variant})
+    assert kernels == want, name
