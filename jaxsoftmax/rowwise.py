@@ -19,8 +19,9 @@ picked from the shape by `default_tiling` or forced with a `RowTiling`:
               by block, a second sweep maps. The second read is often served by L2.
 ``split``     for a few very long rows: each row is cut into chunks of
               ``chunk_blocks * block_cols`` columns; one program per (rows, chunk) writes
-              the chunk's partial statistics, which are merged (`state.reduce_states`) and
-              handed to a second kernel that maps each chunk.
+              the chunk's partial statistics, and a second kernel maps each chunk, each
+              program merging all partial statistics of its rows itself
+              (`state.reduce_states`); XLA merges them too for callers that want them.
 
 Ops without statistics (pure maps, such as the logsumexp backward) always run the map
 kernel of the split variant, tiled in two dimensions.
