@@ -16,12 +16,12 @@ DIR/accuracy_linear_cross_entropy.log and prints it.
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import harness
 import jaxsoftmax as js
 from jaxsoftmax import reference
 
@@ -77,10 +77,7 @@ def main():
   args = parser.parse_args()
   lines = [line for rows, H in [(70, 8192), (2048, 8192), (70, 4096), (2048, 4096)]
            for line in measure(rows, H)]
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "accuracy_linear_cross_entropy.log"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  harness.write_lines(args.out, "accuracy_linear_cross_entropy.log", lines)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,14 @@ def kernel_groups(kernels, calls: int) -> list[tuple[str, int, float]]:
                 key=lambda g: -g[2])
 
 
+def kernel_table(groups, total: float, per: str) -> list[str]:
+  """`kernel_groups` as the lines of a Markdown table: launches and microseconds per
+  ``per`` (a call, a step) and each kernel's share of ``total``, their sum."""
+  return ([f"| kernel | launches | us per {per} | share |", "|---|---|---|---|"]
+          + [f"| `{name[:100]}` | {n} | {us:.1f} | {us / max(total, 1e-9):.1%} |"
+             for name, n, us in groups])
+
+
 def span_and_gaps(kernels, calls: int) -> tuple[float, list[float]]:
   """The device's span per call of `device_kernels` (first kernel's start to last
   kernel's end, over the calls; NaN without kernels) and its idle gaps (us), largest
@@ -434,6 +442,30 @@ def measure_ceilings(report: Report, x_sets, *, shape, dtype) -> tuple[float, fl
   return copy, read
 
 
+def add_shape_args(parser: argparse.ArgumentParser):
+  """``--out``, ``--smoke`` and ``--only``, which `chosen_shapes` reads."""
+  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, any backend")
+  parser.add_argument("--only", default=None,
+                      help="comma-separated indices of the shapes to run (default: all)")
+
+
+def chosen_shapes(args, shapes, smoke_shapes):
+  """The shapes ``--smoke`` and ``--only`` pick (`add_shape_args`)."""
+  shapes = smoke_shapes if args.smoke else shapes
+  if args.only is not None:
+    shapes = [shapes[int(i)] for i in args.only.split(",")]
+  return shapes
+
+
+def write_lines(out_dir: str, filename: str, lines: Sequence[str]):
+  """Writes ``lines`` to out_dir/filename, making the directory, and prints them."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, filename), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+
 def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
         unit: str = "GB/s", summary: Callable[[list[Row]], str] | None = None,
         flops_doc: str = _ATTENTION_FLOPS):
@@ -445,19 +477,14 @@ def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
   times) of the scripts themselves may run without a GPU.
   """
   parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-  parser.add_argument("--out", default="benchmarks/results")
-  parser.add_argument("--smoke", action="store_true", help="tiny shapes, any backend")
-  parser.add_argument("--only", default=None,
-                      help="comma-separated indices of the shapes to run (default: all)")
+  add_shape_args(parser)
   parser.add_argument("--name", default=name, help="file name of the results")
   parser.add_argument("--modes", default="fwd,fwd+bwd",
                       help="comma-separated modes, for benchmarks that have several")
   args = parser.parse_args()
   if jax.default_backend() != "gpu" and not args.smoke:
     sys.exit("benchmarks time compiled kernels: run them on a GPU (or pass --smoke)")
-  shapes = smoke_shapes if args.smoke else shapes
-  if args.only is not None:
-    shapes = [shapes[int(i)] for i in args.only.split(",")]
+  shapes = chosen_shapes(args, shapes, smoke_shapes)
   total = sum(rows_per_shape(shape, dtype) for shape, dtype in shapes)
   report = Report(args.name, total=total, out_dir=args.out, unit=unit,
                   modes=args.modes.split(","), summary=summary, flops_doc=flops_doc)

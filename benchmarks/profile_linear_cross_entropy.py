@@ -17,7 +17,6 @@ against cuBLAS's best. Writes DIR/profile_linear_cross_entropy.md and prints it.
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
@@ -52,32 +51,23 @@ def profile_shape(shape, dtype) -> list[str]:
     total = sum(us for _, _, us in groups)
     lines += [f"## {impl}, {T}x{H}x{V} {jnp.dtype(dtype).name}", "",
               f"Kernel time per step {total:.0f} us; temporaries + outputs {peak:.0f} MiB.",
-              "", "| kernel | launches | us per step | share |", "|---|---|---|---|"]
-    lines += [f"| `{name[:100]}` | {n} | {us:.1f} | {us / max(total, 1e-9):.1%} |"
-              for name, n, us in groups]
-    lines.append("")
+              ""]
+    lines += harness.kernel_table(groups, total, "step") + [""]
   return lines
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="benchmarks/results")
-  parser.add_argument("--smoke", action="store_true", help="a tiny shape, any backend")
-  parser.add_argument("--only", default=None, help="comma-separated shape indices")
+  harness.add_shape_args(parser)
   args = parser.parse_args()
-  shapes = SMOKE_SHAPES if args.smoke else SHAPES
-  if args.only is not None:
-    shapes = [shapes[int(i)] for i in args.only.split(",")]
+  shapes = harness.chosen_shapes(args, SHAPES, SMOKE_SHAPES)
   device = jax.devices()[0]
   lines = ["# profile_linear_cross_entropy", "",
            f"{getattr(device, 'device_kind', device.platform)}, JAX {jax.__version__}: "
            f"kernels of {CALLS} traced steps grouped by name, per step.", ""]
   for shape, dtype in shapes:
     lines += profile_shape(shape, dtype)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "profile_linear_cross_entropy.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  harness.write_lines(args.out, "profile_linear_cross_entropy.md", lines)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ statistics) loses to XLA end to end. Writes DIR/profile_rows.md and prints it.
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
@@ -53,24 +52,17 @@ def profile(op: str, mode: str, shape, dtype) -> list[str]:
     lines += [f"## {op} {mode}, {impl}, {'x'.join(map(str, shape))} "
               f"{jnp.dtype(dtype).name}", "",
               f"Span per call {span:.1f} us, kernels {busy:.1f} us; largest gaps (us): "
-              + ", ".join(f"{g:.1f}" for g in gaps[:4]), "",
-              "| kernel | launches | us per call | share |", "|---|---|---|---|"]
-    lines += [f"| `{name[:100]}` | {n} | {us:.1f} | {us / max(busy, 1e-9):.1%} |"
-              for name, n, us in groups]
-    lines.append("")
+              + ", ".join(f"{g:.1f}" for g in gaps[:4]), ""]
+    lines += harness.kernel_table(groups, busy, "call") + [""]
   return lines
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="benchmarks/results")
-  parser.add_argument("--smoke", action="store_true", help="a tiny shape, any backend")
-  parser.add_argument("--only", default=None, help="comma-separated shape indices")
+  harness.add_shape_args(parser)
   parser.add_argument("--ops", default="softmax", help="comma-separated row ops")
   args = parser.parse_args()
-  shapes = SMOKE_SHAPES if args.smoke else SHAPES
-  if args.only is not None:
-    shapes = [shapes[int(i)] for i in args.only.split(",")]
+  shapes = harness.chosen_shapes(args, SHAPES, SMOKE_SHAPES)
   device = jax.devices()[0]
   lines = ["# profile_rows", "",
            f"{getattr(device, 'device_kind', device.platform)}, JAX {jax.__version__}: "
@@ -79,10 +71,7 @@ def main():
     for op in args.ops.split(","):
       for mode in ("fwd",) if op == "logsumexp" else ("fwd", "fwd+bwd"):
         lines += profile(op, mode, shape, dtype)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "profile_rows.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  harness.write_lines(args.out, "profile_rows.md", lines)
 
 
 if __name__ == "__main__":
