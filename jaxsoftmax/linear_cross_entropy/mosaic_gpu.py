@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax import _backend
-from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, pad_to, pl, plgpu
+from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, compiler_params, pad_to, pl, plgpu
 from jaxsoftmax.inputs import check_optional_positive_int
 
 __all__ = ["DlogitsInputs", "dlogits", "dlogits_inputs", "dlogits_smem_bytes", "forward",
@@ -184,13 +184,8 @@ def _launch(kernel, *, out_type, scratch: list, grid, grid_names, softcap, name:
       grid_names=grid_names,
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
-      # Shared memory is written by TMA and read by wgmma, ordered by the barriers; the
-      # outputs' tiles are waited for explicitly. tanh.approx would cost soft-capped
-      # logits their float32 accuracy (as in the attention forward), so soft caps keep
-      # exact math.
-      compiler_params=plgpu.CompilerParams(approx_math=softcap is None,
-                                           unsafe_no_auto_barriers=True,
-                                           reduction_scratch_bytes=0),
+      # The outputs' tiles are waited for explicitly (`compiler_params`).
+      compiler_params=compiler_params(softcap),
       kernel_name=name,
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )

@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, pad_to, pl, plgpu
+from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, compiler_params, pad_to, pl, plgpu
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
@@ -599,9 +599,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   stages = blocks.num_stages
   statics = dict(aux_present=tuple(a is not None for a in aux), spec=spec, blocks=blocks,
                  logits=logits, group=N // K, float32_grads=float32_grads)
-  compiler_params = plgpu.CompilerParams(approx_math=softcap is None,
-                                         unsafe_no_auto_barriers=True,
-                                         reduction_scratch_bytes=0)
+  params = compiler_params(softcap)
   scratch = dict(
       k_smem=plgpu.SMEM((key_blocks, bkv, H_pad), k.dtype, transforms=tiled),  # then dK
       v_smem=plgpu.SMEM((key_blocks, bkv, H_pad), v.dtype, transforms=tiled),  # then dV
@@ -641,7 +639,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
       grid_names=("heads", "kv_tiles", "batch"),
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=compiler_params,
+      compiler_params=params,
       kernel_name="attention_backward_mosaic_gpu",
   )
   inputs = (q, k, v, do, lse2, delta, *aux_inputs)
@@ -666,7 +664,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
         grid_names=("heads", "q_tiles", "batch"),
         num_threads=_CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=compiler_params,
+        compiler_params=params,
         kernel_name="attention_backward_dq_mosaic_gpu",
     )(*inputs)
   else:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax import _backend
-from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, pad_to, pl, plgpu
+from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, compiler_params, pad_to, pl, plgpu
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
@@ -434,14 +434,8 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
       grid_names=grid_names,
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
-      # No thread reads and writes one shared-memory region (the query tile is written
-      # only once the products that read it are done), so Pallas' automatic barriers
-      # are not needed; row reductions stay inside a warp, so no reduction scratch.
-      # tanh.approx costs soft-capped logits float32 accuracy (lse 10x the reference
-      # error on the H200), so soft caps keep the exact math.
-      compiler_params=plgpu.CompilerParams(approx_math=softcap is None,
-                                           unsafe_no_auto_barriers=True,
-                                           reduction_scratch_bytes=0),
+      # The query tile is written only once the products that read it are done.
+      compiler_params=compiler_params(softcap),
       kernel_name="attention_forward_mosaic_gpu",
   )(q, k, v, *(a for a in aux if a is not None))
   o, m, log2_l, *o32 = outputs
