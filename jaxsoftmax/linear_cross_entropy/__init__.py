@@ -726,6 +726,20 @@ def _dlogits_unsupported(dtype, dims: _Dims, has_bias: bool, interpret: bool):
   return None
 
 
+def _with_hopper_kernel(tiling: LinearCrossEntropyTiling, field: str, portable: str,
+                        why: str | None, op: str) -> LinearCrossEntropyTiling:
+  """``tiling`` with its ``field`` ("forward" or "dlogits") decided: "mosaic_gpu" where
+  asked for, or left to the default and ``why`` (the reason the Hopper kernel cannot
+  run) is None, else ``portable``. Asking for "mosaic_gpu" where it cannot run is an
+  error."""
+  value = getattr(tiling, field)
+  if value == "mosaic_gpu" and why is not None:
+    raise ValueError(f"{op}: tiling.{field}='mosaic_gpu' cannot run: {why}")
+  if value is None:
+    return dataclasses.replace(tiling, **{field: portable if why else "mosaic_gpu"})
+  return tiling
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _rows(x, w, b, labels, dims: _Dims, options: _Options):
   return _rows_fwd(x, w, b, labels, dims, options)[0]
@@ -831,11 +845,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
   interpret = _backend.resolve_interpret(interpret)
   tiling = tiling or LinearCrossEntropyTiling()
   if hidden.dtype != jnp.float64 and tiling.forward != "triton":
-    why = _hopper_unsupported(hidden.dtype, tiling, interpret)
-    if tiling.forward == "mosaic_gpu" and why is not None:
-      raise ValueError(f"{op}: tiling.forward='mosaic_gpu' cannot run: {why}")
-    if tiling.forward is None:
-      tiling = dataclasses.replace(tiling, forward="triton" if why else "mosaic_gpu")
+    tiling = _with_hopper_kernel(tiling, "forward", "triton",
+                                 _hopper_unsupported(hidden.dtype, tiling, interpret), op)
 
   flat_labels = labels.reshape(-1).astype(jnp.int32)
   if hidden.dtype == jnp.float64 or hidden.size == 0 or labels.size == 0:
@@ -850,14 +861,13 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
     return (loss, reference.logsumexp(logits, axis=-1)) if return_lse else loss
   dims = _Dims(flat_labels.size, H, V, tiling)
   if tiling.dlogits != "xla":
-    why = _dlogits_unsupported(hidden.dtype, dims, bias is not None, interpret)
-    if tiling.dlogits == "mosaic_gpu" and why is not None:
-      raise ValueError(f"{op}: tiling.dlogits='mosaic_gpu' cannot run: {why}")
-    if tiling.dlogits is None:
-      # The Hopper kernel saves XLA's float32 logits and their elementwise pass: 54.2
-      # against 57.7 ms of kernels a step (benchmarks/results/README.md, "Fifth run").
-      tiling = dataclasses.replace(tiling, dlogits="xla" if why else "mosaic_gpu")
-      dims = dataclasses.replace(dims, tiling=tiling)
+    # By default the Hopper kernel where it runs: it saves XLA's float32 logits and their
+    # elementwise pass, 54.2 against 57.7 ms of kernels a step (benchmarks/results/
+    # README.md, "Fifth run").
+    tiling = _with_hopper_kernel(
+        tiling, "dlogits", "xla",
+        _dlogits_unsupported(hidden.dtype, dims, bias is not None, interpret), op)
+    dims = dataclasses.replace(dims, tiling=tiling)
   options = _Options(float(label_smoothing), float(z_loss),
                      None if logit_soft_cap is None else float(logit_soft_cap),
                      bias is not None, interpret)
