@@ -141,6 +141,12 @@ F16_HUGE_CHUNKED = (
     "which moves p as much: dhidden at 2.5x a float16 reference's error")
 
 
+def _expect_the_known_limit(request):
+  # Strict: the day the limit goes, the test fails and asks for this mark to go too.
+  request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError,
+                                        reason=F16_HUGE_CHUNKED))
+
+
 def _nan_for_inf(kind, dtype):
   """float16 ds enters the products as two terms (`_operand_terms`): where a hidden value
   is infinite, its remainder term of 0 adds inf·0 = NaN to dweight's ±inf."""
@@ -151,13 +157,13 @@ def _nan_for_inf(kind, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
                          ids=["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("kind", EXTREMES)
-def test_extremes(key, kind, dtype, backward):
+def test_extremes(key, request, kind, dtype, backward):
   # Per-row losses and every gradient against the truth: NaN exactly where it is NaN,
   # +inf where the loss is +inf (a -inf label logit), the 2x rule elsewhere.
   if backward == "chunked" and dtype == jnp.float32:
     pytest.skip("float32 takes the two-kernel backward")
   if kind == "huge" and dtype == jnp.float16 and backward == "chunked":
-    pytest.skip(F16_HUGE_CHUNKED)
+    _expect_the_known_limit(request)
   tiling = dataclasses.replace(SMALL, backward=backward, chunk_vocab=64)
   _check(*_extreme(kind, key, (37,), 40, 301, dtype), tiling=tiling, reduction="none",
          nan_for_inf=_nan_for_inf(kind, dtype))
@@ -201,11 +207,13 @@ def test_hopper_extremes_interpreted(key, monkeypatch, kind):
                          ids=["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("kind", EXTREMES)
-def test_extremes_gpu(key, kind, bias, dtype):
+def test_extremes_gpu(key, request, kind, bias, dtype):
   # The compiled default kernels (on a Hopper GPU: the Mosaic GPU forward, and without a
   # bias in bfloat16 the dlogits kernel) on the extreme inputs.
-  if kind == "huge" and dtype == jnp.float16:
-    pytest.skip(F16_HUGE_CHUNKED)
+  # Measured on the H200: with a bias these inputs exceed the 2x rule, without one they
+  # stay within it.
+  if kind == "huge" and dtype == jnp.float16 and bias:
+    _expect_the_known_limit(request)
   _check(*_extreme(kind, key, (300,), 256, 5003, dtype, bias=bias), tiling=None,
          reduction="none", nan_for_inf=_nan_for_inf(kind, dtype))
 
