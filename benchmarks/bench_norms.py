@@ -11,6 +11,11 @@ array: plain 2 (read x, write y) and 5 with the backward (read x and dy, write d
 the residual 4 and 8 (read h, dy and h's cotangent, write dx). Scale and bias are C
 values: not counted. % is of the copy ceiling.
 
+``--modes`` may add "bwd": the backward alone from the residuals each forward saved
+(`harness.pullbacks`), 3 arrays of traffic (4 with the residual), as a model pays it:
+in "fwd+bwd" XLA may fuse the forward's passes into the backward's, which a model's
+other layers between the two do not allow.
+
 Implementations: ours; XLA (`jax.jit` of plain jnp, the residual add included); Flax's
 `nnx.LayerNorm` / `nnx.RMSNorm` under `jax.jit`; Pallas' own `layer_norm` / `rms_norm`
 (jax.experimental.pallas.ops.gpu; plain only).
@@ -80,16 +85,19 @@ def _pallas(x, scale, bias, residual, *, rms):
   return y[0]
 
 
+def _differentiated(fn, residual: bool):
+  """``fn(x, scale, bias, r)`` as a function of what is differentiated (see `_vjp`)."""
+  return fn if residual else (lambda x, scale, bias: fn(x, scale, bias, None))
+
+
 def _vjp(fn, residual: bool):
   """The forward + backward of ``fn(x, scale, bias, r)`` for cotangents dy (and dh).
   Without the residual, r is not differentiated: its cotangent would be a (rows, C)
   array of zeros, a write of one more array that the op does not do."""
   def run(x, scale, bias, r, dy, dh):
-    if residual:
-      out, vjp = jax.vjp(fn, x, scale, bias, r)
-      return out, vjp((dy, dh))
-    out, vjp = jax.vjp(lambda x, scale, bias: fn(x, scale, bias, None), x, scale, bias)
-    return out, vjp(dy)
+    primals = (x, scale, bias, r) if residual else (x, scale, bias)
+    out, vjp = jax.vjp(_differentiated(fn, residual), *primals)
+    return out, vjp((dy, dh) if residual else dy)
   return run
 
 
@@ -109,6 +117,21 @@ def shape_inputs(report: harness.Report, shape, dtype):
                                      dtype=dtype)
   common = dict(shape=shape, dtype=jnp.dtype(dtype).name, ceiling_gbps=copy)
   return sets, scale, bias, n_bytes, common
+
+
+def _backward_alone(fn, reference, residual: bool, sets, scale, bias) -> dict:
+  """`Report.measure`'s fn, arg_sets and truth for the pullback alone."""
+  primals = lambda s: (s[0], scale, bias) + ((s[1],) if residual else ())
+  cotangent = lambda dy, dh: (dy, dh) if residual else dy
+  norm = lambda fn: _differentiated(
+      lambda x, sc, bi, r: fn(x, sc, bi, r if residual else None), residual)
+  call, residual_sets = harness.pullbacks(norm(fn), [primals(s) for s in sets])
+  n = 3 + residual
+  truth = harness.float64_truth(
+      lambda *a: jax.vjp(norm(reference), *a[:n])[1](cotangent(*a[n:])),
+      *primals(sets[0]), sets[0][2], sets[0][3])
+  return dict(fn=lambda r, dy, dh: call(r, cotangent(dy, dh)),
+              arg_sets=[(r, s[2], s[3]) for r, s in zip(residual_sets, sets)], truth=truth)
 
 
 def bench_shape(report: harness.Report, shape, dtype):
@@ -144,6 +167,15 @@ def bench_shape(report: harness.Report, shape, dtype):
                          fn=lambda x, r, dy, dh, both=both: both(x, scale, b, r, dy, dh),
                          arg_sets=[tuple(s) for s in sets],
                          nbytes=(8 if residual else 5) * n_bytes, truth=truth, **common)
+        if "bwd" in report.modes:
+          try:  # the forward runs here, outside measure: a peer that fails is a row
+            alone = _backward_alone(fn, reference, residual, sets, scale, b)
+          except Exception as e:  # noqa: BLE001
+            report.skip(op=op, impl=impl, shape=shape, dtype=common["dtype"], mode="bwd",
+                        note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            continue
+          report.measure(op=op, impl=impl, mode="bwd", **alone,
+                         nbytes=(4 if residual else 3) * n_bytes, **common)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ copy / read ceilings: square, tall, wide and very long rows in float32 and bfloa
 Minimum traffic (N elements of b bytes): forward softmax / log_softmax 2·N·b (read x,
 write y), logsumexp N·b; forward + backward 5·N·b (forward, then read y or x and dy,
 write dx). % is of the copy ceiling, or of the read ceiling for logsumexp.
+
+``--modes`` picks among "fwd", "fwd+bwd" (the default two) and "bwd": the backward alone
+from the residuals each forward saved (`harness.pullbacks`), 3·N·b, as a model pays it.
+In "fwd+bwd" XLA may fuse the forward's passes into the backward's; a `custom_vjp`
+cannot, and neither can XLA where other layers run between the two.
 """
 
 from __future__ import annotations
@@ -73,18 +78,29 @@ def bench_shape(report: harness.Report, shape, dtype):
       impls.append(("pallas ops softmax", _pallas_softmax()))
     is_lse = op == "logsumexp"
     nbytes = n * itemsize + (shape[0] * itemsize if is_lse else n * itemsize)
-    truth = harness.float64_truth(_forward(ref), xs[0])
-    for impl, fn in impls:
-      report.measure(op=op, impl=impl, mode="fwd", fn=_forward(fn), arg_sets=x_sets,
-                     nbytes=nbytes, truth=truth, ceiling_gbps=read if is_lse else copy,
-                     ceiling="read" if is_lse else "copy", **common)
+    if "fwd" in report.modes:
+      truth = harness.float64_truth(_forward(ref), xs[0])
+      for impl, fn in impls:
+        report.measure(op=op, impl=impl, mode="fwd", fn=_forward(fn), arg_sets=x_sets,
+                       nbytes=nbytes, truth=truth, ceiling_gbps=read if is_lse else copy,
+                       ceiling="read" if is_lse else "copy", **common)
     if is_lse:
       continue
-    truth = harness.float64_truth(_forward_backward(ref), xs[0], dys[0])
-    for impl, fn in impls[:2]:
-      report.measure(op=op, impl=impl, mode="fwd+bwd", fn=_forward_backward(fn),
-                     arg_sets=list(zip(xs, dys)), nbytes=5 * n * itemsize, truth=truth,
-                     ceiling_gbps=copy, **common)
+    if "fwd+bwd" in report.modes:
+      truth = harness.float64_truth(_forward_backward(ref), xs[0], dys[0])
+      for impl, fn in impls[:2]:
+        report.measure(op=op, impl=impl, mode="fwd+bwd", fn=_forward_backward(fn),
+                       arg_sets=list(zip(xs, dys)), nbytes=5 * n * itemsize, truth=truth,
+                       ceiling_gbps=copy, **common)
+    if "bwd" in report.modes:
+      truth = harness.float64_truth(lambda x, dy: jax.vjp(_forward(ref), x)[1](dy)[0],
+                                    xs[0], dys[0])
+      for impl, fn in impls[:2]:
+        call, residual_sets = harness.pullbacks(_forward(fn), x_sets)
+        report.measure(op=op, impl=impl, mode="bwd",
+                       fn=lambda r, dy, call=call: call(r, dy)[0],
+                       arg_sets=list(zip(residual_sets, dys)), nbytes=3 * n * itemsize,
+                       truth=truth, ceiling_gbps=copy, **common)
 
 
 def _rows(shape, dtype):

@@ -230,6 +230,25 @@ def float64_truth(fn: Callable, *args):
     return jax.block_until_ready(jax.jit(fn)(*cast))
 
 
+def pullbacks(fn: Callable, primal_sets: Sequence[tuple]):
+  """The backward alone, as a model pays it: the forward runs once per input set, here,
+  and only the pullback is timed, from the residuals the forward saved. Timing
+  ``jax.vjp`` and its pullback in one jit instead lets XLA fuse the forward's passes into
+  the backward's (its own ops; a `custom_vjp` cannot), which a model, with other layers
+  between the two, does not allow.
+
+  Returns ``(call, residual_sets)``: ``call(residuals, *cotangents)`` applies the pullback
+  of the input set whose residuals are given. The pullbacks of equal shapes share one
+  structure; only their residual arrays differ, so one compiled call serves all sets.
+  """
+  vjps = [jax.vjp(fn, *primals)[1] for primals in primal_sets]
+  structure = jax.tree.structure(vjps[0])
+
+  def call(residuals, *cotangents):
+    return jax.tree.unflatten(structure, residuals)(*cotangents)
+  return call, [jax.tree.leaves(v) for v in vjps]
+
+
 def errors(out, truth) -> tuple[float, float]:
   """(max abs error, normwise relative error) over the finite truth; NaN if ``out`` has
   NaN or infinity where the truth is finite. Pytrees (e.g. output and gradient) give the

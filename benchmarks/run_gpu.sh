@@ -8,7 +8,8 @@
 # results; everything is also packed into $OUT/run.tgz, since only a few files come back
 # from the machine):
 #   tests, tune, bench      pytest -m gpu; tune_rows.py; bench_softmax.py (ROWS_ONLY picks
-#                           shapes, ROWS_NAME names the results) and
+#                           shapes, ROWS_NAME names the results, ROWS_MODES="fwd,fwd+bwd,bwd"
+#                           adds the backward alone) and
 #                           bench_cross_entropy.py (CE_ONLY picks shapes)
 #   rows-profile            profile_rows.py: a row op's kernels and gaps per call, ours
 #                           and XLA's (ROWS_ONLY picks shapes, ROWS_OPS="softmax,logsumexp")
@@ -36,7 +37,8 @@
 #                           (profile_linear_cross_entropy.py, LCE_ONLY); lce-accuracy:
 #                           the float32 accumulation error of its products and XLA's
 #                           (accuracy_linear_cross_entropy.py)
-#   norm-tests, norm-bench  layer_norm, rms_norm (NORM_ONLY picks shapes); tune-norms
+#   norm-tests, norm-bench  layer_norm, rms_norm (NORM_ONLY picks shapes, NORM_MODES as
+#                           ROWS_MODES); tune-norms
 #                           sweeps their tiles; norm-ncu: the backward kernel's counters
 #                           (profile_norms.py)
 #
@@ -104,7 +106,8 @@ for stage in ${STAGES:-tests tune bench}; do
         | tee "$out/tune.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     bench)
       timeout 300 $python benchmarks/bench_softmax.py --out "$out" \
-        ${ROWS_ONLY:+--only "$ROWS_ONLY"} ${ROWS_NAME:+--name "$ROWS_NAME"} 2>&1 \
+        ${ROWS_ONLY:+--only "$ROWS_ONLY"} ${ROWS_NAME:+--name "$ROWS_NAME"} \
+        ${ROWS_MODES:+--modes "$ROWS_MODES"} 2>&1 \
         | tee "$out/bench.log"
       timeout 120 $python benchmarks/bench_cross_entropy.py --out "$out" \
         ${CE_ONLY:+--only "$CE_ONLY"} 2>&1 | tee -a "$out/bench.log"
@@ -192,7 +195,8 @@ for stage in ${STAGES:-tests tune bench}; do
         | tee -a "$out/summary.log" ;;
     norm-bench)
       timeout 400 $python benchmarks/bench_norms.py --out "$out" \
-        ${NORM_ONLY:+--only "$NORM_ONLY"} 2>&1 | tee "$out/norm_bench.log" | tail -n 3 \
+        ${NORM_ONLY:+--only "$NORM_ONLY"} ${NORM_MODES:+--modes "$NORM_MODES"} 2>&1 \
+        | tee "$out/norm_bench.log" | tail -n 3 \
         | tee -a "$out/summary.log" ;;
     tune-norms)
       timeout 400 $python benchmarks/tune_norms.py --out "$out" \
