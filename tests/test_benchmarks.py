@@ -140,6 +140,30 @@ def test_profile_rows_smoke(tmp_path):
   assert "logsumexp fwd+bwd" not in report and report.count("Span per call") == 12
 
 
+def test_pullbacks_apply_each_sets_own_residuals():
+  # The benchmarks' "bwd" mode: one compiled pullback fed each input set's residuals
+  # gives that set's gradient, for a custom_jvp op of ours and for plain jnp.
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jaxsoftmax as js
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import harness
+  finally:
+    sys.path.pop(0)
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  xs = [jax.random.normal(k, (3, 40)) for k in keys[:2]]
+  dys = [jax.random.normal(k, (3, 40)) for k in keys[2:]]
+  for fn in (lambda x: js.log_softmax(x, interpret=True), lambda x: jnp.tanh(x) ** 2):
+    call, residual_sets = harness.pullbacks(fn, [(x,) for x in xs])
+    assert len(residual_sets) == 2
+    for x, r, dy in zip(xs, residual_sets, dys):
+      np.testing.assert_allclose(jax.jit(call)(r, dy)[0], jax.vjp(fn, x)[1](dy)[0],
+                                 rtol=1e-6, atol=1e-6)
+
+
 def test_kernel_timeline_helpers():
   # Two calls of two kernels each: a (2 us) then b (1 us), the second call 6 us later.
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
