@@ -11,8 +11,10 @@
 #                           shapes, ROWS_NAME names the results, ROWS_MODES="fwd,fwd+bwd,bwd"
 #                           adds the backward alone) and
 #                           bench_cross_entropy.py (CE_ONLY picks shapes)
-#   rows-profile            profile_rows.py: a row op's kernels and gaps per call, ours
-#                           and XLA's (ROWS_ONLY picks shapes, ROWS_OPS="softmax,logsumexp")
+#   rows-profile            profile_rows.py: a row op's or a norm's kernels and gaps per
+#                           call, ours and XLA's (ROWS_OPS="softmax,logsumexp" or
+#                           "layer_norm,rms_norm"; ROWS_ONLY picks that family's shapes;
+#                           ROWS_MODES, default "fwd,fwd+bwd")
 #   attn-tests              pytest -m gpu tests/test_attention.py
 #   attn-tune               tune_attention.py (TUNE_ONLY="4,5" picks shapes)
 #   attn-tune-hopper        tune_attention_hopper.py: the Mosaic GPU forward's tiles
@@ -115,7 +117,7 @@ for stage in ${STAGES:-tests tune bench}; do
     rows-profile)
       timeout 300 $python benchmarks/profile_rows.py --out "$out" \
         ${ROWS_ONLY:+--only "$ROWS_ONLY"} ${ROWS_OPS:+--ops "$ROWS_OPS"} \
-        > "$out/rows_profile.log" 2>&1
+        ${ROWS_MODES:+--modes "$ROWS_MODES"} > "$out/rows_profile.log" 2>&1
       grep "^## \|^Span" "$out/rows_profile.log" | tee -a "$out/summary.log" ;;
     attn-tests)
       # Four workers, a fifth of the memory each (eight at 11% left the driver too little

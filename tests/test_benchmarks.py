@@ -140,6 +140,20 @@ def test_profile_rows_smoke(tmp_path):
   assert "logsumexp fwd+bwd" not in report and report.count("Span per call") == 12
 
 
+def test_profile_rows_norms_smoke(tmp_path):
+  _run("benchmarks/profile_rows.py", "--smoke", "--ops", "rms_norm", "--modes", "fwd+bwd,bwd",
+       "--out", str(tmp_path))
+  report = (tmp_path / "profile_rows.md").read_text()
+  for impl in ("jaxsoftmax", "xla", "flax nnx"):
+    for mode in ("fwd+bwd", "bwd"):
+      assert report.count(f"## rms_norm {mode}, {impl}, 16x300 float32") == 1, (impl, mode)
+  assert "rms_norm fwd," not in report and report.count("Span per call") == 6
+  with pytest.raises(subprocess.CalledProcessError) as mixed:
+    _run("benchmarks/profile_rows.py", "--smoke", "--ops", "softmax,rms_norm", "--out",
+         str(tmp_path))
+  assert "not both" in mixed.value.stderr
+
+
 def test_pullbacks_apply_each_sets_own_residuals():
   # The benchmarks' "bwd" mode: one compiled pullback fed each input set's residuals
   # gives that set's gradient, for a custom_jvp op of ours and for plain jnp.
