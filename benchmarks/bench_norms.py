@@ -123,12 +123,11 @@ def _backward_alone(fn, reference, residual: bool, sets, scale, bias) -> dict:
   """`Report.measure`'s fn, arg_sets and truth for the pullback alone."""
   primals = lambda s: (s[0], scale, bias) + ((s[1],) if residual else ())
   cotangent = lambda dy, dh: (dy, dh) if residual else dy
-  norm = lambda fn: _differentiated(
-      lambda x, sc, bi, r: fn(x, sc, bi, r if residual else None), residual)
-  call, residual_sets = harness.pullbacks(norm(fn), [primals(s) for s in sets])
+  call, residual_sets = harness.pullbacks(_differentiated(fn, residual),
+                                          [primals(s) for s in sets])
   n = 3 + residual
   truth = harness.float64_truth(
-      lambda *a: jax.vjp(norm(reference), *a[:n])[1](cotangent(*a[n:])),
+      lambda *a: jax.vjp(_differentiated(reference, residual), *a[:n])[1](cotangent(*a[n:])),
       *primals(sets[0]), sets[0][2], sets[0][3])
   return dict(fn=lambda r, dy, dh: call(r, cotangent(dy, dh)),
               arg_sets=[(r, s[2], s[3]) for r, s in zip(residual_sets, sets)], truth=truth)
@@ -157,11 +156,9 @@ def bench_shape(report: harness.Report, shape, dtype):
                          arg_sets=[(s[0], s[1]) for s in sets],
                          nbytes=(4 if residual else 2) * n_bytes, truth=truth, **common)
         if "fwd+bwd" in report.modes:
-          both = _vjp(lambda x, sc, bi, r, fn=fn: fn(x, sc, bi, r if residual else None),
-                      residual)
+          both = _vjp(fn, residual)
           truth = harness.float64_truth(
-              lambda *a: _vjp(lambda x, sc, bi, r: reference(x, sc, bi, r if residual
-                                                             else None), residual)(*a),
+              _vjp(reference, residual),
               sets[0][0], scale, b, sets[0][1], sets[0][2], sets[0][3])
           report.measure(op=op, impl=impl, mode="fwd+bwd",
                          fn=lambda x, r, dy, dh, both=both: both(x, scale, b, r, dy, dh),
@@ -172,7 +169,7 @@ def bench_shape(report: harness.Report, shape, dtype):
             alone = _backward_alone(fn, reference, residual, sets, scale, b)
           except Exception as e:  # noqa: BLE001
             report.skip(op=op, impl=impl, shape=shape, dtype=common["dtype"], mode="bwd",
-                        note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                        note=harness.failure_note(e))
             continue
           report.measure(op=op, impl=impl, mode="bwd", **alone,
                          nbytes=(4 if residual else 3) * n_bytes, **common)

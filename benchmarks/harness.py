@@ -249,6 +249,11 @@ def pullbacks(fn: Callable, primal_sets: Sequence[tuple]):
   return call, [jax.tree.leaves(v) for v in vjps]
 
 
+def failure_note(error: Exception) -> str:
+  """The note of a row whose measurement failed: the error's type and first line."""
+  return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+
+
 def errors(out, truth) -> tuple[float, float]:
   """(max abs error, normwise relative error) over the finite truth; NaN if ``out`` has
   NaN or infinity where the truth is finite. Pytrees (e.g. output and gradient) give the
@@ -367,7 +372,7 @@ class Report:
       device_us, wall_us, timer = time_call(fn, arg_sets)
     except Exception as e:  # noqa: BLE001 - a peer that fails is a result, not a crash
       self.add(Row(op, impl, shape_s, dtype, mode, None, None, None, None, None, None,
-                   ceiling, "", note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+                   ceiling, "", note=failure_note(e)))
       return None
     if flops is not None:
       self.add(Row(op, impl, shape_s, dtype, mode, err[0], err[1], device_us, wall_us,

@@ -20,6 +20,7 @@ forward into the backward. Writes DIR/profile_rows.md and prints it.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -63,12 +64,12 @@ def _norm_steps(op: str, mode: str, shape, dtype) -> dict:
   steps = {}
   for impl, fn in (("jaxsoftmax", bench_norms._ours), ("xla", bench_norms._jnp_norm),
                    ("flax nnx", bench_norms._flax)):
-    norm = lambda x, scale, bias, fn=fn: fn(x, scale, bias, None, rms=rms)
+    norm = bench_norms._differentiated(functools.partial(fn, rms=rms), False)
     if mode == "fwd":
       steps[impl] = (norm, (x, scale, bias))
     elif mode == "fwd+bwd":
-      steps[impl] = (lambda *a, norm=norm: bench_norms._vjp(
-          lambda x, sc, bi, r: norm(x, sc, bi), False)(*a), (x, scale, bias, None, dy, None))
+      steps[impl] = (bench_norms._vjp(functools.partial(fn, rms=rms), False),
+                     (x, scale, bias, None, dy, None))
     else:
       call, (residuals,) = harness.pullbacks(norm, [(x, scale, bias)])
       steps[impl] = (call, (residuals, dy))
