@@ -19,9 +19,8 @@ picked from the shape by `default_tiling` or forced with a `RowTiling`:
               by block, a second sweep maps. The second read is often served by L2.
 ``split``     for a few very long rows: each row is cut into chunks of
               ``chunk_blocks * block_cols`` columns; one program per (rows, chunk) writes
-              the chunk's partial statistics, and a second kernel maps each chunk, each
-              program merging all partial statistics of its rows itself
-              (`state.reduce_states`); XLA merges them too for callers that want them.
+              the chunk's partial statistics, which are merged (`state.reduce_states`) and
+              handed to a second kernel that maps each chunk.
 
 Ops without statistics (pure maps, such as the logsumexp backward) always run the map
 kernel of the split variant, tiled in two dimensions.
@@ -542,42 +541,16 @@ def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
     _backend.store(ref, s, mask=rows_ok)
 
 
-def _merge_partials(op: RowOp, parts):
-  """The row statistics from the split variant's partial ones, stacked on axis 0: the
-  states, the Welford states and the sums, each merged by its rule."""
-  n_state, n_moments = 2 * (op.state_of is not None), 3 * (op.moments_of is not None)
-  return ((reduce_states(*parts[:2], axis=0) if n_state else ())
-          + (reduce_moments(*parts[n_state:n_state + 3], axis=0) if n_moments else ())
-          + tuple(p.sum(axis=0) for p in parts[n_state + n_moments:]))
-
-
-def _load_merged_partials(op: RowOp, part_refs, n_parts: int, rows_ok):
-  """`_merge_partials` in a program, for its rows: each ref a (parts, block_rows) block,
-  of which the first ``n_parts`` parts exist; the others load as the empty state's
-  values, which every merge ignores."""
-  n_state, n_moments = 2 * (op.state_of is not None), 3 * (op.moments_of is not None)
-  empty = (-jnp.inf, 0.0)[:n_state] + (0.0,) * (n_moments + len(op.sums))
-  parts_ok = jnp.arange(part_refs[0].shape[0], dtype=jnp.int32) < n_parts
-  mask = parts_ok[:, None] if rows_ok is None else parts_ok[:, None] & rows_ok[None, :]
-  return _merge_partials(op, [_backend.load(ref, mask=mask, other=value)
-                              for ref, value in zip(part_refs, empty)])
-
-
 def _map_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, chunk_blocks: int,
-                n_stats: int, n_parts: int, exp):
-  """split, phase 2, and pure maps: one chunk of columns. The row statistics are the
-  last ``n_stats`` row inputs: given, or with ``n_parts`` phase 1's partial statistics
-  (one block of all parts each), which the program merges itself, so that no XLA kernel
-  runs between the phases unless the caller wants the statistics."""
+                n_stats: int, exp):
+  """split, phase 2, and pure maps: one chunk of columns, row statistics given as the
+  last ``n_stats`` row inputs."""
   refs = layout.unpack(refs)
   bc = bounds.block_cols
   rows_ok = bounds.rows_ok(pl.program_id(0))
-  n_given = len(refs.rows) - n_stats
-  rows = _load_rows(refs.rows[:n_given], rows_ok)
-  if n_parts:
-    stats = _load_merged_partials(op, refs.rows[n_given:], n_parts, rows_ok)
-  else:
-    stats = _load_rows(refs.rows[n_given:], rows_ok)
+  rows = _load_rows(refs.rows, rows_ok)
+  n_given = len(rows) - n_stats
+  rows, stats = rows[:n_given], rows[n_given:]
   col0 = pl.program_id(1) * bounds.span
   tile_bounds = lambda b: bounds.tile(rows_ok, col0 + b * bc)
 
@@ -622,8 +595,7 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
 
   def call(kernel, suffix, grid, tile_spec, row_spec, col_spec, n_rows_in, out_specs,
            out_shapes):
-    row_specs = row_spec if isinstance(row_spec, list) else [row_spec] * n_rows_in
-    in_specs = ([tile_spec] * layout.n_in + row_specs
+    in_specs = ([tile_spec] * layout.n_in + [row_spec] * n_rows_in
                 + [col_spec] * layout.n_cols_in + [tile_spec] * layout.has_where)
     return _backend.pallas_call(
         kernel, name=f"{op.name}_{suffix}", grid=grid, in_specs=in_specs,
@@ -692,7 +664,7 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
   row_spec = pl.BlockSpec((br,), lambda i, j: (i,))
   col_spec = pl.BlockSpec((chunk,), lambda i, j: (j,))
   bounds = _Bounds(n_rows, n_cols, br, bc, span=chunk)
-  stats, parts = (), ()
+  stats = ()
   if op.n_stats:
     phase1 = dataclasses.replace(layout, n_out=0, n_stats=op.n_stats)
     parts = call(
@@ -702,23 +674,21 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
         [pl.BlockSpec((None, br), lambda i, j: (j, i))] * op.n_stats,
         [jax.ShapeDtypeStruct((grid[1], n_rows), jnp.float32)] * op.n_stats,
     )(*inputs, *row_inputs, *col_inputs, *where)
-    stats = _merge_partials(op, parts)  # for the caller; dead code where it has no use
+    n_state, n_moments = 2 * (op.state_of is not None), 3 * (op.moments_of is not None)
+    stats = ((reduce_states(*parts[:2], axis=0) if n_state else ())
+             + (reduce_moments(*parts[n_state:n_state + 3], axis=0) if n_moments else ())
+             + tuple(p.sum(axis=0) for p in parts[n_state + n_moments:]))
   if op.apply is None:
     return None, stats, col_sums
-  # The partial statistics go in as row inputs, after the op's own and before column
-  # inputs: each program loads all parts of its rows (a power-of-two block, the parts
-  # past grid[1] masked) and merges them.
-  parts_spec = pl.BlockSpec((pl.next_power_of_2(grid[1]), br), lambda i, j: (0, i))
-  phase2 = dataclasses.replace(layout, n_rows_in=layout.n_rows_in + len(parts),
+  # The statistics go in as row inputs, after the op's own and before column inputs.
+  phase2 = dataclasses.replace(layout, n_rows_in=layout.n_rows_in + len(stats),
                                n_out=n_out, n_stats=0)
   outs = call(
       functools.partial(_map_kernel, op=op, layout=phase2, bounds=bounds,
-                        chunk_blocks=tiling.chunk_blocks, n_stats=len(parts),
-                        n_parts=grid[1] if parts else 0, exp=exp),
-      "split_map" if op.n_stats else "map", grid, tile_spec,
-      [row_spec] * layout.n_rows_in + [parts_spec] * len(parts), col_spec,
+                        chunk_blocks=tiling.chunk_blocks, n_stats=len(stats), exp=exp),
+      "split_map" if op.n_stats else "map", grid, tile_spec, row_spec, col_spec,
       phase2.n_rows_in, [tile_spec] * n_out, [out_shape] * n_out,
-  )(*inputs, *row_inputs, *parts, *col_inputs, *where)
+  )(*inputs, *row_inputs, *stats, *col_inputs, *where)
   return result(outs), stats, col_sums
 
 
