@@ -78,6 +78,6 @@ def bench_shape(report: harness.Report, case, dtype):
 
 if __name__ == "__main__":
   harness.run("attention_backward", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda case, dtype: len(OUR_ROWS) + len(PEERS), unit="TFLOP/s",
+              lambda case, dtype, modes: len(OUR_ROWS) + len(PEERS), unit="TFLOP/s",
               summary=vs_best_peer,
               flops_doc="2.5 · 4·B·N·T·S·H (halved when causal): the backward's")

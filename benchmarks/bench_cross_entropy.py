@@ -52,4 +52,4 @@ def bench_shape(report: harness.Report, shape, dtype):
 
 if __name__ == "__main__":
   harness.run("cross_entropy", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda shape, dtype: 2 + 2 * len(IMPLS))
+              lambda shape, dtype, modes: 2 + 2 * len(IMPLS))

@@ -108,7 +108,8 @@ def bench_shape(report: harness.Report, shape, dtype):
 
 if __name__ == "__main__":
   harness.run("linear_cross_entropy", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda shape, dtype: 2 * len(IMPLS) + len(BACKWARD_IMPLS) * (dtype == jnp.bfloat16),
+              lambda shape, dtype, modes: (2 * len(IMPLS)
+                                           + len(BACKWARD_IMPLS) * (dtype == jnp.bfloat16)),
               unit="TFLOP/s",
               flops_doc="2·T·H·V for the loss and 6·T·H·V for loss and gradients (the "
                         "products an unfused step needs; the fused backward recomputes "

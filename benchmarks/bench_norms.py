@@ -177,4 +177,4 @@ def bench_shape(report: harness.Report, shape, dtype):
 
 if __name__ == "__main__":
   harness.run("norms", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda shape, dtype: 2 + 2 * 2 * (4 + 2))
+              lambda shape, dtype, modes: 2 + len(modes) * 2 * (4 + 2))

@@ -103,10 +103,11 @@ def bench_shape(report: harness.Report, shape, dtype):
                        truth=truth, ceiling_gbps=copy, **common)
 
 
-def _rows(shape, dtype):
+def _rows(shape, dtype, modes):
   pallas = shape[-1] <= PALLAS_MAX_COLS
-  # ceilings; softmax fwd (+ Pallas) and fwd+bwd; log_softmax fwd and fwd+bwd; logsumexp fwd
-  return 2 + (2 + pallas) + 2 + 2 + 2 + 2
+  # ceilings; forward: softmax (+ Pallas), log_softmax, logsumexp; each backward mode:
+  # softmax and log_softmax, ours and XLA's
+  return 2 + ("fwd" in modes) * (2 + pallas + 2 + 2) + 4 * len({"fwd+bwd", "bwd"} & set(modes))
 
 
 if __name__ == "__main__":

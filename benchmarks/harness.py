@@ -496,7 +496,8 @@ def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
   """The command line every benchmark script shares: ``--out``, ``--smoke``, ``--only``,
   ``--name``, ``--modes``.
 
-  ``bench_shape(report, shape, dtype)`` adds the rows of one shape. Benchmarks time
+  ``bench_shape(report, shape, dtype)`` adds the rows of one shape;
+  ``rows_per_shape(shape, dtype, modes)`` says how many, for the progress count. Benchmarks time
   compiled kernels; only a --smoke run (tiny shapes, interpreted kernels, wall-clock
   times) of the scripts themselves may run without a GPU.
   """
@@ -509,9 +510,10 @@ def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
   if jax.default_backend() != "gpu" and not args.smoke:
     sys.exit("benchmarks time compiled kernels: run them on a GPU (or pass --smoke)")
   shapes = chosen_shapes(args, shapes, smoke_shapes)
-  total = sum(rows_per_shape(shape, dtype) for shape, dtype in shapes)
-  report = Report(args.name, total=total, out_dir=args.out, unit=unit,
-                  modes=args.modes.split(","), summary=summary, flops_doc=flops_doc)
+  modes = args.modes.split(",")
+  total = sum(rows_per_shape(shape, dtype, modes) for shape, dtype in shapes)
+  report = Report(args.name, total=total, out_dir=args.out, unit=unit, modes=modes,
+                  summary=summary, flops_doc=flops_doc)
   for shape, dtype in shapes:
     bench_shape(report, shape, dtype)
   report.finish()

@@ -89,5 +89,5 @@ def bench_shape(report: harness.Report, case, dtype):
 
 if __name__ == "__main__":
   harness.run("tune_attention", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda case, dtype: sum(map(len, tilings(case))),
+              lambda case, dtype, modes: sum(map(len, tilings(case))),
               unit="TFLOP/s")

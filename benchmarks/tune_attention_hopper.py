@@ -44,4 +44,4 @@ def bench_shape(report: harness.Report, case, dtype):
 
 if __name__ == "__main__":
   harness.run("tune_attention_hopper", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda case, dtype: len(TILINGS) + 1, unit="TFLOP/s")
+              lambda case, dtype, modes: len(TILINGS) + 1, unit="TFLOP/s")

@@ -67,5 +67,5 @@ def tune_shape(report: harness.Report, shape, dtype):
 
 if __name__ == "__main__":
   harness.run("tune_linear_cross_entropy", __doc__, SHAPES, SMOKE_SHAPES, tune_shape,
-              lambda shape, dtype: 1 + len(TILES) + len(HOPPER_TILES), unit="TFLOP/s",
+              lambda shape, dtype, modes: 1 + len(TILES) + len(HOPPER_TILES), unit="TFLOP/s",
               flops_doc="2·T·H·V (the loss's product)")

@@ -92,7 +92,7 @@ def tune_shape(report: harness.Report, shape, dtype):
                          nbytes=traffic * n_bytes, **common)
 
 
-def rows_per_shape(shape, dtype) -> int:
+def rows_per_shape(shape, dtype, modes) -> int:
   C = shape[1]
   return 2 + 4 * (len(tilings(C, 128)) + len(tilings(C, 64)) + 2)
 

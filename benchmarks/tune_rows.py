@@ -87,5 +87,5 @@ def tune_shape(report, shape, dtype):
 
 if __name__ == "__main__":
   harness.run("tune_rows", __doc__, SHAPES, SMOKE_SHAPES, tune_shape,
-              lambda shape, dtype: 2 + len(reduction_tilings(*shape, dtype))
+              lambda shape, dtype, modes: 2 + len(reduction_tilings(*shape, dtype))
               + len(map_tilings(*shape, dtype)))
