@@ -14,7 +14,11 @@ values: not counted. % is of the copy ceiling.
 ``--modes`` may add "bwd": the backward alone from the residuals each forward saved
 (`harness.pullbacks`), 3 arrays of traffic (4 with the residual), as a model pays it:
 in "fwd+bwd" XLA may fuse the forward's passes into the backward's, which a model's
-other layers between the two do not allow.
+other layers between the two do not allow. "step" tests that in one jit: the norm's
+output feeds ``y @ w`` (w: C x 128) and the pullback starts from that product's
+cotangent, so dy exists only once y is written, as in a model. Its rows also time the two
+products (the same for every implementation): compare their times; their % understates
+the norm's.
 
 Implementations: ours; XLA (`jax.jit` of plain jnp, the residual add included); Flax's
 `nnx.LayerNorm` / `nnx.RMSNorm` under `jax.jit`; Pallas' own `layer_norm` / `rms_norm`
@@ -37,6 +41,7 @@ SHAPES = [((4096, 4096), jnp.float32), ((16384, 8192), jnp.bfloat16),
           ((8192, 16384), jnp.float32), ((65536, 1024), jnp.bfloat16)]
 SMOKE_SHAPES = [((16, 300), jnp.float32)]
 EPS = 1e-6
+STEP_WIDTH = 128  # the columns of w in "step" mode's y @ w
 
 
 def _jnp_norm(x, scale, bias, residual, *, rms):
@@ -101,6 +106,15 @@ def _vjp(fn, residual: bool):
   return run
 
 
+def _step(fn, residual: bool, w):
+  """`_vjp` with the norm's output feeding ``y @ w``: the cotangent dz is of that product,
+  so the pullback's dy = dz @ wᵀ depends on y, as the next layer makes it in a model."""
+  def through_w(x, scale, bias, r):
+    out = fn(x, scale, bias, r)
+    return (out[0] @ w, out[1]) if residual else out @ w
+  return _vjp(through_w, residual)
+
+
 def shape_inputs(report: harness.Report, shape, dtype):
   """The rotated input sets [x, residual, dy, dh] of a shape, its scale and bias, the
   bytes of one (rows, C) array, and the report fields with the copy ceiling (measured
@@ -135,6 +149,11 @@ def _backward_alone(fn, reference, residual: bool, sets, scale, bias) -> dict:
 
 def bench_shape(report: harness.Report, shape, dtype):
   sets, scale, bias, n_bytes, common = shape_inputs(report, shape, dtype)
+  if "step" in report.modes:
+    kw, kz = jax.random.split(jax.random.PRNGKey(2))
+    w = (jax.random.normal(kw, (shape[1], STEP_WIDTH)) * shape[1] ** -0.5).astype(dtype)
+    dzs = [jax.random.normal(k, (shape[0], STEP_WIDTH)).astype(dtype)
+           for k in jax.random.split(kz, len(sets))]
   for rms in (False, True):
     name = "rms_norm" if rms else "layer_norm"
     b = None if rms else bias
@@ -163,6 +182,15 @@ def bench_shape(report: harness.Report, shape, dtype):
           report.measure(op=op, impl=impl, mode="fwd+bwd",
                          fn=lambda x, r, dy, dh, both=both: both(x, scale, b, r, dy, dh),
                          arg_sets=[tuple(s) for s in sets],
+                         nbytes=(8 if residual else 5) * n_bytes, truth=truth, **common)
+        if "step" in report.modes:
+          step = _step(fn, residual, w)
+          truth = harness.float64_truth(
+              lambda w, *a: _step(reference, residual, w)(*a),
+              w, sets[0][0], scale, b, sets[0][1], dzs[0], sets[0][3])
+          report.measure(op=op, impl=impl, mode="step",
+                         fn=lambda x, r, dz, dh, step=step: step(x, scale, b, r, dz, dh),
+                         arg_sets=[(s[0], s[1], dz, s[3]) for s, dz in zip(sets, dzs)],
                          nbytes=(8 if residual else 5) * n_bytes, truth=truth, **common)
         if "bwd" in report.modes:
           try:  # the forward runs here, outside measure: a peer that fails is a row

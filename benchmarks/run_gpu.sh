@@ -40,8 +40,8 @@
 #                           the float32 accumulation error of its products and XLA's
 #                           (accuracy_linear_cross_entropy.py)
 #   norm-tests, norm-bench  layer_norm, rms_norm (NORM_ONLY picks shapes, NORM_MODES as
-#                           ROWS_MODES); tune-norms
-#                           sweeps their tiles; norm-ncu: the backward kernel's counters
+#                           ROWS_MODES, plus "step": the backward through y @ w);
+#                           tune-norms sweeps their tiles; norm-ncu: the backward kernel's counters
 #                           (profile_norms.py)
 #
 # The attention peers FA3 and tokamax come as wheels placed in .peers (git-ignored; carry

@@ -85,12 +85,15 @@ def test_bench_linear_cross_entropy_smoke(tmp_path):
 
 def test_bench_norms_smoke(tmp_path):
   pytest.importorskip("matplotlib")
-  _run("benchmarks/bench_norms.py", "--smoke", "--out", str(tmp_path))
+  _run("benchmarks/bench_norms.py", "--smoke", "--out", str(tmp_path), "--modes",
+       "fwd,fwd+bwd,step")
   with open(tmp_path / "norms.json") as f:
     rows = json.load(f)["rows"]
   ours = [r for r in rows if r["impl"] == "jaxsoftmax"]
-  # layer_norm and rms_norm, plain and with the residual, forward and backward.
-  assert len(ours) == 8 and all(r["max_rel_err"] < 1e-4 for r in ours)
+  # layer_norm and rms_norm, plain and with the residual, forward, backward and the
+  # backward through y @ w.
+  assert len(ours) == 12 and all(r["max_rel_err"] < 1e-4 for r in ours)
+  assert sum(r["mode"] == "step" for r in ours) == 4
   assert all(r["note"] for r in rows if r["median_us"] is None)
 
 
