@@ -2,13 +2,14 @@
 ours beside XLA's.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/profile_rows.py --out DIR [--only 7]
-        [--ops softmax,log_softmax] [--modes fwd,fwd+bwd,bwd]
+        [--ops softmax,log_softmax] [--modes fwd,fwd+bwd,bwd,step]
 
 ``--ops``: row ops (softmax, log_softmax, logsumexp: bench_softmax.py's shapes, ours and
 `jax.nn`) or norms (layer_norm, rms_norm: bench_norms.py's shapes, ours, XLA's plain jnp
 and Flax's modules), not both; ``--only`` picks the shapes. ``--modes``: the forward,
 the forward + backward (`jax.vjp` then the pullback, as the benchmarks time them) and
-the backward alone (`harness.pullbacks`); logsumexp has the forward only. A
+the backward alone (`harness.pullbacks`); the norms also "step" (bench_norms.py: the
+backward through y @ w); logsumexp has the forward only. A
 `jax.profiler` trace of CALLS back-to-back calls gives GPU 0's span per call (first
 kernel's start to last kernel's end, over the calls), the sum of its kernels' durations,
 its largest idle gaps, and the kernels grouped by name (launches and microseconds per
@@ -70,6 +71,10 @@ def _norm_steps(op: str, mode: str, shape, dtype) -> dict:
     elif mode == "fwd+bwd":
       steps[impl] = (bench_norms._vjp(functools.partial(fn, rms=rms), False),
                      (x, scale, bias, None, dy, None))
+    elif mode == "step":
+      w = jnp.ones((shape[1], bench_norms.STEP_WIDTH), dtype) * shape[1] ** -0.5
+      steps[impl] = (bench_norms._step(functools.partial(fn, rms=rms), False, w),
+                     (x, scale, bias, None, dy[:, :bench_norms.STEP_WIDTH], None))
     else:
       call, (residuals,) = harness.pullbacks(norm, [(x, scale, bias)])
       steps[impl] = (call, (residuals, dy))
@@ -103,8 +108,8 @@ def main():
   family = next((f for f in (ROW_OPS, NORM_OPS) if set(ops) <= set(f)), None)
   if family is None:
     parser.error(f"--ops {args.ops}: row ops {ROW_OPS} or norms {NORM_OPS}, not both")
-  if not set(modes) <= {"fwd", "fwd+bwd", "bwd"}:
-    parser.error(f"--modes {args.modes}: fwd, fwd+bwd, bwd")
+  if not set(modes) <= {"fwd", "fwd+bwd", "bwd"} | ({"step"} if family is NORM_OPS else set()):
+    parser.error(f"--modes {args.modes}: fwd, fwd+bwd, bwd (and step for the norms)")
   bench = bench_norms if family is NORM_OPS else bench_softmax
   shapes = harness.chosen_shapes(args, bench.SHAPES, bench.SMOKE_SHAPES)
   device = jax.devices()[0]
