@@ -15,8 +15,8 @@ values: not counted. % is of the copy ceiling.
 (`harness.pullbacks`), 3 arrays of traffic (4 with the residual), as a model pays it:
 in "fwd+bwd" XLA may fuse the forward's passes into the backward's, which a model's
 other layers between the two do not allow. "step" tests that in one jit: the norm's
-output feeds ``y @ w`` (w: C x 128) and the pullback starts from that product's
-cotangent, so dy exists only once y is written, as in a model. Its rows also time the two
+output feeds ``z = y @ w`` (w: C x 128) and a loss 0.5·|z|², so dy = z @ wᵀ exists only
+once y is made, as in a model. Its rows also time the two
 products (the same for every implementation): compare their times; their % understates
 the norm's.
 
@@ -107,12 +107,20 @@ def _vjp(fn, residual: bool):
 
 
 def _step(fn, residual: bool, w):
-  """`_vjp` with the norm's output feeding ``y @ w``: the cotangent dz is of that product,
-  so the pullback's dy = dz @ wᵀ depends on y, as the next layer makes it in a model."""
+  """The forward + backward through the layer a model puts after the norm: z = y @ w and
+  a loss 0.5·|z|² whose cotangent of z is z itself, so dy = z @ wᵀ exists only once y is
+  made and multiplied, as in a model (with a given cotangent of z instead, dy would not
+  depend on y and XLA could again fold the forward into the backward). With the
+  residual, h's cotangent dh is given."""
   def through_w(x, scale, bias, r):
     out = fn(x, scale, bias, r)
     return (out[0] @ w, out[1]) if residual else out @ w
-  return _vjp(through_w, residual)
+
+  def run(x, scale, bias, r, dh):
+    primals = (x, scale, bias, r) if residual else (x, scale, bias)
+    out, vjp = jax.vjp(_differentiated(through_w, residual), *primals)
+    return out, vjp((out[0], dh) if residual else out)
+  return run
 
 
 def shape_inputs(report: harness.Report, shape, dtype):
@@ -149,11 +157,8 @@ def _backward_alone(fn, reference, residual: bool, sets, scale, bias) -> dict:
 
 def bench_shape(report: harness.Report, shape, dtype):
   sets, scale, bias, n_bytes, common = shape_inputs(report, shape, dtype)
-  if "step" in report.modes:
-    kw, kz = jax.random.split(jax.random.PRNGKey(2))
-    w = (jax.random.normal(kw, (shape[1], STEP_WIDTH)) * shape[1] ** -0.5).astype(dtype)
-    dzs = [jax.random.normal(k, (shape[0], STEP_WIDTH)).astype(dtype)
-           for k in jax.random.split(kz, len(sets))]
+  w = (jax.random.normal(jax.random.PRNGKey(2), (shape[1], STEP_WIDTH))
+       * shape[1] ** -0.5).astype(dtype)
   for rms in (False, True):
     name = "rms_norm" if rms else "layer_norm"
     b = None if rms else bias
@@ -187,10 +192,10 @@ def bench_shape(report: harness.Report, shape, dtype):
           step = _step(fn, residual, w)
           truth = harness.float64_truth(
               lambda w, *a: _step(reference, residual, w)(*a),
-              w, sets[0][0], scale, b, sets[0][1], dzs[0], sets[0][3])
+              w, sets[0][0], scale, b, sets[0][1], sets[0][3])
           report.measure(op=op, impl=impl, mode="step",
-                         fn=lambda x, r, dz, dh, step=step: step(x, scale, b, r, dz, dh),
-                         arg_sets=[(s[0], s[1], dz, s[3]) for s, dz in zip(sets, dzs)],
+                         fn=lambda x, r, dh, step=step: step(x, scale, b, r, dh),
+                         arg_sets=[(s[0], s[1], s[3]) for s in sets],
                          nbytes=(8 if residual else 5) * n_bytes, truth=truth, **common)
         if "bwd" in report.modes:
           try:  # the forward runs here, outside measure: a peer that fails is a row
