@@ -16,9 +16,8 @@ values: not counted. % is of the copy ceiling.
 in "fwd+bwd" XLA may fuse the forward's passes into the backward's, which a model's
 other layers between the two do not allow. "step" tests that in one jit: the norm's
 output feeds ``z = y @ w`` (w: C x 128) and a loss 0.5·|z|², so dy = z @ wᵀ exists only
-once y is made, as in a model. Its rows also time the two
-products (the same for every implementation): compare their times; their % understates
-the norm's.
+once y is made, as in a model. Its rows also time the two products (the same for every
+implementation): compare their times; their % understates the norm's.
 
 Implementations: ours; XLA (`jax.jit` of plain jnp, the residual add included); Flax's
 `nnx.LayerNorm` / `nnx.RMSNorm` under `jax.jit`; Pallas' own `layer_norm` / `rms_norm`
@@ -95,13 +94,23 @@ def _differentiated(fn, residual: bool):
   return fn if residual else (lambda x, scale, bias: fn(x, scale, bias, None))
 
 
+def _primals(residual: bool, x, scale, bias, r) -> tuple:
+  """The arguments of `_differentiated`: r only with the residual."""
+  return (x, scale, bias, r) if residual else (x, scale, bias)
+
+
+def step_weight(shape, dtype):
+  """The w of "step" mode's z = y @ w: (C, STEP_WIDTH), N(0, 1/C), so z is of order 1."""
+  return (jax.random.normal(jax.random.PRNGKey(2), (shape[1], STEP_WIDTH))
+          * shape[1] ** -0.5).astype(dtype)
+
+
 def _vjp(fn, residual: bool):
   """The forward + backward of ``fn(x, scale, bias, r)`` for cotangents dy (and dh).
   Without the residual, r is not differentiated: its cotangent would be a (rows, C)
   array of zeros, a write of one more array that the op does not do."""
   def run(x, scale, bias, r, dy, dh):
-    primals = (x, scale, bias, r) if residual else (x, scale, bias)
-    out, vjp = jax.vjp(_differentiated(fn, residual), *primals)
+    out, vjp = jax.vjp(_differentiated(fn, residual), *_primals(residual, x, scale, bias, r))
     return out, vjp((dy, dh) if residual else dy)
   return run
 
@@ -117,8 +126,8 @@ def _step(fn, residual: bool, w):
     return (out[0] @ w, out[1]) if residual else out @ w
 
   def run(x, scale, bias, r, dh):
-    primals = (x, scale, bias, r) if residual else (x, scale, bias)
-    out, vjp = jax.vjp(_differentiated(through_w, residual), *primals)
+    out, vjp = jax.vjp(_differentiated(through_w, residual),
+                       *_primals(residual, x, scale, bias, r))
     return out, vjp((out[0], dh) if residual else out)
   return run
 
@@ -143,7 +152,7 @@ def shape_inputs(report: harness.Report, shape, dtype):
 
 def _backward_alone(fn, reference, residual: bool, sets, scale, bias) -> dict:
   """`Report.measure`'s fn, arg_sets and truth for the pullback alone."""
-  primals = lambda s: (s[0], scale, bias) + ((s[1],) if residual else ())
+  primals = lambda s: _primals(residual, s[0], scale, bias, s[1])
   cotangent = lambda dy, dh: (dy, dh) if residual else dy
   call, residual_sets = harness.pullbacks(_differentiated(fn, residual),
                                           [primals(s) for s in sets])
@@ -157,8 +166,7 @@ def _backward_alone(fn, reference, residual: bool, sets, scale, bias) -> dict:
 
 def bench_shape(report: harness.Report, shape, dtype):
   sets, scale, bias, n_bytes, common = shape_inputs(report, shape, dtype)
-  w = (jax.random.normal(jax.random.PRNGKey(2), (shape[1], STEP_WIDTH))
-       * shape[1] ** -0.5).astype(dtype)
+  w = step_weight(shape, dtype)
   for rms in (False, True):
     name = "rms_norm" if rms else "layer_norm"
     b = None if rms else bias

@@ -497,9 +497,9 @@ def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
   ``--name``, ``--modes``.
 
   ``bench_shape(report, shape, dtype)`` adds the rows of one shape;
-  ``rows_per_shape(shape, dtype, modes)`` says how many, for the progress count. Benchmarks time
-  compiled kernels; only a --smoke run (tiny shapes, interpreted kernels, wall-clock
-  times) of the scripts themselves may run without a GPU.
+  ``rows_per_shape(shape, dtype, modes)`` says how many, for the progress count.
+  Benchmarks time compiled kernels; only a --smoke run (tiny shapes, interpreted kernels,
+  wall-clock times) of the scripts themselves may run without a GPU.
   """
   parser = argparse.ArgumentParser(description=doc.splitlines()[0])
   add_shape_args(parser)

@@ -72,8 +72,8 @@ def _norm_steps(op: str, mode: str, shape, dtype) -> dict:
       steps[impl] = (bench_norms._vjp(functools.partial(fn, rms=rms), False),
                      (x, scale, bias, None, dy, None))
     elif mode == "step":
-      w = jnp.ones((shape[1], bench_norms.STEP_WIDTH), dtype) * shape[1] ** -0.5
-      steps[impl] = (bench_norms._step(functools.partial(fn, rms=rms), False, w),
+      steps[impl] = (bench_norms._step(functools.partial(fn, rms=rms), False,
+                                       bench_norms.step_weight(shape, dtype)),
                      (x, scale, bias, None, None))
     else:
       call, (residuals,) = harness.pullbacks(norm, [(x, scale, bias)])
