@@ -12,8 +12,10 @@ forward's outputs or statistics) and the input tangent ``t``:
   ``custom_vjp`` would save, so a training step runs the same kernels as before;
 - second order (``hessian``, ``jvp`` of ``grad``) differentiates f or its transpose in
   the residuals: that goes through the twin, the same map written in jnp;
-- ``vmap`` folds the mapped axes into the rows (every map here is row by row), so the
-  batched map is still a `LinearMap` and stays differentiable.
+- ``vmap`` folds the mapped axes into the rows where every array of the map is row by
+  row, so the batched map is still a `LinearMap` and stays differentiable; a map with
+  per-column arrays (a normalization's scale, its gradient summed over the rows) runs
+  once per batch element instead (``fold_rows``).
 
 A ``jax.custom_vjp`` cannot be differentiated in forward mode, and
 ``jax.custom_derivatives.linear_call`` neither batches nor takes tangents of its
@@ -29,7 +31,21 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["LinearMap"]
+__all__ = ["LinearMap", "kernel_jaxpr"]
+
+_BY_PRIMITIVE: dict = {}
+
+
+def kernel_jaxpr(eqn):
+  """The jaxpr of the kernel that a jaxpr equation of a `LinearMap` runs when compiled,
+  or None for any other equation: what tests read to count the kernels of a step."""
+  linear_map = _BY_PRIMITIVE.get(eqn.primitive)
+  if linear_map is None:
+    return None
+  params = dict(eqn.params)
+  return jax.make_jaxpr(lambda *args: linear_map._impl(*args, **params))(
+      *(v.aval for v in eqn.invars))
+
 
 # A map's functions take (residuals, linear inputs, **static parameters) and return a
 # tuple of outputs; every array has the rows first. A residual may be None (an optional
@@ -42,15 +58,29 @@ class LinearMap:
 
   Attributes:
     kernel: evaluates f (e.g. a Pallas kernel); it need not be differentiable.
-    twin: f in plain jnp: its derivatives in ``res`` are f's.
+    twin: f in plain jnp: its derivatives in ``res`` are f's. None for a map that is not
+      differentiated in its residuals: doing so raises ``NotImplementedError(no_twin)``.
+    out_types: ``out_types(res, t, **params)``: f's outputs as ShapeDtypeStructs (or
+      arrays) under `jax.eval_shape`; None: the twin's.
+    no_twin: without a twin, the message that says so (what is not supported, what to
+      do instead). The transpose of a map without a twin runs its kernel inline.
+    fold_rows: ``fold_rows(**params)``: whether every array of the map is row by row, so
+      that ``vmap`` folds the mapped axis into the rows; where not, the batched map runs
+      once per batch element (`lax.map`). True for every call by default.
     transpose: the map of the same residuals that is f's transpose in ``t`` (set by
       `pair`; a self-adjoint map is its own).
   """
 
-  def __init__(self, name: str, *, kernel: MapFn, twin: MapFn):
-    self.name, self.kernel, self.twin = name, kernel, twin
+  def __init__(self, name: str, *, kernel: MapFn, twin: MapFn | None,
+               out_types: MapFn | None = None, no_twin: str = "",
+               fold_rows: Callable[..., bool] = lambda **params: True):
+    if twin is None and (out_types is None or not no_twin):
+      raise ValueError(f"{name}: a map without a twin needs out_types and no_twin")
+    self.name, self.kernel, self.twin, self.fold_rows = name, kernel, twin, fold_rows
+    self.out_types, self.no_twin = out_types or twin, no_twin
     self.transpose: LinearMap | None = None
     self.p = Primitive(name)
+    _BY_PRIMITIVE[self.p] = self
     self.p.multiple_results = True
     self.p.def_impl(self._impl)
     self.p.def_abstract_eval(self._abstract_eval)
@@ -88,10 +118,12 @@ class LinearMap:
     return list(self._apply(self.kernel, *self._split(args, present), present, params))
 
   def _abstract_eval(self, *avals, present, **params):
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    # The output types from the operands' own (their mesh axes included: inside
+    # jax.shard_map an output varies over the axes its operands vary over).
     out = jax.eval_shape(
-        lambda *a: self._apply(self.twin, *self._split(a, present), present, params), *shapes)
-    return [jax.core.ShapedArray(o.shape, o.dtype) for o in out]
+        lambda *a: self._apply(self.out_types, *self._split(a, present), present, params),
+        *avals)
+    return [_shaped_array(o) for o in out]
 
   def _jvp(self, primals, tangents, *, present, **params):
     arrays, t = self._split(primals, present)
@@ -107,6 +139,9 @@ class LinearMap:
     moving = [i for i, d in enumerate(arrays_dot)
               if type(d) is not ad.Zero and jnp.issubdtype(arrays[i].dtype, jnp.inexact)]
     if moving:
+      if self.twin is None:
+        raise NotImplementedError(self.no_twin)
+
       def of_moving(*values):
         full = list(arrays)
         for i, value in zip(moving, values):
@@ -130,12 +165,30 @@ class LinearMap:
       return [None] * len(arrays) + [ad.Zero(x.aval.to_tangent_aval()) if lin else None
                                      for x, lin in zip(t, linear)]
     cts = tuple(ad.instantiate_zeros(ct) for ct in cts)
-    t_cts = self.transpose(self._restore(arrays, present), cts, **params)
+    res = self._restore(arrays, present)
+    if self.transpose.twin is None:
+      # Never differentiated: the backward runs inline (its kernels, and any collectives
+      # or effects they hold, as the op's own code), its operands behind a guard that
+      # turns any derivative of it into the map's message.
+      res, cts = _no_derivatives((res, cts), self.transpose.no_twin)
+      t_cts = self.transpose.kernel(res, cts, **params)
+    else:
+      t_cts = self.transpose(res, cts, **params)
     return [None] * len(arrays) + [ct if lin else None for ct, lin in zip(t_cts, linear)]
 
   def _batch(self, args, dims, *, present, **params):
-    # Every map is row by row: the mapped axis folds into the rows.
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    if not self.fold_rows(**params):
+      def one(batched):
+        batched = iter(batched)
+        operands = [a if d is None else next(batched) for a, d in zip(args, dims)]
+        arrays, t = self._split(operands, present)
+        return self(self._restore(arrays, present), t, **params)
+
+      outs = jax.lax.map(one, [jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)
+                               if d is not None])
+      return list(outs), [0] * len(outs)
+    # Every array is row by row: the mapped axis folds into the rows.
     flat = []
     for a, d in zip(args, dims):
       a = (jnp.broadcast_to(a, (size,) + a.shape) if d is None
@@ -145,3 +198,34 @@ class LinearMap:
     outs = self(self._restore(arrays, present), t, **params)
     return [o.reshape((size, -1) + o.shape[1:]) for o in outs], [0] * len(outs)
 
+
+
+def _shaped_array(o) -> jax.core.ShapedArray:
+  """The abstract value of a `jax.eval_shape` result, its varying mesh axes kept."""
+  if o.manual_axis_type is None or o.manual_axis_type.empty:
+    return jax.core.ShapedArray(o.shape, o.dtype)
+  return jax.core.ShapedArray(o.shape, o.dtype, sharding=o.sharding,
+                              manual_axis_type=o.manual_axis_type)
+
+
+# The guard in front of a backward that has no twin: the identity, whose derivative (in
+# any mode, and under jax.linearize) raises the map's message.
+_guard_p = Primitive("linear_map_no_derivatives")
+_guard_p.multiple_results = True
+_guard_p.def_impl(lambda *x, message: x)
+_guard_p.def_abstract_eval(lambda *avals, message: avals)
+mlir.register_lowering(_guard_p, lambda ctx, *x, message: x)
+batching.primitive_batchers[_guard_p] = (
+    lambda args, dims, *, message: (_guard_p.bind(*args, message=message), dims))
+
+
+def _refuse_derivatives(primals, tangents, *, message):
+  raise NotImplementedError(message)
+
+
+ad.primitive_jvps[_guard_p] = _refuse_derivatives
+
+
+def _no_derivatives(tree, message: str):
+  leaves, structure = jax.tree.flatten(tree)
+  return jax.tree.unflatten(structure, _guard_p.bind(*leaves, message=message))

@@ -12,8 +12,10 @@ merged across column blocks and split programs, which keep the variance exact un
 large mean (docs/math.md, "Mean and variance"); rms_norm's mean square from a plain sum.
 Outputs in x's dtype.
 
-Backward (`jax.custom_vjp`), from the saved per-row (mean, rstd), with x̂ = (h - mean)·rstd
-(mean = 0 for rms_norm) and g = dy · γ (γ the effective scale):
+Derivatives in every mode: each norm is a ``jax.custom_jvp`` whose tangent is a
+`linear_map.LinearMap` (below), which reverse mode transposes into the backward kernel,
+from the saved per-row (mean, rstd), with x̂ = (h - mean)·rstd (mean = 0 for rms_norm)
+and g = dy · γ (γ the effective scale):
 
     layer_norm:  dh = rstd · (g - (Σ g + x̂ · Σ g x̂) / C)
     rms_norm:    dh = rstd · (g - x̂ · Σ g x̂ / C)
@@ -37,6 +39,7 @@ from jax import lax
 
 from jaxsoftmax import _backend
 from jaxsoftmax.inputs import RowView, check_floating
+from jaxsoftmax.linear_map import LinearMap
 from jaxsoftmax.rowwise import RESIDENT_MAX_COLS, RowOp, RowTiling, default_tiling, row_call
 
 __all__ = ["layer_norm", "rms_norm"]
@@ -149,11 +152,6 @@ def _columns(scale, bias):
   return tuple(c for c in (scale, bias) if c is not None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _normalize(x, residual, scale, bias, norm: _Norm):
-  return _normalize_fwd(x, residual, scale, bias, norm)[0]
-
-
 def _forward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
   """The forward's default: the rows' default, on fewer warps where a program holds one
   whole row of at least 1024 columns (see _FORWARD_VALUES_PER_THREAD), and layer_norm's
@@ -220,7 +218,127 @@ def _normalize_bwd(norm: _Norm, saved, cotangents):
   return dh, dh if norm.has_residual else None, dscale, dbias
 
 
-_normalize.defvjp(_normalize_fwd, _normalize_bwd)
+# --- derivatives: every mode, the kernels in reverse mode (`linear_map`) ---------------
+# The tangent of (y, h) is linear in t = (dx[, dresidual][, dscale][, dbias]), from the
+# residuals (h, scale, bias, mean, rstd), with dh = dx + dresidual and x̂ = (h - mean)·rstd:
+#     dx̂ = rstd · (dh - mean(dh) - x̂ · mean(dh · x̂))     (rms_norm: no mean(dh) term)
+#     dy = dx̂ · γ + x̂ · dscale + dbias;   the returned h moves by dh.
+# Its transpose is the backward kernel (`_normalize_bwd`). Forward mode evaluates the
+# map in jnp, second order differentiates the maps' jnp twins.
+
+
+def _tangent_parts(norm: _Norm, t):
+  """(dh, dscale, dbias) of the tangent inputs t, dh = dx (+ dresidual) in float32; None
+  for a parameter the call does not have."""
+  t = list(t)
+  dh = t.pop(0).astype(jnp.float32)
+  if norm.has_residual:
+    dh = dh + t.pop(0).astype(jnp.float32)
+  dscale = t.pop(0) if norm.has_scale else None
+  dbias = t.pop(0) if norm.has_bias else None
+  return dh, dscale, dbias
+
+
+def _xhat(h, mean, rstd):
+  return (h.astype(jnp.float32) - mean[:, None]) * rstd[:, None]
+
+
+def _project_out(norm: _Norm, g, xhat, rstd):
+  """rstd · (g - mean(g) - x̂ · mean(g · x̂)) per row (no mean(g) term for rms_norm): the
+  normalization's derivative applied to g, self-adjoint."""
+  centered = g if norm.rms else g - jnp.mean(g, axis=-1, keepdims=True)
+  return rstd[:, None] * (centered - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
+
+
+def _tangent_twin(res, t, *, norm: _Norm):
+  h, scale, _, mean, rstd = res
+  dh, dscale, dbias = _tangent_parts(norm, t)
+  xhat = _xhat(h, mean, rstd)
+  dy = _project_out(norm, dh, xhat, rstd)
+  if norm.has_scale:
+    dy = dy * norm.gamma((scale.astype(jnp.float32),))[None, :] + xhat * dscale.astype(
+        jnp.float32)[None, :]
+  if norm.has_bias:
+    dy = dy + dbias.astype(jnp.float32)[None, :]
+  dy = dy.astype(norm.dtype)
+  return (dy, dh.astype(norm.dtype)) if norm.has_residual else (dy,)
+
+
+def _transpose_kernel(res, cts, *, norm: _Norm):
+  dh, _, dscale, dbias = _normalize_bwd(norm, res, (cts[0], cts[1] if norm.has_residual
+                                                    else None))
+  return _cotangents(norm, dh, dscale, dbias)
+
+
+def _cotangents(norm: _Norm, dh, dscale, dbias) -> tuple:
+  """The cotangents of the tangent inputs t (dh for x and for the residual)."""
+  return ((dh,) + ((dh,) if norm.has_residual else ()) + ((dscale,) if norm.has_scale else ())
+          + ((dbias,) if norm.has_bias else ()))
+
+
+def _transpose_twin(res, cts, *, norm: _Norm):
+  h, scale, bias, mean, rstd = res
+  dy = cts[0].astype(jnp.float32)
+  xhat = _xhat(h, mean, rstd)
+  g = dy * norm.gamma((scale.astype(jnp.float32),))[None, :] if norm.has_scale else dy
+  dh = _project_out(norm, g, xhat, rstd)
+  if norm.has_residual:
+    dh = dh + cts[1].astype(jnp.float32)
+  dscale = jnp.sum(dy * xhat, axis=0).astype(scale.dtype) if norm.has_scale else None
+  dbias = jnp.sum(dy, axis=0).astype(bias.dtype) if norm.has_bias else None
+  return _cotangents(norm, dh.astype(h.dtype), dscale, dbias)
+
+
+# Column arrays (scale, bias and their gradients) are not row by row: under vmap the maps
+# run once per batch element, as the backward kernel's column sums do (`rowwise.row_call`).
+_with_columns = lambda norm: not (norm.has_scale or norm.has_bias)
+_TANGENT = LinearMap("norm_tangent", kernel=_tangent_twin, twin=_tangent_twin,
+                     fold_rows=_with_columns).pair(
+    LinearMap("norm_transpose", kernel=_transpose_kernel, twin=_transpose_twin,
+              fold_rows=_with_columns))
+
+
+def _tangent_inputs(norm: _Norm, tangents) -> tuple:
+  dx, dresidual, dscale, dbias = tangents
+  return ((dx,) + ((dresidual,) if norm.has_residual else ())
+          + ((dscale,) if norm.has_scale else ()) + ((dbias,) if norm.has_bias else ()))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _state(x, residual, scale, bias, norm: _Norm):
+  """(y, h, mean, rstd): the outputs and the row statistics the derivatives use. Its own
+  derivatives are needed at second order only; first order goes through `_normalize`."""
+  (y, _), (h, _, _, mean, rstd) = _normalize_fwd(x, residual, scale, bias, norm)
+  return y, h, mean, rstd
+
+
+@_state.defjvp
+def _state_jvp(norm: _Norm, primals, tangents):
+  x, residual, scale, bias = primals
+  y, h, mean, rstd = _state(*primals, norm)
+  dy, *_ = _TANGENT((h, scale, bias, mean, rstd), _tangent_inputs(norm, tangents), norm=norm)
+  dh, _, _ = _tangent_parts(norm, _tangent_inputs(norm, tangents))
+  # mean moves by mean(dh); rstd = (var + ε)^(-1/2) (or of mean(h²)) by -rstd² · mean(x̂ · dh).
+  dmean = jnp.zeros_like(mean) if norm.rms else jnp.mean(dh, axis=-1)
+  drstd = -rstd * rstd * jnp.mean(_xhat(h, mean, rstd) * dh, axis=-1)
+  return (y, h, mean, rstd), (dy, dh.astype(h.dtype), dmean, drstd)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _normalize(x, residual, scale, bias, norm: _Norm):
+  """(y, h): h = x + residual when there is one, else None."""
+  y, h, _, _ = _state(x, residual, scale, bias, norm)
+  return y, h if norm.has_residual else None
+
+
+@_normalize.defjvp
+def _normalize_jvp(norm: _Norm, primals, tangents):
+  x, residual, scale, bias = primals
+  y, h, mean, rstd = _state(*primals, norm)
+  outs = _TANGENT((h, scale, bias, mean, rstd), _tangent_inputs(norm, tangents), norm=norm)
+  if norm.has_residual:
+    return (y, h), tuple(outs)
+  return (y, None), (outs[0], None)
 
 
 def _reference(x, residual, scale, bias, *, rms: bool, epsilon: float, scale_offset: float,
@@ -271,6 +389,7 @@ def _norm(op: str, x, residual, scale, bias, *, epsilon, axis, scale_offset, rms
   norm = _Norm(rms, float(epsilon), float(scale_offset), view.n_cols, jnp.dtype(x.dtype).name,
                residual is not None, scale is not None, bias is not None, tiling,
                _backend.resolve_interpret(interpret))
+  x, residual, scale, bias = _backend.vary_together(x, residual, scale, bias)
   rows = lambda a: None if a is None else view.to_rows(a)
   cols = lambda a: None if a is None else a.reshape(view.n_cols)
   y, h = _normalize(rows(x), rows(residual), cols(scale), cols(bias), norm)

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsoftmax.state import nan_for_inf
+
 __all__ = ["logsumexp", "softmax", "log_softmax", "cross_entropy", "attention_mask",
            "dot_product_attention"]
 
@@ -54,8 +56,10 @@ def logsumexp(x, axis=None, where=None, keepdims=False):
 
 
 def softmax(x, axis=-1, where=None):
-  """exp(x - m) / l; 0 where ``where`` is False, as jax.nn.softmax."""
+  """exp(x - m) / l; 0 where ``where`` is False, as jax.nn.softmax (NaN on a row
+  holding +inf)."""
   m, l = _state(x, axis, where)
+  l = nan_for_inf(l)
   shifted = x - m
   if where is not None:
     shifted = jnp.where(where, shifted, -jnp.inf)  # exp(-inf) = 0, with a 0 gradient
@@ -64,8 +68,10 @@ def softmax(x, axis=-1, where=None):
 
 
 def log_softmax(x, axis=-1, where=None):
-  """(x - m) - log(l); -inf where ``where`` is False, as jax.nn.log_softmax."""
+  """(x - m) - log(l); -inf where ``where`` is False, as jax.nn.log_softmax (NaN on a
+  row holding +inf)."""
   m, l = _state(x, axis, where)
+  l = nan_for_inf(l)
   y = (x - m) - _log_l(l, axis, where)
   return y if where is None else jnp.where(where, y, -jnp.inf)
 
@@ -166,7 +172,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   m = jnp.where(jnp.isfinite(m), m, 0)
   p = jnp.exp(logits - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
-  some = l > 0
+  some = l != 0  # l = 0: no allowed key; NaN (from a NaN input) stays NaN
   probs = jnp.where(some, p / jnp.where(some, l, 1), 0)
   out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(value.dtype), value,
                    preferred_element_type=acc, precision=jax.lax.Precision.HIGHEST)

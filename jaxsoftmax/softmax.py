@@ -41,13 +41,16 @@ from jaxsoftmax import _backend, reference
 from jaxsoftmax.linear_map import LinearMap
 from jaxsoftmax.inputs import RowView, check_floating, check_where
 from jaxsoftmax.rowwise import RowOp, RowTiling, row_call
-from jaxsoftmax.state import probabilities, safe_shift, state_lse
+from jaxsoftmax.state import nan_for_inf, probabilities, safe_shift, state_lse
 
 __all__ = ["softmax", "log_softmax", "logsumexp"]
 
-_SOFTMAX = RowOp("softmax", state_of=lambda t: t.x[0], apply=lambda t, s: t.e * (1 / s[1]))
+# A row holding +inf gives NaN throughout (`state.nan_for_inf`), as jax.nn.
+_SOFTMAX = RowOp("softmax", state_of=lambda t: t.x[0],
+                 apply=lambda t, s: t.e * (1 / nan_for_inf(s[1])))
 _LOG_SOFTMAX = RowOp("log_softmax", state_of=lambda t: t.x[0],
-                     apply=lambda t, s: (t.x[0] - s[0]) - jnp.log(s[1]), fill=-jnp.inf)
+                     apply=lambda t, s: (t.x[0] - s[0]) - jnp.log(nan_for_inf(s[1])),
+                     fill=-jnp.inf)
 _LOGSUMEXP = RowOp("logsumexp", state_of=lambda t: t.x[0])
 # Backward ops. softmax: inputs (y, dy). log_softmax: inputs (x, dy), rows (m, l).
 # logsumexp: input x, rows (g, m, l). m is the finite shift the forward used.
@@ -135,6 +138,7 @@ def softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
   where = check_where(where, x.shape, "softmax")
   if x.dtype == jnp.float64 or x.size == 0:
     return reference.softmax(x, view.axes, where)
+  x, where = _backend.vary_together(x, where)
   return _softmax(x, where, view=view, tiling=tiling,
                   interpret=_backend.resolve_interpret(interpret))
 
@@ -216,7 +220,8 @@ def _with_state(name: str, forward, tangent: LinearMap):
 
 def _log_softmax_forward(x, where, tiling, interpret):
   y, (m, l) = row_call(_LOG_SOFTMAX, (x,), where=where, tiling=tiling, interpret=interpret)
-  return y, safe_shift(m), l
+  # A row holding +inf: NaN gradients too, from l = NaN.
+  return y, safe_shift(m), nan_for_inf(l)
 
 
 _log_softmax_rows = _with_state("log_softmax", _log_softmax_forward, _LOG_SOFTMAX_TANGENT)
@@ -239,6 +244,7 @@ def log_softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
   where = check_where(where, x.shape, "log_softmax")
   if x.dtype == jnp.float64 or x.size == 0:
     return reference.log_softmax(x, view.axes, where)
+  x, where = _backend.vary_together(x, where)
   return _log_softmax(x, where, view=view, tiling=tiling,
                       interpret=_backend.resolve_interpret(interpret))
 
@@ -311,5 +317,6 @@ def logsumexp(x, axis=None, b=None, keepdims: bool = False, return_sign: bool = 
                             return_sign=return_sign, where=where)
   if x.dtype == jnp.float64 or x.size == 0:
     return reference.logsumexp(x, view.axes, where, keepdims)
+  x, where = _backend.vary_together(x, where)
   return _logsumexp(x, where, view=view, keepdims=keepdims, tiling=tiling,
                     interpret=_backend.resolve_interpret(interpret))

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["merge_states", "reduce_states", "state_lse", "merge_attention_states", "reduce_lse",
-           "merge_moments", "reduce_moments"]
+           "merge_moments", "reduce_moments", "nan_for_inf"]
 
 
 def safe_shift(m: jax.Array) -> jax.Array:
@@ -35,6 +35,15 @@ def safe_shift(m: jax.Array) -> jax.Array:
   # Subtracting a non-finite maximum would turn exp(-inf - -inf) into NaN; shift by 0
   # instead, so an empty state stays empty and +inf stays +inf (as jax.nn.logsumexp).
   return jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
+
+
+def nan_for_inf(l: jax.Array) -> jax.Array:
+  """l, or NaN where it is +inf. l is +inf exactly when the row holds +inf (the shift of a
+  non-finite maximum is 0, so exp(inf - 0) enters the sum; finite terms are at most 1).
+  Such a row's softmax and log_softmax are NaN throughout, as jax.nn's inf - inf makes
+  them (docs/numerics.md); its logsumexp, from l itself, stays +inf. NaN is added, not
+  substituted, so that autodiff carries it into the row's gradients too."""
+  return l + jnp.where(l == jnp.inf, jnp.nan, 0.0)
 
 
 def probabilities(x, m, l, where=None) -> jax.Array:

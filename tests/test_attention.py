@@ -24,6 +24,7 @@ from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
+from jaxprs import pallas_calls
 from tolerance import assert_2x, truth
 
 SMALL_BLOCKS = BlockSizes(16, 16, 16, 16, 16, 16, num_warps=4, num_warps_bwd=4)
@@ -507,20 +508,6 @@ def test_unbatched_jit_and_vmap(key):
   np.testing.assert_allclose(jax.vmap(f)(q, k, v), ref, rtol=2e-5, atol=2e-6)
 
 
-def _pallas_calls(jaxpr):
-  """(kernel name, number of outputs) of every pallas_call in a jaxpr, nested ones too."""
-  from jax.extend import core
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      # The kernel's name is param "name" in newer JAX, "name_and_src_info" in 0.11.
-      name = eqn.params.get("name", eqn.params.get("name_and_src_info"))
-      found.append((getattr(name, "name", name), len(eqn.outvars)))
-    for sub in core.jaxprs_in_params(eqn.params):
-      found += _pallas_calls(sub)
-  return found
-
-
 def test_kernels_per_step(key):
   # A training step runs each kernel once: the backward recomputes from the residuals
   # and never re-runs the forward. Only under differentiation does the forward write the
@@ -529,10 +516,10 @@ def test_kernels_per_step(key):
   loss = lambda q, k, v: js.dot_product_attention(q, k, v, interpret=True).astype(
       jnp.float32).sum()
   step = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
-  assert sorted(_pallas_calls(step)) == [("attention_backward_dkdv", 2),
+  assert sorted(pallas_calls(step)) == [("attention_backward_dkdv", 2),
                                          ("attention_backward_dq", 1),
                                          ("attention_forward", 4)]
-  assert _pallas_calls(jax.make_jaxpr(loss)(q, k, v).jaxpr) == [("attention_forward", 3)]
+  assert pallas_calls(jax.make_jaxpr(loss)(q, k, v).jaxpr) == [("attention_forward", 3)]
 
 
 def test_default_block_sizes():

@@ -4,12 +4,17 @@ Every kernel in jaxsoftmax is written against the names exported here, so moving
 Pallas' Triton lowering (deprecated upstream since JAX 0.11) to another backend is this
 file's work alone.
 
-Interpret mode: Pallas can run a kernel on any backend by interpreting it, which is how
-the kernels run (slowly) on a CPU and in CI. The choice, in order:
+Where a call runs (docs/numerics.md, "What runs where"):
 
-1. the ``interpret=`` argument of a public function, when not None;
-2. the environment variable ``JAXSOFTMAX_INTERPRET`` (``1``/``true`` or ``0``/``false``);
-3. automatic: interpret unless JAX's default backend is a GPU.
+- on a GPU, the Pallas kernels, compiled;
+- elsewhere (a CPU), by default each op's XLA path: plain jnp with the same numerics
+  contract (float32 accumulation, the same NaN, infinity and masking rules), fast
+  where interpreted kernels are 100-1000x slower than XLA (`xla_by_default`);
+- the kernels in Pallas interpret mode, on any device, when asked for: by the
+  ``interpret=`` argument of a public function, else by the environment variable
+  ``JAXSOFTMAX_INTERPRET`` (``1``/``true``; ``0``/``false`` asks for compiled kernels),
+  else by naming a kernel (a tiling, a kernel backend) off a GPU. That is how the tests
+  check the kernels on a CPU and in CI.
 
 The choice is made when a function is traced; it is a static argument of every jitted
 entry point, so changing it later retraces instead of reusing a stale compilation.
@@ -25,9 +30,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import ManualAxisType
 
 __all__ = ["pl", "load", "store", "dot", "exp2", "pallas_call", "atomic_add",
-           "resolve_interpret", "resolve_deterministic", "num_cores"]
+           "resolve_interpret", "xla_by_default", "resolve_deterministic", "num_cores",
+           "varying_axes",
+           "vary_together", "vary_over", "varying_like"]
 
 # The Triton lowering warns on every compilation that it is deprecated. That is a
 # message for kernel authors (this file is where the move will happen), not for users
@@ -65,8 +73,8 @@ def resolve_deterministic(deterministic: bool | None) -> bool:
   return any(flag in flags for flag in _DETERMINISTIC_XLA_FLAGS)
 
 
-def resolve_interpret(interpret: bool | None) -> bool:
-  """Returns whether kernels run interpreted; see the module docstring for the order."""
+def _asked_interpret(interpret: bool | None) -> bool | None:
+  """The ``interpret=`` argument, else ``JAXSOFTMAX_INTERPRET``; None when neither says."""
   if interpret is not None:
     if not isinstance(interpret, bool):
       raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
@@ -78,7 +86,22 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return False
   if env:
     raise ValueError(f"{_ENV}={env!r}: expected 1/true/yes or 0/false/no")
-  return jax.default_backend() != "gpu"
+  return None
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+  """Whether the kernels, where they run, run interpreted: as asked (the argument, else
+  the environment), else exactly when JAX's default backend is not a GPU."""
+  asked = _asked_interpret(interpret)
+  return jax.default_backend() != "gpu" if asked is None else asked
+
+
+def xla_by_default(interpret: bool | None, *, kernel_asked: bool = False) -> bool:
+  """Whether a call takes its op's XLA path instead of the Pallas kernels: off a GPU,
+  unless the kernels are asked for (``interpret=``, ``JAXSOFTMAX_INTERPRET``, or, with
+  ``kernel_asked``, an argument that only a kernel takes, such as a tiling)."""
+  return (not kernel_asked and _asked_interpret(interpret) is None
+          and jax.default_backend() != "gpu")
 
 
 @functools.cache
@@ -127,21 +150,64 @@ def exp2(interpret: bool):
   return hardware_exp2
 
 
+# Inside `jax.shard_map` with its default check_vma=True, every value carries the manual
+# mesh axes it varies over, and JAX checks them. Outside a shard_map the sets are empty
+# and these helpers change nothing.
+
+
+def varying_axes(*trees) -> frozenset:
+  """The manual mesh axes that some array of ``trees`` varies over."""
+  return frozenset().union(*(jax.typeof(a).manual_axis_type.varying
+                             for a in jax.tree.leaves(trees)))
+
+
+def vary_together(*arrays):
+  """``arrays`` (None passes), each made to vary over every axis one of them varies over
+  (``jax.lax.pcast(..., to="varying")``, free at run time). The ops call it on their
+  inputs before their custom derivatives: a gradient computed from varying values
+  varies, and JAX wants each cotangent typed as its input, so an invariant weight
+  beside sharded activations gets its gradient summed over the axes (the transpose of
+  the cast), as XLA's own autodiff does."""
+  return vary_over(arrays, varying_axes(arrays))
+
+
+def vary_over(tree, axes: frozenset):
+  """Each array of ``tree`` made to vary over ``axes`` too (see `vary_together`)."""
+  def vary(x):
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(vary, tree)
+
+
+def varying_like(out_shape, args):
+  """``out_shape`` (a ShapeDtypeStruct or a pytree of them) declared to vary over every
+  manual mesh axis that one of ``args`` varies over: Pallas needs each kernel output's
+  axes (``ShapeDtypeStruct.manual_axis_type``), which it cannot infer from a kernel
+  body. Every kernel launch here goes through this."""
+  axis_type = ManualAxisType(varying=varying_axes(args))
+  return jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=axis_type), out_shape)
+
+
 def pallas_call(kernel, *, name: str, grid, in_specs, out_specs, out_shape,
                 num_warps: int, num_stages: int, interpret: bool,
                 input_output_aliases=None):
-  """``pl.pallas_call`` with the backend's compiler parameters filled in."""
-  return pl.pallas_call(
-      kernel,
-      name=name,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      input_output_aliases=input_output_aliases or {},
-  )
+  """``pl.pallas_call`` with the backend's compiler parameters filled in and the
+  outputs' varying mesh axes taken from the operands (`varying_like`)."""
+  def call(*args):
+    return pl.pallas_call(
+        kernel,
+        name=name,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=varying_like(out_shape, args),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        input_output_aliases=input_output_aliases or {},
+    )(*args)
+  return call
 
 
 def atomic_add(ref, idx, val):

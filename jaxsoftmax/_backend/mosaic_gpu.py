@@ -17,8 +17,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxsoftmax._backend import varying_like
+
 __all__ = ["pl", "plgpu", "hopper_device", "device_description", "pad_to", "compiler_params",
-           "SMEM_BYTES"]
+           "gpu_kernel", "SMEM_BYTES"]
 
 # Shared memory an H100/H200 block may use, in bytes.
 SMEM_BYTES = 227 * 1024
@@ -44,6 +46,15 @@ def compiler_params(softcap) -> plgpu.CompilerParams:
   soft cap (``softcap`` not None) keeps the exact math."""
   return plgpu.CompilerParams(approx_math=softcap is None, unsafe_no_auto_barriers=True,
                               reduction_scratch_bytes=0)
+
+
+def gpu_kernel(body, *, out_type, **options):
+  """``plgpu.kernel(body, out_type=..., **options)``, its outputs declared to vary over
+  the mesh axes its operands vary over (`jaxsoftmax._backend.varying_like`), so that it
+  runs inside `jax.shard_map` with ``check_vma=True``."""
+  def call(*args):
+    return plgpu.kernel(body, out_type=varying_like(out_type, args), **options)(*args)
+  return call
 
 
 @functools.cache

@@ -33,6 +33,7 @@ from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import HopperBlockSizes
 from jaxsoftmax.attention.triton import BlockSizes
+from jaxsoftmax.linear_map import LinearMap
 
 __all__ = ["dot_product_attention", "attention_kernels", "select_backend", "BACKENDS",
            "BlockSizes", "HopperBlockSizes"]
@@ -43,28 +44,102 @@ _BY_NAME = {backend.NAME: backend for backend in BACKENDS}
 IMPLEMENTATIONS = (None, *_BY_NAME, "xla")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, aux, call: Call, backend: str):
-  return _attention_fwd(q, k, v, aux, call, backend, for_backward=False)[0]
-
-
-def _attention_fwd(q, k, v, aux, call: Call, backend: str, *, for_backward=True):
-  # The backward's delta = rowsum(dO ∘ O) wants O before rounding (see `triton.forward`).
+def _forward(q, k, v, aux, call: Call, backend: str, *, for_backward: bool):
+  """(o, lse, and with ``for_backward`` the residuals (o for delta, m, log2 l)). The
+  backward's delta = rowsum(dO ∘ O) wants O before rounding (see `triton.forward`)."""
   outputs = _BY_NAME[backend].fwd(
       q, k, v, aux, call, float32_output=for_backward and q.dtype != jnp.float32)
   o, m, log2_l, *o32 = outputs
   lse = logits.lse(m, log2_l, scale=call.scale, softcap=call.softcap)
-  return (o, lse), (q, k, v, aux, o32[0] if o32 else o, m, log2_l)
+  return (o, lse, o32[0] if o32 else o, m, log2_l) if for_backward else (o, lse)
 
 
-def _attention_bwd(call: Call, backend: str, res, cotangents):
-  q, k, v, aux, o, m, log2_l = res
-  do, _ = cotangents  # the public lse is under stop_gradient, as in jax.nn
-  dq, dk, dv = select_backward(call, backend).bwd(q, k, v, o, m, log2_l, do, aux, call)
-  return dq, dk, dv, jax.tree.map(lambda _: None, aux)
+# --- derivatives (`linear_map`) ------------------------------------------------------
+# The output's tangent is a linear map of (dq, dk, dv) with the residuals (q, k, v, the
+# aux arrays, and the forward's o, m, log2 l). Reverse mode transposes it into the
+# backward kernels, from the residuals a custom VJP would save; forward mode (jax.jvp,
+# jacfwd) and second order go through the map's twin, the reference attention's own
+# derivatives in XLA, whose memory is O(T·S). The public lse has no derivative (a
+# stop_gradient, as in jax.nn).
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+def _reference_output(q, k, v, aux: AuxArrays, call: Call):
+  """The reference attention's output for ``call`` (its masks from `call.spec`)."""
+  spec = call.spec
+  window = None
+  if spec.window_left is not None or spec.window_right is not None:
+    far = spec.q_len + spec.kv_len  # a side without a bound reaches every key
+    window = (far if spec.window_left is None else spec.window_left,
+              far if spec.window_right is None else spec.window_right)
+  out, _ = reference.dot_product_attention(
+      q, k, v, scale=call.scale, is_causal=spec.is_causal,
+      query_seq_lengths=aux.q_lengths, key_value_seq_lengths=aux.kv_lengths,
+      local_window_size=window, logits_soft_cap=call.softcap, q_segments=aux.q_segments,
+      kv_segments=aux.kv_segments)
+  return out
+
+
+def _tangent_twin(res, t, *, call: Call, backend: str):
+  del backend
+  q, k, v, *aux = res[:7]
+  fn = lambda q, k, v: _reference_output(q, k, v, AuxArrays(*aux), call)
+  return (jax.jvp(fn, (q, k, v), t)[1],)
+
+
+def _transpose_kernel(res, cts, *, call: Call, backend: str):
+  q, k, v, *aux, o, m, log2_l = res
+  dq, dk, dv = select_backward(call, backend).bwd(q, k, v, o, m, log2_l, cts[0],
+                                                  AuxArrays(*aux), call)
+  return dq, dk, dv
+
+
+def _transpose_twin(res, cts, *, call: Call, backend: str):
+  del backend
+  q, k, v, *aux = res[:7]
+  _, vjp = jax.vjp(lambda q, k, v: _reference_output(q, k, v, AuxArrays(*aux), call), q, k, v)
+  return vjp(cts[0])
+
+
+_TANGENT = LinearMap("attention_tangent", kernel=_tangent_twin, twin=_tangent_twin).pair(
+    LinearMap("attention_transpose", kernel=_transpose_kernel, twin=_transpose_twin))
+
+
+def _residuals(q, k, v, aux: AuxArrays, o, m, log2_l) -> tuple:
+  return (q, k, v, *aux, o, m, log2_l)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _state(q, k, v, aux, call: Call, backend: str):
+  """(o, lse, o for delta, m, log2 l): the forward with the residuals of its derivatives.
+  Its own derivatives are needed at second order only, where the maps' twins recompute
+  from (q, k, v) and read none of the residuals: those move by 0."""
+  return _forward(q, k, v, aux, call, backend, for_backward=True)
+
+
+@_state.defjvp
+def _state_jvp(call: Call, backend: str, primals, tangents):
+  q, k, v, aux = primals
+  o, lse, o_delta, m, log2_l = state = _state(q, k, v, aux, call, backend)
+  do, = _TANGENT(_residuals(q, k, v, aux, o_delta, m, log2_l), tuple(tangents[:3]),
+                 call=call, backend=backend)
+  return state, (do, jnp.zeros_like(lse), do.astype(o_delta.dtype), jnp.zeros_like(m),
+                 jnp.zeros_like(log2_l))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, aux, call: Call, backend: str):
+  return _forward(q, k, v, aux, call, backend, for_backward=False)
+
+
+@_attention.defjvp
+def _attention_jvp(call: Call, backend: str, primals, tangents):
+  q, k, v, aux = primals
+  o, lse, o_delta, m, log2_l = _state(q, k, v, aux, call, backend)
+  do, = _TANGENT(_residuals(q, k, v, aux, o_delta, m, log2_l), tuple(tangents[:3]),
+                 call=call, backend=backend)
+  return (o, lse), (do, jnp.zeros_like(lse))
+
+
 _attention_jit = jax.jit(_attention, static_argnums=(4, 5))
 
 
@@ -298,7 +373,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         logits_soft_cap=logits_soft_cap, q_segments=q_seg, kv_segments=kv_seg)
     lse = jax.lax.stop_gradient(lse)
   else:
-    out, lse = _attention_jit(query, key, value, plan.aux, plan.call, plan.backend.NAME)
+    query, key, value, aux = _backend.vary_together(query, key, value, plan.aux)
+    out, lse = _attention_jit(query, key, value, aux, plan.call, plan.backend.NAME)
     lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)))  # (B, N, T) -> (B, T, N)
   lse = lse.astype(query.dtype if residual_dtype is None else residual_dtype)
   if unbatched:

@@ -39,13 +39,15 @@ class MaskSpec:
   has_segments: bool = False
 
 
-# Block arithmetic on non-negative int32 scalars, where truncation is the floor.
+# Block arithmetic on non-negative int32 scalars, where truncation is the floor. The
+# operands are made int32 first: under jax_enable_x64, Python ints and lengths promote
+# the indices to int64, which lax.div would refuse to divide by an int32.
 def _floor_div(a, b: int):
-  return lax.div(a, jnp.int32(b))
+  return lax.div(lax.convert_element_type(a, jnp.int32), jnp.int32(b))
 
 
 def _cdiv(a, b: int):
-  return lax.div(a + (b - 1), jnp.int32(b))
+  return _floor_div(lax.convert_element_type(a, jnp.int32) + jnp.int32(b - 1), b)
 
 
 def key_block_ranges(spec: MaskSpec, q0, block_q: int, block_k: int, kv_length, q_length):

@@ -51,6 +51,7 @@ from jaxsoftmax import _backend
 from jaxsoftmax.attention import api, logits
 from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
+from jaxsoftmax.linear_map import LinearMap
 from jaxsoftmax.state import merge_attention_states
 
 __all__ = ["ring_attention", "context_parallel_attention", "zigzag_permute",
@@ -263,10 +264,13 @@ def _backward_pieces(plan: _Plan, pieces, q, q_seg, k, v, kv_seg, delta, lse, do
 
 def _choose(index, variants: tuple, run, *operands):
   """run(variants[index], *operands), index traced; one branch when all variants are the
-  same."""
+  same. Every branch's results vary over the operands' mesh axes (a branch with no
+  kernel to run returns constants, which vary over none), as `lax.switch` wants."""
   if all(v == variants[0] for v in variants):
     return run(variants[0], *operands)
-  return lax.switch(index, [functools.partial(run, v) for v in variants], *operands)
+  axes = _backend.varying_axes(index, operands)
+  branch = lambda v: lambda *ops: _backend.vary_over(run(v, *ops), axes)
+  return lax.switch(index, [branch(v) for v in variants], *operands)
 
 
 def _zigzag_tiles(plan: _Plan, later):
@@ -406,23 +410,69 @@ def _backward(plan: _Plan, q, k, v, q_seg, kv_seg, o, lse, do):
   return dq, dkv[0], dkv[1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _context_parallel(plan: _Plan, q, k, v, q_seg, kv_seg):
-  return _context_parallel_fwd(plan, q, k, v, q_seg, kv_seg)[0]
+# --- derivatives: reverse mode on the kernels, a clear error otherwise ------------------
+# The output's tangent is a linear map of (dq, dk, dv) whose transpose is `_backward`;
+# reverse mode only transposes it. Forward mode and second order would need the
+# distributed attention's own derivatives, which nothing here forms: both raise this.
+_REVERSE_ONLY = (
+    "ring_attention is differentiable in reverse mode (jax.grad, jax.vjp) only: forward "
+    "mode (jax.jvp, jax.jacfwd, jax.linearize) and second derivatives (jax.hessian, jvp "
+    "of grad) are not supported across devices. For those, gather the sequence and use "
+    "dot_product_attention, which supports every mode")
 
 
-def _context_parallel_fwd(plan: _Plan, q, k, v, q_seg, kv_seg):
+def _tangent_kernel(res, t, *, plan: _Plan):
+  raise NotImplementedError(_REVERSE_ONLY)
+
+
+def _tangent_types(res, t, *, plan: _Plan):
+  del t, plan
+  q = res[0]
+  return (jax.ShapeDtypeStruct(q.shape, q.dtype),)
+
+
+def _transpose_kernel(res, cts, *, plan: _Plan):
+  q, k, v, q_seg, kv_seg, o, lse = res
+  dq, dk, dv = _backward(plan, q, k, v, q_seg, kv_seg, o, lse, cts[0])
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _transpose_types(res, cts, *, plan: _Plan):
+  del cts, plan
+  return res[:3]
+
+
+_TANGENT = LinearMap("ring_attention_tangent", kernel=_tangent_kernel, twin=None,
+                     out_types=_tangent_types, no_twin=_REVERSE_ONLY).pair(
+    LinearMap("ring_attention_transpose", kernel=_transpose_kernel, twin=None,
+              out_types=_transpose_types, no_twin=_REVERSE_ONLY))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _state(plan: _Plan, q, k, v, q_seg, kv_seg):
+  """(o in q's dtype, o and lse in float32): the output and the backward's residuals.
+  Differentiated only at second order (`_context_parallel` differentiates the output):
+  an error."""
   o, lse = _forward(plan, q, k, v, q_seg, kv_seg)
-  return o.astype(q.dtype), (q, k, v, q_seg, kv_seg, o, lse)
+  return o.astype(q.dtype), o, lse
 
 
-def _context_parallel_bwd(plan: _Plan, residuals, do):
-  q, k, v, q_seg, kv_seg, o, lse = residuals
-  dq, dk, dv = _backward(plan, q, k, v, q_seg, kv_seg, o, lse, do)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+@_state.defjvp
+def _state_jvp(plan: _Plan, primals, tangents):
+  raise NotImplementedError(_REVERSE_ONLY)
 
 
-_context_parallel.defvjp(_context_parallel_fwd, _context_parallel_bwd)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _context_parallel(plan: _Plan, q, k, v, q_seg, kv_seg):
+  return _state(plan, q, k, v, q_seg, kv_seg)[0]
+
+
+@_context_parallel.defjvp
+def _context_parallel_jvp(plan: _Plan, primals, tangents):
+  q, k, v, q_seg, kv_seg = primals
+  out, o, lse = _state(plan, q, k, v, q_seg, kv_seg)
+  do, = _TANGENT((q, k, v, q_seg, kv_seg, o, lse), tuple(tangents[:3]), plan=plan)
+  return out, do
 
 
 def _shards(axis_name, op: str) -> int:
@@ -503,6 +553,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
                _backend.resolve_interpret(interpret),
                _backend.resolve_deterministic(deterministic), B, T, S, N, K, H,
                jnp.dtype(query.dtype).name)
+  query, key, value, q_seg, kv_seg = _backend.vary_together(query, key, value, q_seg, kv_seg)
   return _context_parallel(plan, query, key, value, q_seg, kv_seg)
 
 

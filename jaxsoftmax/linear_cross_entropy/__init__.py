@@ -72,7 +72,8 @@ from jaxsoftmax._backend import pl
 from jaxsoftmax._backend import mosaic_gpu as mosaic_device
 from jaxsoftmax.cross_entropy import REDUCTIONS, check_labels, reduce_losses
 from jaxsoftmax.inputs import check_floating, check_optional_positive_int
-from jaxsoftmax.state import reduce_states, safe_shift
+from jaxsoftmax.linear_map import LinearMap
+from jaxsoftmax.state import nan_for_inf, reduce_states, safe_shift
 from jaxsoftmax.linear_cross_entropy import mosaic_gpu
 from jaxsoftmax.linear_cross_entropy.mosaic_gpu import LinearCrossEntropyHopperTiling
 
@@ -740,11 +741,6 @@ def _with_hopper_kernel(tiling: LinearCrossEntropyTiling, field: str, portable: 
   return tiling
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _rows(x, w, b, labels, dims: _Dims, options: _Options):
-  return _rows_fwd(x, w, b, labels, dims, options)[0]
-
-
 def _loss(lse, label_logit, total, labels, dims: _Dims, options: _Options):
   a = options.label_smoothing
   # Terms with a zero coefficient are left out, as the reference does: with infinite
@@ -758,26 +754,83 @@ def _loss(lse, label_logit, total, labels, dims: _Dims, options: _Options):
   return jnp.where(in_range, loss, jnp.nan)  # ignored rows are zeroed by the caller
 
 
-def _rows_fwd(x, w, b, labels, dims: _Dims, options: _Options):
-  m, log_l, label_logit, total = _forward(x, w, b, labels, dims, options)
-  lse = m + log_l
-  loss = _loss(lse, label_logit, total, labels, dims, options)
-  return (loss, lse), (x, w, b, labels, m, log_l)
+# --- derivatives: reverse mode on the kernels, a clear error otherwise ------------------
+# The (loss, lse) tangent is a linear map of (dhidden, dweight[, dbias]) whose transpose
+# is the backward (`_backward`); reverse mode only transposes it. Evaluating it (forward
+# mode) or differentiating it again (second order) would need the logits' own
+# derivatives, which these kernels never form: both raise this.
+_REVERSE_ONLY = (
+    "linear_cross_entropy is differentiable in reverse mode (jax.grad, jax.vjp) only: "
+    "forward mode (jax.jvp, jax.jacfwd, jax.linearize) and second derivatives "
+    "(jax.hessian, jvp of grad) are not supported by its fused kernels. For those, form "
+    "the logits and use cross_entropy, which supports every mode: "
+    "cross_entropy(jnp.dot(hidden, weight, preferred_element_type=jnp.float32), labels)")
 
 
-def _rows_bwd(dims: _Dims, options: _Options, residuals, cotangents):
-  x, w, b, labels, m, log_l = residuals
-  g, g_lse = cotangents
+def _tangent_kernel(res, t, *, sizes: _Dims, options: _Options):
+  raise NotImplementedError(_REVERSE_ONLY)
+
+
+def _tangent_types(res, t, *, sizes: _Dims, options: _Options):
+  del res, t, options
+  return (jax.ShapeDtypeStruct((sizes.R,), jnp.float32),) * 2
+
+
+def _transpose_kernel(res, cts, *, sizes: _Dims, options: _Options):
+  x, w, b, labels, m, log_l = res
+  g, g_lse = cts
   # Rows with a label out of range (possible only inside jit) give NaN gradients.
-  in_range = (labels >= 0) & (labels < dims.V)
+  in_range = (labels >= 0) & (labels < sizes.V)
   g = jnp.where(in_range | (g == 0), g.astype(jnp.float32), jnp.nan)
   rows = _Rows(labels, m, log_l, g, g_lse.astype(jnp.float32))
-  dx, dw, db = _backward(x, w, b, rows, dims, options)
-  return (dx.astype(x.dtype), dw.astype(w.dtype), None if b is None else db.astype(b.dtype),
-          None)
+  dx, dw, db = _backward(x, w, b, rows, sizes, options)
+  return (dx.astype(x.dtype), dw.astype(w.dtype)) + (() if b is None else
+                                                     (db.astype(b.dtype),))
 
 
-_rows.defvjp(_rows_fwd, _rows_bwd)
+def _transpose_types(res, cts, *, sizes: _Dims, options: _Options):
+  del cts, sizes, options
+  x, w, b = res[:3]
+  return (x, w) + (() if b is None else (b,))
+
+
+# The weight is no row's own: under vmap the maps run once per batch element. (The
+# problem's sizes go as "sizes": JAX's batching rules take an argument named dims.)
+_TANGENT = LinearMap("linear_cross_entropy_tangent", kernel=_tangent_kernel, twin=None,
+                     out_types=_tangent_types, no_twin=_REVERSE_ONLY,
+                     fold_rows=lambda **_: False).pair(
+    LinearMap("linear_cross_entropy_transpose", kernel=_transpose_kernel, twin=None,
+              out_types=_transpose_types, no_twin=_REVERSE_ONLY, fold_rows=lambda **_: False))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _state(x, w, b, labels, dims: _Dims, options: _Options):
+  """(loss, lse, m, log l) of each row: the losses and the residuals of the backward.
+  Differentiated only at second order (`_rows` differentiates the losses): an error."""
+  m, log_l, label_logit, total = _forward(x, w, b, labels, dims, options)
+  lse = m + log_l
+  # A row with a +inf logit (l = +inf): its loss and gradients NaN, as optax's (the
+  # backward's p from a NaN log l), its lse +inf.
+  log_l = nan_for_inf(log_l)
+  return _loss(m + log_l, label_logit, total, labels, dims, options), lse, m, log_l
+
+
+@_state.defjvp
+def _state_jvp(dims: _Dims, options: _Options, primals, tangents):
+  raise NotImplementedError(_REVERSE_ONLY)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _rows(x, w, b, labels, dims: _Dims, options: _Options):
+  return _state(x, w, b, labels, dims, options)[:2]
+
+
+@_rows.defjvp
+def _rows_jvp(dims: _Dims, options: _Options, primals, tangents):
+  x, w, b, labels = primals
+  loss, lse, m, log_l = _state(x, w, b, labels, dims, options)
+  t = tuple(tangents[:2]) + (() if b is None else (tangents[2],))
+  return (loss, lse), _TANGENT((x, w, b, labels, m, log_l), t, sizes=dims, options=options)
 
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int = -100,
@@ -871,6 +924,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
   options = _Options(float(label_smoothing), float(z_loss),
                      None if logit_soft_cap is None else float(logit_soft_cap),
                      bias is not None, interpret)
+  hidden, weight, bias, flat_labels = _backend.vary_together(hidden, weight, bias, flat_labels)
   loss, lse = _rows(hidden.reshape(-1, H), weight, bias, flat_labels, dims, options)
   loss = reduce_losses(jnp.where(flat_labels != ignore_index, loss, 0.0), labels, None,
                        ignore_index, reduction)

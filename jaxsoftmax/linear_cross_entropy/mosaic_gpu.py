@@ -50,7 +50,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax import _backend
-from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, compiler_params, pad_to, pl, plgpu
+from jaxsoftmax._backend.mosaic_gpu import (SMEM_BYTES, compiler_params, gpu_kernel, pad_to, pl,
+                                           plgpu)
 from jaxsoftmax.inputs import check_optional_positive_int
 
 __all__ = ["DlogitsInputs", "dlogits", "dlogits_inputs", "dlogits_smem_bytes", "forward",
@@ -176,7 +177,7 @@ def _launch(kernel, *, out_type, scratch: list, grid, grid_names, softcap, name:
             interpret: bool):
   """``kernel`` on the grid with two consumer warpgroups and the producer; ``scratch``:
   the ring's (`_ring_scratch`), then the kernel's own."""
-  return plgpu.kernel(
+  return gpu_kernel(
       kernel,
       out_type=out_type,
       scratch_types=scratch,

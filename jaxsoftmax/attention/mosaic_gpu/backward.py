@@ -55,7 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, compiler_params, pad_to, pl, plgpu
+from jaxsoftmax._backend.mosaic_gpu import (SMEM_BYTES, compiler_params, gpu_kernel, pad_to, pl,
+                                           plgpu)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
@@ -631,7 +632,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
   kv_type = (jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K, H_pad), jnp.float32)
              if float32_grads else jax.ShapeDtypeStruct((B, S8, K, H_pad), q.dtype))
-  dkdv_kernel = plgpu.kernel(
+  dkdv_kernel = gpu_kernel(
       functools.partial(_dkdv_kernel, atomic_dq=not deterministic, **statics),
       out_type=(kv_type, kv_type),
       scratch_types=scratch,
@@ -645,7 +646,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   inputs = (q, k, v, do, lse2, delta, *aux_inputs)
   if deterministic:
     dk, dv = dkdv_kernel(*inputs)
-    dq = plgpu.kernel(
+    dq = gpu_kernel(
         functools.partial(_dq_kernel, **statics),
         out_type=jax.ShapeDtypeStruct((B, T_pad, N, H_pad), jnp.float32) if float32_grads
         else jax.ShapeDtypeStruct((B, T8, N, H_pad), q.dtype),

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax import _backend
-from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES, compiler_params, pad_to, pl, plgpu
+from jaxsoftmax._backend.mosaic_gpu import (SMEM_BYTES, compiler_params, gpu_kernel, pad_to, pl,
+                                           plgpu)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
@@ -311,8 +312,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
       if o_smem is not None:  # no product read the query tile
         pl.when(hi <= lo)(lambda: plgpu.barrier_arrive(q_free.at[wg]))
 
-      # Rows with no allowed key (l = 0), and rows past the query length, give 0.
-      some = l > 0
+      # Rows with no allowed key (l = 0), and rows past the query length, give 0; a NaN
+      # input's NaN l stays NaN (NaN != 0).
+      some = l != 0
       if q_length is not None:
         some = some & (row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=_ROW)
                        < q_length)
@@ -426,7 +428,7 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
       logits=Logits(scale, softcap, fused=softcap is None), group=N // K, work=work,
       output_tiles=output_tiles, float32_output=float32_output)
   grid, grid_names = work.grid()
-  outputs = plgpu.kernel(
+  outputs = gpu_kernel(
       kernel,
       out_type=out_type,
       scratch_types=scratch,

@@ -68,7 +68,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
            jnp.zeros((bq, dims.H_pad), jnp.float32))
   m, l, acc = walk_block_ranges(ranges, step, carry)
 
-  some = l > 0  # rows with at least one allowed key
+  some = l != 0  # rows with an allowed key; a NaN input's NaN l stays NaN (NaN != 0)
   if q_length is not None:
     some = some & (q_idx < q_length)
   l_safe = jnp.where(some, l, 1.0)
