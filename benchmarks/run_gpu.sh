@@ -27,6 +27,10 @@
 #   attn-resources          ptxas' registers and spills of the Mosaic GPU kernels
 #                           (PROFILE_SHAPES picks shapes)
 #   example                 the transformer example at GPU size, with its profiler trace
+#   accuracy-rows           the row ops' errors beside XLA's over many seeds
+#                           (accuracy_rows.py)
+#   command-buffers         a training step with XLA's command buffers on and off, and
+#                           which thunks they hold (command_buffers.py)
 #   ring-tests, ring-bench  context parallelism on every visible GPU (RING_ONLY picks
 #                           shapes, RING_NAME names the results)
 #   ring-profile            the gaps between back-to-back calls (profile_ring_attention.py)
@@ -234,6 +238,12 @@ for stage in ${STAGES:-tests tune bench}; do
     ring-example)
       timeout 200 $python examples/long_context.py --tokens 65536 2>&1 \
         | tee "$out/ring_example.log" | tail -n 6 | tee -a "$out/summary.log" ;;
+    accuracy-rows)
+      timeout 200 $python benchmarks/accuracy_rows.py --out "$out" 2>&1 \
+        | tee "$out/accuracy_rows_run.log" | tail -n 12 | tee -a "$out/summary.log" ;;
+    command-buffers)
+      timeout 300 $python benchmarks/command_buffers.py --out "$out" 2>&1 \
+        | tee "$out/command_buffers_run.log" | tail -n 4 | tee -a "$out/summary.log" ;;
     example)
       timeout 120 $python examples/train_transformer.py --trace "$out/trace" 2>&1 \
         | tee "$out/example.log" | tail -n 8 | tee -a "$out/summary.log" ;;

@@ -1,15 +1,15 @@
 """jaxsoftmax: online-softmax and FlashAttention kernels for JAX, written in Pallas.
 
 Drop-in replacements for jax.nn.softmax / log_softmax / logsumexp /
-dot_product_attention and for optax's integer-label softmax cross-entropy, with custom
-VJPs whose backward passes recompute from the saved row statistics. docs/math.md has
+dot_product_attention, for optax's integer-label softmax cross-entropy and for Flax's
+norms, whose backward passes recompute from the saved row statistics. docs/math.md has
 the math, docs/numerics.md the numerics contract.
 """
 
 from jaxsoftmax.attention import (BlockSizes, HopperBlockSizes, attention_kernels,
                                   context_parallel_attention, dot_product_attention,
-                                  flax_attention, ring_attention, zigzag_permute,
-                                  zigzag_unpermute)
+                                  flax_attention, flax_attention_fn, ring_attention,
+                                  zigzag_permute, zigzag_unpermute)
 from jaxsoftmax.cross_entropy import cross_entropy
 from jaxsoftmax.linear_cross_entropy import (LinearCrossEntropyHopperTiling,
                                              LinearCrossEntropyTiling, linear_cross_entropy)
@@ -32,6 +32,7 @@ __all__ = [
     "dot_product_attention",
     "attention_kernels",
     "flax_attention",
+    "flax_attention_fn",
     "ring_attention",
     "context_parallel_attention",
     "zigzag_permute",
@@ -47,3 +48,11 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+  # jaxsoftmax.nnx needs Flax, which jaxsoftmax itself does not: loaded on first use.
+  if name == "nnx":
+    import importlib
+    return importlib.import_module("jaxsoftmax.nnx")
+  raise AttributeError(f"module 'jaxsoftmax' has no attribute {name!r}")

@@ -329,7 +329,10 @@ def cross_entropy(logits, labels, axis=-1, where=None, *, ignore_index: int = -1
   check_labels(labels, logits.shape[-1], ignore_index)
   options = dict(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
                  z_loss=float(z_loss), reduction=reduction)
-  if logits.dtype == jnp.float64 or logits.size == 0:
+  if (logits.dtype == jnp.float64 or logits.size == 0
+      or _backend.xla_by_default(interpret, kernel_asked=tiling is not None)):
+    # The XLA path: the reference on float32 logits at least (float32 losses, as ours).
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     loss = reference.cross_entropy(logits, labels, where=where, **options)
     if return_lse:
       return loss, reference.logsumexp(logits, axis=-1, where=where)

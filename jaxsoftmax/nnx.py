@@ -7,7 +7,8 @@ promotion: inputs and parameters promoted together, or to ``dtype``), whose call
 feature axes the same, no cross-device ``axis_name``, no ``mask``, and a float32,
 bfloat16 or float16 result. Anything else runs Flax's own code. Statistics are float32
 Welford states, so ``use_fast_variance`` (Flax's E[x²] - E[x]²) has no effect on the
-kernel path.
+kernel path. ``js.nnx`` is importable as an attribute after ``import jaxsoftmax as js``
+(it is loaded on first use, since it needs Flax).
 """
 
 from __future__ import annotations
@@ -37,26 +38,43 @@ def _kernel_axis(module, x, mask):
   return axes
 
 
-class LayerNorm(nnx.LayerNorm):
-  """``flax.nnx.LayerNorm`` on `jaxsoftmax.layer_norm`; see the module docstring."""
+def _flax_path(call, x, residual, mask):
+  """Flax's own code on h = x + residual (returned beside y when given)."""
+  if residual is None:
+    return call(x, mask=mask)
+  h = x + residual
+  return call(h, mask=mask), h
 
-  def __call__(self, x, *, mask=None):
+
+class LayerNorm(nnx.LayerNorm):
+  """``flax.nnx.LayerNorm`` on `jaxsoftmax.layer_norm`; see the module docstring.
+
+  ``residual`` (x's shape): normalizes h = x + residual in the same kernel and returns
+  ``(y, h)``, as `jaxsoftmax.layer_norm`.
+  """
+
+  def __call__(self, x, *, mask=None, residual=None):
     scale = self.scale[...] if self.scale else None
     bias = self.bias[...] if self.bias else None
-    x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+    x, residual, scale, bias = self.promote_dtype((x, residual, scale, bias),
+                                                  dtype=self.dtype)
     axes = _kernel_axis(self, x, mask)
     if axes is None:
-      return super().__call__(x, mask=mask)
-    return layer_norm(x, scale, bias, epsilon=self.epsilon, axis=axes)
+      return _flax_path(super().__call__, x, residual, mask)
+    return layer_norm(x, scale, bias, epsilon=self.epsilon, axis=axes, residual=residual)
 
 
 class RMSNorm(nnx.RMSNorm):
-  """``flax.nnx.RMSNorm`` on `jaxsoftmax.rms_norm`; see the module docstring."""
+  """``flax.nnx.RMSNorm`` on `jaxsoftmax.rms_norm`; see the module docstring.
 
-  def __call__(self, x, *, mask=None):
+  ``residual`` (x's shape): normalizes h = x + residual in the same kernel and returns
+  ``(y, h)``, as `jaxsoftmax.rms_norm`.
+  """
+
+  def __call__(self, x, *, mask=None, residual=None):
     scale = self.scale[...] if self.scale else None
-    x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
+    x, residual, scale = self.promote_dtype((x, residual, scale), dtype=self.dtype)
     axes = _kernel_axis(self, x, mask)
     if axes is None:
-      return super().__call__(x, mask=mask)
-    return rms_norm(x, scale, epsilon=self.epsilon, axis=axes)
+      return _flax_path(super().__call__, x, residual, mask)
+    return rms_norm(x, scale, epsilon=self.epsilon, axis=axes, residual=residual)

@@ -343,20 +343,22 @@ def _normalize_jvp(norm: _Norm, primals, tangents):
 
 def _reference(x, residual, scale, bias, *, rms: bool, epsilon: float, scale_offset: float,
                view: RowView):
-  """The pure-jnp path (float64 inputs, empty arrays), in x's dtype."""
-  h = x if residual is None else (x + residual).astype(x.dtype)
-  axes = view.axes
+  """The XLA path (float64 inputs, empty arrays, and by default off a GPU): plain jnp
+  in float32 at least, as the kernels; h and y in x's dtype."""
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  h = x if residual is None else (x.astype(acc) + residual.astype(acc)).astype(x.dtype)
+  h32, axes = h.astype(acc), view.axes
   if rms:
-    y = h * lax.rsqrt(jnp.mean(jnp.square(h), axis=axes, keepdims=True) + epsilon)
+    y = h32 * lax.rsqrt(jnp.mean(jnp.square(h32), axis=axes, keepdims=True) + epsilon)
   else:
-    mean = jnp.mean(h, axis=axes, keepdims=True)
-    var = jnp.mean(jnp.square(h - mean), axis=axes, keepdims=True)
-    y = (h - mean) * lax.rsqrt(var + epsilon)
+    mean = jnp.mean(h32, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(h32 - mean), axis=axes, keepdims=True)
+    y = (h32 - mean) * lax.rsqrt(var + epsilon)
   shape = tuple(x.shape[a] if a in axes else 1 for a in range(x.ndim))
   if scale is not None:
-    y = y * (scale.reshape(shape) + scale_offset)
+    y = y * (scale.astype(acc).reshape(shape) + scale_offset)
   if bias is not None:
-    y = y + bias.reshape(shape)
+    y = y + bias.astype(acc).reshape(shape)
   y = y.astype(x.dtype)
   return y if residual is None else (y, h)
 
@@ -383,7 +385,8 @@ def _norm(op: str, x, residual, scale, bias, *, epsilon, axis, scale_offset, rms
     raise TypeError(f"{op}: tiling must be a RowTiling, got {tiling!r}")
   scale = None if scale is None else jnp.asarray(scale)
   bias = None if bias is None else jnp.asarray(bias)
-  if x.dtype == jnp.float64 or x.size == 0:
+  if (x.dtype == jnp.float64 or x.size == 0
+      or _backend.xla_by_default(interpret, kernel_asked=tiling is not None)):
     return _reference(x, residual, scale, bias, rms=rms, epsilon=float(epsilon),
                       scale_offset=float(scale_offset), view=view)
   norm = _Norm(rms, float(epsilon), float(scale_offset), view.n_cols, jnp.dtype(x.dtype).name,

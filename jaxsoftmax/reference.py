@@ -1,4 +1,4 @@
-"""Pure-jnp references: the truth every kernel is checked against.
+"""Pure-jnp references: the truth every kernel is checked against, and the ops' XLA path.
 
 Each function computes in the dtype of its input, so the tests evaluate it twice: in
 float64 for the truth, and in the input's own dtype for the error that dtype allows
@@ -15,8 +15,14 @@ import numpy as np
 
 from jaxsoftmax.state import nan_for_inf
 
-__all__ = ["logsumexp", "softmax", "log_softmax", "cross_entropy", "attention_mask",
+__all__ = ["accumulated", "logsumexp", "softmax", "log_softmax", "cross_entropy", "attention_mask",
            "dot_product_attention"]
+
+
+def accumulated(fn, x, *args, **kwargs):
+  """``fn(x, ...)`` computed in float32 at least (x upcast; float64 stays), the result in
+  x's dtype: the ops' XLA path, which keeps the kernels' float32 accumulation."""
+  return fn(x.astype(jnp.promote_types(x.dtype, jnp.float32)), *args, **kwargs).astype(x.dtype)
 
 
 def _axes(x, axis):

@@ -63,6 +63,13 @@ _LOGSUMEXP_BWD = RowOp(
     "logsumexp_bwd", apply=lambda t, s: t.exp(t.x[0] - t.rows[1]) * (t.rows[0] / t.rows[2]))
 
 
+def _xla_path(x, interpret, tiling) -> bool:
+  """Whether the call takes the XLA path (`reference`, in float32 at least): float64
+  and empty inputs, and by default off a GPU (`_backend.xla_by_default`)."""
+  return (x.dtype == jnp.float64 or x.size == 0
+          or _backend.xla_by_default(interpret, kernel_asked=tiling is not None))
+
+
 def _rows_or_none(view: RowView, a):
   return None if a is None else view.to_rows(a)
 
@@ -136,8 +143,8 @@ def softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
   x = check_floating(x, "x", "softmax")
   view = RowView.of(x.shape, axis, fn="softmax")
   where = check_where(where, x.shape, "softmax")
-  if x.dtype == jnp.float64 or x.size == 0:
-    return reference.softmax(x, view.axes, where)
+  if _xla_path(x, interpret, tiling):
+    return reference.accumulated(reference.softmax, x, view.axes, where)
   x, where = _backend.vary_together(x, where)
   return _softmax(x, where, view=view, tiling=tiling,
                   interpret=_backend.resolve_interpret(interpret))
@@ -242,8 +249,8 @@ def log_softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
   x = check_floating(x, "x", "log_softmax")
   view = RowView.of(x.shape, axis, fn="log_softmax")
   where = check_where(where, x.shape, "log_softmax")
-  if x.dtype == jnp.float64 or x.size == 0:
-    return reference.log_softmax(x, view.axes, where)
+  if _xla_path(x, interpret, tiling):
+    return reference.accumulated(reference.log_softmax, x, view.axes, where)
   x, where = _backend.vary_together(x, where)
   return _log_softmax(x, where, view=view, tiling=tiling,
                       interpret=_backend.resolve_interpret(interpret))
@@ -315,8 +322,8 @@ def logsumexp(x, axis=None, b=None, keepdims: bool = False, return_sign: bool = 
       b = jnp.broadcast_to(jnp.asarray(b), x.shape)
     return jax.nn.logsumexp(x, axis=view.axes, b=b, keepdims=keepdims,
                             return_sign=return_sign, where=where)
-  if x.dtype == jnp.float64 or x.size == 0:
-    return reference.logsumexp(x, view.axes, where, keepdims)
+  if _xla_path(x, interpret, tiling):
+    return reference.accumulated(reference.logsumexp, x, view.axes, where, keepdims)
   x, where = _backend.vary_together(x, where)
   return _logsumexp(x, where, view=view, keepdims=keepdims, tiling=tiling,
                     interpret=_backend.resolve_interpret(interpret))

@@ -57,6 +57,9 @@ def probabilities(x, m, l, where=None) -> jax.Array:
 def reduce_states(m, l, axis: int = 0) -> tuple[jax.Array, jax.Array]:
   """Merges the online-softmax states (m, l) stacked along ``axis``; returns (m, l)."""
   m, l = jnp.asarray(m), jnp.asarray(l)
+  if m.shape != l.shape:
+    raise ValueError(f"reduce_states: m and l must have one shape, got m {m.shape} and "
+                     f"l {l.shape}")
   m_all = jnp.max(m, axis=axis)
   shift = jnp.expand_dims(safe_shift(m_all), axis)
   return m_all, jnp.sum(l * jnp.exp(m - shift), axis=axis)
@@ -69,7 +72,13 @@ def merge_states(m_a, l_a, m_b, l_b) -> tuple[jax.Array, jax.Array]:
     m_a, l_a: running maximum and sum of exp(x - m_a) of the first part.
     m_b, l_b: the same for the second part; all four broadcast together.
   """
-  m_a, l_a, m_b, l_b = jnp.broadcast_arrays(m_a, l_a, m_b, l_b)
+  try:
+    m_a, l_a, m_b, l_b = jnp.broadcast_arrays(m_a, l_a, m_b, l_b)
+  except ValueError:
+    shapes = ", ".join(f"{n} {jnp.shape(a)}" for n, a in
+                       (("m_a", m_a), ("l_a", l_a), ("m_b", m_b), ("l_b", l_b)))
+    raise ValueError(f"merge_states: m_a, l_a, m_b and l_b must broadcast together, got "
+                     f"{shapes}") from None
   return reduce_states(jnp.stack([m_a, m_b]), jnp.stack([l_a, l_b]), axis=0)
 
 

@@ -2,8 +2,10 @@
 rank promotion.
 
 Tests that need compiled kernels carry ``@pytest.mark.gpu``; they are skipped unless JAX's
-default backend is a GPU. Everything else runs the kernels in Pallas interpret mode, so
-the whole suite runs on a CPU. On the GPU machine run ``pytest -m gpu``.
+default backend is a GPU. Everything else runs the kernels in Pallas interpret mode
+(``JAXSOFTMAX_INTERPRET=1`` is set here off a GPU, where the ops would otherwise take
+their XLA path), so the whole suite runs on a CPU. On the GPU machine run
+``pytest -m gpu``.
 
 The CPU has 8 virtual devices (``--xla_force_host_platform_device_count``), for the
 context-parallel tests. The suite runs with ``jax_numpy_rank_promotion="raise"`` (set
@@ -25,6 +27,8 @@ import pytest  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 ON_GPU = jax.default_backend() == "gpu"
+if not ON_GPU:  # the kernels, interpreted (tests of the XLA path unset it)
+  os.environ.setdefault("JAXSOFTMAX_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -232,6 +232,20 @@ def _check_inputs(query, key, value, op: str = "dot_product_attention"):
                      f"{key.shape[2]} key/value heads")
 
 
+def _check_broadcasts(name: str, x, shape: tuple[int, ...]):
+  """A ValueError naming ``x`` unless it is None or broadcasts to ``shape`` (B, N, T, S)."""
+  if x is None:
+    return
+  x_shape = jnp.shape(x)
+  try:
+    fits = jnp.broadcast_shapes(x_shape, shape) == shape
+  except ValueError:
+    fits = False
+  if not fits:
+    raise ValueError(f"dot_product_attention: {name} of shape {x_shape} must broadcast to "
+                     f"(B, N, T, S) = {shape}")
+
+
 class _Plan(NamedTuple):
   """A checked attention call: the (batched) inputs, their aux arrays, and the kernel
   backend with its `Call`, or backend None for the reference path."""
@@ -267,6 +281,8 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
     raise TypeError(f"dot_product_attention: mask must be boolean (True: attend), got "
                     f"{jnp.asarray(mask).dtype}")
+  for name, x in (("bias", bias), ("mask", mask)):
+    _check_broadcasts(name, x, (B, query.shape[2], T, S))
   if block_sizes is not None and not isinstance(block_sizes, (BlockSizes, HopperBlockSizes)):
     raise TypeError("dot_product_attention: block_sizes must be a BlockSizes or a "
                     f"HopperBlockSizes, got {block_sizes!r}")
@@ -279,11 +295,15 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
 
   reference_path = (bias is not None or mask is not None or query.dtype == jnp.float64
                     or query.size == 0 or key.size == 0)
+  # Off a GPU the default is the XLA path too (`_backend.xla_by_default`); naming a
+  # kernel backend or its tiles runs the kernels there (interpreted).
+  default_xla = implementation is None and _backend.xla_by_default(
+      interpret, kernel_asked=block_sizes is not None)
   if reference_path and implementation not in (None, "xla"):
     raise ValueError(f"dot_product_attention: implementation={implementation!r} cannot run "
                      "this call: bias, mask, float64 and empty inputs take the reference "
                      "path (implementation=None or 'xla')")
-  if reference_path or implementation == "xla":
+  if reference_path or default_xla or implementation == "xla":
     return _Plan(query, key, value, unbatched, aux, scale, window, None, None)
   call = Call(B, T, S, N, key.shape[2], H, jnp.dtype(query.dtype).name,
               MaskSpec(T, S, bool(is_causal), *(window or (None, None)),

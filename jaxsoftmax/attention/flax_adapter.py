@@ -2,19 +2,50 @@
 ``attention_fn``, for ``flax.nnx.MultiHeadAttention(..., attention_fn=flax_attention)``.
 
 nnx calls its attention function with keywords for dropout, dtype, precision and weight
-sowing that a fused kernel has no use for or cannot honour. This adapter accepts them all:
-it casts to ``dtype`` when one is given, reads Flax's 0/1 float masks as booleans (a
-mask takes the reference path, see `dot_product_attention`), and raises a clear error for
-what the kernels cannot do (dropout while training, sowing the attention weights, which
-are never formed).
-Other keywords (``scale``, ``segment_ids``, ``local_window_size``, ...) go to
-`dot_product_attention`, e.g. through ``functools.partial``. ``precision`` is ignored:
-the kernels multiply in the input dtype and accumulate in float32.
+sowing that a fused kernel has no use for or cannot honour, and with ``is_causal``: the
+value given to the layer's call (False unless the call says otherwise). This adapter
+accepts them all: it casts to ``dtype`` when one is given, reads Flax's 0/1 float masks
+as booleans, and raises a clear error for what the kernels cannot do (dropout while
+training, sowing the attention weights, which are never formed). ``precision`` is
+ignored: the kernels multiply in the input dtype and accumulate in float32.
+
+Options of our own (``is_causal``, ``local_window_size``, ``segment_ids``, ...) go in
+through `flax_attention_fn`. ``functools.partial(flax_attention, is_causal=True)`` does
+not work: nnx passes its own ``is_causal`` on every call, which wins over the partial's.
+
+Masks: the kernels take the masks they can describe (causal, windows, lengths,
+segments), not an arbitrary (B, N, T, S) array, which takes the O(T·S) reference path. A
+mask known when the layer runs (not traced) that is all True or exactly the causal mask
+(``nnx.make_causal_mask``) becomes no mask or ``is_causal=True``; any other mask warns
+once per call site that it costs the reference path. Inside ``jax.jit`` a mask is traced
+and cannot be read: call the layer with ``is_causal=True`` (or use
+``flax_attention_fn(is_causal=True)``) instead of passing ``nnx.make_causal_mask``.
 """
 
 from __future__ import annotations
 
+import warnings
+
+import jax
+import numpy as np
+
 from jaxsoftmax.attention.api import dot_product_attention
+
+__all__ = ["flax_attention", "flax_attention_fn"]
+
+
+def _read_mask(mask, T: int, S: int):
+  """(mask or None, whether it is the causal mask) for a boolean mask, read when it is
+  concrete; a traced mask is returned as it is."""
+  if isinstance(mask, jax.core.Tracer):
+    return mask, False
+  values = np.asarray(mask)
+  if values.all():
+    return None, False
+  causal = np.tril(np.ones((T, S), bool))
+  if values.shape[-2:] == (T, S) and (values == causal).all():
+    return None, True
+  return mask, False
 
 
 def flax_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout=True,
@@ -33,5 +64,35 @@ def flax_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout
   if dtype is not None:
     query, key, value = (x.astype(dtype) for x in (query, key, value))
   if mask is not None:  # Flax's masks (nnx.make_causal_mask, ...) are 0/1 floats
-    mask = mask.astype(bool)
+    mask, causal = _read_mask(mask.astype(bool), query.shape[-3], key.shape[-3])
+    is_causal = is_causal or causal
+    if mask is not None:
+      warnings.warn(
+          "flax_attention: an attention mask array takes the O(T·S) reference path, not "
+          "the kernels; for a causal mask call the layer with is_causal=True (or use "
+          "jaxsoftmax.flax_attention_fn(is_causal=True)), for padding pass lengths or "
+          "segment_ids through flax_attention_fn", stacklevel=2)
   return dot_product_attention(query, key, value, bias, mask, is_causal=is_causal, **kwargs)
+
+
+def flax_attention_fn(*, is_causal: bool = False, **options):
+  """An ``attention_fn`` for nnx with options of our own that stick: ``is_causal=True``
+  makes every call causal whatever nnx passes (its ``is_causal`` only adds to it), and
+  ``options`` (``local_window_size``, ``segment_ids``, ``logits_soft_cap``,
+  ``implementation``, ...) go to `dot_product_attention`.
+
+      nnx.MultiHeadAttention(..., attention_fn=js.flax_attention_fn(is_causal=True))
+  """
+  if not isinstance(is_causal, bool):
+    raise TypeError(f"flax_attention_fn: is_causal must be a bool, got {is_causal!r}")
+  reserved = {"bias", "mask", "dtype", "dropout_rate", "deterministic", "module"} & set(options)
+  if reserved:
+    raise TypeError(f"flax_attention_fn: {sorted(reserved)} are nnx's to pass, per call")
+
+  always_causal = is_causal
+
+  def attention_fn(query, key, value, bias=None, mask=None, *, is_causal=False, **flax):
+    return flax_attention(query, key, value, bias, mask,
+                          is_causal=is_causal or always_causal, **flax, **options)
+
+  return attention_fn

@@ -427,8 +427,7 @@ def _tangent_kernel(res, t, *, plan: _Plan):
 
 def _tangent_types(res, t, *, plan: _Plan):
   del t, plan
-  q = res[0]
-  return (jax.ShapeDtypeStruct(q.shape, q.dtype),)
+  return res[:1]  # q's type
 
 
 def _transpose_kernel(res, cts, *, plan: _Plan):
@@ -578,8 +577,10 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name,
   query, key, value = (jnp.asarray(a) for a in (query, key, value))
   P = mesh.shape[axis_name]
   per = 2 * P if layout == "zigzag" else P
-  for name, x in (("query", query), ("key", key)):
-    if x.ndim != 4 or x.shape[1] % per:
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim != 4:
+      raise ValueError(f"{op}: {name} must have rank 4 (B, T, N, H), got shape {x.shape}")
+    if x.shape[1] % per:
       raise ValueError(f"{op}: the sequence axis (1) of {name} {x.shape} must be a "
                        f"multiple of {per} ({P} devices on {axis_name!r}"
                        f"{', two chunks each (zigzag)' if layout == 'zigzag' else ''})")

@@ -772,8 +772,9 @@ def _tangent_kernel(res, t, *, sizes: _Dims, options: _Options):
 
 
 def _tangent_types(res, t, *, sizes: _Dims, options: _Options):
-  del res, t, options
-  return (jax.ShapeDtypeStruct((sizes.R,), jnp.float32),) * 2
+  del t, sizes, options
+  m = res[4]  # (R,) float32, varying over the mesh axes the inputs vary over
+  return m, m
 
 
 def _transpose_kernel(res, cts, *, sizes: _Dims, options: _Options):
@@ -895,23 +896,26 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
   if tiling is not None and not isinstance(tiling, LinearCrossEntropyTiling):
     raise TypeError(f"{op}: tiling must be a LinearCrossEntropyTiling, got {tiling!r}")
   check_labels(labels, V, ignore_index, op)
-  interpret = _backend.resolve_interpret(interpret)
-  tiling = tiling or LinearCrossEntropyTiling()
-  if hidden.dtype != jnp.float64 and tiling.forward != "triton":
-    tiling = _with_hopper_kernel(tiling, "forward", "triton",
-                                 _hopper_unsupported(hidden.dtype, tiling, interpret), op)
-
-  flat_labels = labels.reshape(-1).astype(jnp.int32)
-  if hidden.dtype == jnp.float64 or hidden.size == 0 or labels.size == 0:
-    logits = jnp.dot(hidden, weight, preferred_element_type=hidden.dtype)
+  if (hidden.dtype == jnp.float64 or hidden.size == 0 or labels.size == 0
+      or _backend.xla_by_default(interpret, kernel_asked=tiling is not None)):
+    # The XLA path: the logits (in float32 at least) in memory, then the reference loss.
+    acc = jnp.promote_types(hidden.dtype, jnp.float32)
+    logits = jnp.dot(hidden, weight, preferred_element_type=acc)
     if bias is not None:
-      logits = logits + bias.reshape((1,) * (logits.ndim - 1) + (V,))
+      logits = logits + bias.astype(acc).reshape((1,) * (logits.ndim - 1) + (V,))
     if logit_soft_cap is not None:
       logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
     loss = reference.cross_entropy(logits, labels, ignore_index=ignore_index,
                                    label_smoothing=label_smoothing, z_loss=z_loss,
                                    reduction=reduction)
     return (loss, reference.logsumexp(logits, axis=-1)) if return_lse else loss
+
+  interpret = _backend.resolve_interpret(interpret)
+  tiling = tiling or LinearCrossEntropyTiling()
+  if tiling.forward != "triton":
+    tiling = _with_hopper_kernel(tiling, "forward", "triton",
+                                 _hopper_unsupported(hidden.dtype, tiling, interpret), op)
+  flat_labels = labels.reshape(-1).astype(jnp.int32)
   dims = _Dims(flat_labels.size, H, V, tiling)
   if tiling.dlogits != "xla":
     # By default the Hopper kernel where it runs: it saves XLA's float32 logits and their

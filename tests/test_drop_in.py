@@ -1,0 +1,421 @@
+"""Every op inside the JAX programs users bring: NaN in any input, x64 mode,
+`jax.shard_map` with its default ``check_vma=True``, forward mode and second order (or
+the clear error), and the XLA path a CPU takes by default. One table of ops; each test
+runs on every entry, on the interpreted kernels here and, in its ``_gpu`` twin, on the
+compiled ones (the Mosaic GPU kernels included, for 16-bit inputs on a Hopper GPU)."""
+
+import functools
+import subprocess
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import jaxsoftmax as js
+from jaxprs import kernel_names
+from tolerance import assert_same_derivatives
+
+ON_GPU = jax.default_backend() == "gpu"
+EPS = 1e-6
+
+
+def _norm_ref(x, scale, bias, *, rms):
+  x32 = x.astype(jnp.float32)
+  if rms:
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + EPS) * scale[None]
+  else:
+    mean = jnp.mean(x32, -1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(jnp.var(x32, -1, keepdims=True) + EPS) * scale[None]
+    y = y + bias[None]
+  return y.astype(x.dtype)
+
+
+def _attention_inputs(key, dtype, batch=2):
+  kq, kk, kv = jax.random.split(key, 3)
+  return (jax.random.normal(kq, (batch, 19, 4, 64), dtype),
+          jax.random.normal(kk, (batch, 19, 2, 64), dtype),
+          jax.random.normal(kv, (batch, 19, 2, 64), dtype))
+
+
+def _rows(key, dtype, rows=8):
+  return (3 * jax.random.normal(key, (rows, 37))).astype(dtype)
+
+
+def _labels(rows=8):
+  return jnp.arange(rows) % 37
+
+
+class Op:
+  """One op of the table: ``inputs(key, dtype, rows)`` its arguments (the first is
+  differentiated and gets the NaN), ``ours(*args, **kernel_options)``, ``theirs(*args)``
+  the jax.nn / optax / Flax twin, and the PartitionSpecs of its arguments when their
+  leading axis is sharded."""
+
+  def __init__(self, inputs, ours, theirs, specs):
+    self.inputs, self.ours, self.theirs, self.specs = inputs, ours, theirs, specs
+
+
+ROWS, SHARED = PartitionSpec("x"), PartitionSpec()
+OPS = {
+    "softmax": Op(lambda k, d, r: (_rows(k, d, r),), js.softmax, jax.nn.softmax, (ROWS,)),
+    "log_softmax": Op(lambda k, d, r: (_rows(k, d, r),), js.log_softmax, jax.nn.log_softmax,
+                      (ROWS,)),
+    "logsumexp": Op(lambda k, d, r: (_rows(k, d, r),),
+                    lambda x, **kw: js.logsumexp(x, axis=-1, **kw),
+                    lambda x: jax.nn.logsumexp(x, axis=-1), (ROWS,)),
+    "cross_entropy": Op(
+        lambda k, d, r: (_rows(k, d, r), _labels(r)),
+        lambda x, y, **kw: js.cross_entropy(x, y, reduction="none", **kw),
+        lambda x, y: optax.softmax_cross_entropy_with_integer_labels(
+            x.astype(jnp.float32), y), (ROWS, ROWS)),
+    "linear_cross_entropy": Op(
+        lambda k, d, r: ((jax.random.normal(k, (r, 16))).astype(d),
+                         jax.random.normal(jax.random.fold_in(k, 1), (16, 37)).astype(d),
+                         _labels(r)),
+        lambda h, w, y, **kw: js.linear_cross_entropy(h, w, y, reduction="none", **kw),
+        lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(
+            jnp.dot(h, w, preferred_element_type=jnp.float32), y), (ROWS, SHARED, ROWS)),
+    "layer_norm": Op(
+        lambda k, d, r: (_rows(k, d, r), jnp.linspace(0.5, 1.5, 37, dtype=jnp.float32),
+                         jnp.linspace(-0.1, 0.1, 37, dtype=jnp.float32)),
+        lambda x, s, b, **kw: js.layer_norm(x, s, b, epsilon=EPS, **kw),
+        functools.partial(_norm_ref, rms=False), (ROWS, SHARED, SHARED)),
+    "rms_norm": Op(
+        lambda k, d, r: (_rows(k, d, r), jnp.linspace(0.5, 1.5, 37, dtype=jnp.float32)),
+        lambda x, s, **kw: js.rms_norm(x, s, epsilon=EPS, **kw),
+        lambda x, s: _norm_ref(x, s, None, rms=True), (ROWS, SHARED)),
+    "dot_product_attention": Op(
+        lambda k, d, r: _attention_inputs(k, d, r),
+        lambda q, k, v, **kw: js.dot_product_attention(q, k, v, is_causal=True, **kw),
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+        (ROWS, ROWS, ROWS)),
+}
+REVERSE_ONLY = ("linear_cross_entropy",)  # forward mode and second order: a clear error
+
+
+def _kernels(interpret: bool) -> dict:
+  """The options that run the kernels: interpreted on a CPU, compiled on a GPU."""
+  return dict(interpret=interpret)
+
+
+def _nan_patterns_match(got, want, what):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.isnan(np.asarray(g, np.float32)),
+                                  np.isnan(np.asarray(w, np.float32)), err_msg=what)
+
+
+def _loss(fn):
+  """A scalar of fn's outputs (differentiable in the first argument)."""
+  return lambda first, *rest: sum(jnp.sum(jnp.sin(o.astype(jnp.float32)))
+                                  for o in jax.tree.leaves(fn(first, *rest)))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_nan_is_never_hidden(key, name, interpret=True, dtype=jnp.float32):
+  # A NaN in the first input: NaN exactly where the twin has it, and in the gradient.
+  op = OPS[name]
+  first, *rest = op.inputs(key, dtype, 8)
+  first = first.at[(3,) + (0,) * (first.ndim - 1)].set(jnp.nan)
+  ours = functools.partial(op.ours, **_kernels(interpret))
+  _nan_patterns_match(ours(first, *rest), op.theirs(first, *rest), name)
+  grad = jax.grad(_loss(ours))(first, *rest)
+  assert np.isnan(np.asarray(grad, np.float32)).any(), f"{name}: the gradient hides NaN"
+
+
+@pytest.mark.parametrize("where", ["query", "key", "value", "bias"])
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_attention_nan_in_every_input(key, where, implementation, interpret=True,
+                                      dtype=jnp.float32):
+  # NaN at position 3 of one input (for the bias, logit (3, 3)): the output and lse are
+  # NaN where jax.nn's are, on the kernels and on the reference path; gradients too.
+  q, k, v = _attention_inputs(key, dtype)
+  bias = None
+  if where == "bias":
+    bias = jnp.zeros((2, 4, 19, 19), dtype).at[0, 0, 3, 3].set(jnp.nan)
+  else:
+    q, k, v = ((x.at[0, 3, 0, 0].set(jnp.nan) if n == where else x)
+               for n, x in zip(("query", "key", "value"), (q, k, v)))
+  ours = lambda q, k, v: js.dot_product_attention(
+      q, k, v, bias, is_causal=True, implementation=implementation, return_residual=True,
+      residual_dtype=jnp.float32, **_kernels(interpret))
+  out, lse = ours(q, k, v)
+  want = jax.nn.dot_product_attention(q, k, v, bias, is_causal=True)
+  _nan_patterns_match(out, want, f"output, NaN in the {where}")
+  assert np.isnan(np.asarray(lse)).any() == (where != "value")  # lse: of the logits only
+  grads = jax.grad(lambda *a: jnp.sum(ours(*a)[0].astype(jnp.float32)), argnums=(0, 1, 2))(
+      q, k, v)
+  # (dV = Pᵀ dO does not read V: its NaN reaches dQ and dK.)
+  assert any(np.isnan(np.asarray(g, np.float32)).any() for g in grads)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_x64_mode(key, name, interpret=True, dtype=jnp.float32):
+  # jax_enable_x64 changes the default integer and float types around the kernels (their
+  # indices, Python scalars, lengths), not the results on float32 inputs.
+  op = OPS[name]
+  args = op.inputs(key, dtype, 8)
+  ours = functools.partial(op.ours, **_kernels(interpret))
+  want = jax.jit(ours)(*args)
+  with jax.enable_x64(True):
+    got = jax.jit(ours)(*args)
+    grad = jax.grad(_loss(ours))(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == w.dtype
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               rtol=2e-6, atol=2e-6)
+  assert np.isfinite(np.asarray(grad, np.float32)).all()
+
+
+def _sharded(name, mesh, options):
+  """The op inside jax.shard_map (check_vma=True, the default) over the mesh axis "x",
+  and the global inputs placed for it."""
+  op = OPS[name]
+  ours = functools.partial(op.ours, **options)
+  out_spec = ROWS
+  return jax.shard_map(ours, mesh=mesh, in_specs=op.specs, out_specs=out_spec), op
+
+
+def _placed(mesh, op, args):
+  return tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, op.specs))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_shard_map_with_check_vma(key, name, monkeypatch):
+  # On the 8 CPU devices: the XLA path runs sharded and matches one device; the kernels
+  # (interpret=False, which needs a GPU to run) trace, forward and backward, with their
+  # outputs' varying axes declared and an unsharded weight's gradient summed. Pallas'
+  # interpreter itself fails under check_vma (docs/numerics.md, "What runs where").
+  monkeypatch.delenv("JAXSOFTMAX_INTERPRET", raising=False)
+  mesh = jax.make_mesh((8,), ("x",))
+  op = OPS[name]
+  args = op.inputs(key, jnp.float32, 16)
+  local, _ = _sharded(name, mesh, {})
+  placed = _placed(mesh, op, args)
+  for got, want in zip(jax.tree.leaves(jax.jit(local)(*placed)),
+                       jax.tree.leaves(op.ours(*args))):
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+  grads = jax.jit(jax.grad(_loss(local), argnums=_float_args(args)))(*placed)
+  want = jax.grad(_loss(op.ours), argnums=_float_args(args))(*args)
+  for g, w in zip(grads, want):
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+  kernels, _ = _sharded(name, mesh, dict(interpret=False))
+  jax.jit(kernels).trace(*placed)
+  jax.jit(jax.grad(_loss(kernels), argnums=_float_args(args))).trace(*placed)
+
+
+def _float_args(args) -> tuple[int, ...]:
+  return tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
+
+
+@pytest.mark.parametrize("name", [n for n in OPS if n not in ("softmax", "log_softmax",
+                                                               "logsumexp", "cross_entropy")])
+def test_forward_mode_and_second_order(key, name, interpret=True):
+  # jax.jvp, jacfwd, jvp-of-grad and hessian as the twin's (the softmax family and
+  # cross_entropy have theirs in their own modules), or the clear error.
+  op = OPS[name]
+  attention = name == "dot_product_attention"
+  first, *rest = op.inputs(key, jnp.float32, 1 if attention else 4)
+  ours = lambda x: _loss(functools.partial(op.ours, **_kernels(interpret)))(x, *rest)
+  theirs = lambda x: _loss(op.theirs)(x, *rest)
+  if name in REVERSE_ONLY:
+    for transform in (lambda f: jax.jvp(f, (first,), (first,)), lambda f: jax.hessian(f)(first),
+                      lambda f: jax.jvp(jax.grad(f), (first,), (first,))):
+      with pytest.raises(NotImplementedError, match="reverse mode .* only"):
+        transform(ours)
+    return
+  # The attention's Hessian at 2 queries (of 19 keys): 512 x 512 entries.
+  assert_same_derivatives(ours, theirs, first, hessian_at=first[:, :2] if attention else None)
+
+
+def test_ring_attention_reverse_mode_only(key):
+  mesh = jax.make_mesh((2,), ("sp",), devices=jax.devices()[:2])
+  spec = PartitionSpec(None, "sp")
+  q, k, v = _attention_inputs(key, jnp.float32)
+  q, k, v = (jax.device_put(x[:, :18], NamedSharding(mesh, spec)) for x in (q, k, v))
+  ring = jax.shard_map(functools.partial(js.ring_attention, axis_name="sp", is_causal=True),
+                       mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+  loss = jax.jit(lambda q, k, v: jnp.sum(ring(q, k, v)))
+  with jax.set_mesh(mesh):  # the scalar loss lives on the mesh
+    assert np.isfinite(jax.grad(loss)(q, k, v)).all()
+    for transform in (lambda: jax.jvp(loss, (q, k, v), (q, k, v)),
+                      lambda: jax.hessian(loss)(q, k, v)):
+      with pytest.raises(NotImplementedError, match="ring_attention is differentiable in "
+                                                    "reverse mode"):
+        transform()
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_xla_path_by_default_off_a_gpu(key, name, monkeypatch):
+  # Without a GPU and without a request for the kernels, no Pallas kernel runs: the XLA
+  # path, with the kernels' results (here interpreted) to rounding.
+  if ON_GPU:
+    pytest.skip("on a GPU the default is the compiled kernels")
+  monkeypatch.delenv("JAXSOFTMAX_INTERPRET", raising=False)
+  op = OPS[name]
+  args = op.inputs(key, jnp.float32, 8)
+  loss = _loss(op.ours)
+  assert kernel_names(jax.make_jaxpr(jax.value_and_grad(loss))(*args).jaxpr) == []
+  value, grad = jax.value_and_grad(loss)(*args)
+  want_value, want_grad = jax.value_and_grad(_loss(functools.partial(op.ours,
+                                                                     interpret=True)))(*args)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_xla_path_is_fast_on_a_cpu(monkeypatch):
+  # What took 88 s (softmax) and 257 s (the gradient of cross_entropy) interpreted.
+  if ON_GPU:
+    pytest.skip("on a GPU the default is the compiled kernels")
+  monkeypatch.delenv("JAXSOFTMAX_INTERPRET", raising=False)
+  x = jax.random.normal(jax.random.PRNGKey(0), (2048, 32000))
+  labels = jnp.arange(2048) % 32000
+  start = time.perf_counter()
+  jax.block_until_ready(js.softmax(x))
+  jax.block_until_ready(jax.grad(lambda x: js.cross_entropy(x, labels))(x))
+  assert time.perf_counter() - start < 30
+
+
+def test_naming_a_kernel_runs_it_off_a_gpu(monkeypatch):
+  # A tiling or a kernel backend asks for the kernels: interpreted off a GPU.
+  monkeypatch.delenv("JAXSOFTMAX_INTERPRET", raising=False)
+  x = jnp.ones((4, 40))
+  softmax = functools.partial(js.softmax, tiling=js.RowTiling("online", 1, 16))
+  assert kernel_names(jax.make_jaxpr(softmax)(x).jaxpr) == ["softmax_online"]
+  q = jnp.ones((1, 8, 2, 16))
+  assert js.attention_kernels(q, q, q, implementation="triton") == ("triton", "triton")
+  if not ON_GPU:
+    assert js.attention_kernels(q, q, q) == ("xla", "xla")
+
+
+def test_errors_name_the_argument():
+  q = jnp.zeros((2, 8, 4, 16))
+  with pytest.raises(ValueError, match=r"mask of shape \(3, 5\) must broadcast to"):
+    js.dot_product_attention(q, q, q, mask=jnp.ones((3, 5), bool))
+  with pytest.raises(ValueError, match=r"bias of shape \(2, 4, 8, 9\) must broadcast"):
+    js.dot_product_attention(q, q, q, bias=jnp.zeros((2, 4, 8, 9)))
+  with pytest.raises(ValueError, match=r"merge_states: .* m_b \(4,\)"):
+    js.merge_states(jnp.zeros(3), jnp.ones(3), jnp.zeros(4), jnp.ones(4))
+  mesh = jax.make_mesh((2,), ("sp",))
+  with pytest.raises(ValueError, match=r"query must have rank 4 \(B, T, N, H\)"):
+    js.context_parallel_attention(q[0], q[0], q[0], mesh=mesh, axis_name="sp")
+
+
+# --- Flax ------------------------------------------------------------------------------
+
+
+def _mha(attention_fn=None):
+  """nnx's attention layer on ``attention_fn`` (None: Flax's own)."""
+  from flax import nnx
+  options = {} if attention_fn is None else dict(attention_fn=attention_fn)
+  return nnx.MultiHeadAttention(num_heads=2, in_features=32, qkv_features=32, decode=False,
+                                rngs=nnx.Rngs(0), **options)
+
+
+def test_flax_attention_fn_options_stick(key):
+  # nnx passes is_causal=False on every call: flax_attention_fn(is_causal=True) is causal
+  # anyway; the layer's own is_causal=True also reaches the kernels.
+  x = jax.random.normal(key, (2, 11, 32))
+  causal = _mha()(x, is_causal=True)
+  fixed = _mha(js.flax_attention_fn(is_causal=True, implementation="triton"))(x)
+  per_call = _mha(js.flax_attention)(x, is_causal=True)
+  np.testing.assert_allclose(fixed, causal, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(per_call, causal, rtol=2e-5, atol=2e-5)
+  with pytest.raises(TypeError, match="nnx's to pass"):
+    js.flax_attention_fn(mask=None)
+
+
+def test_flax_masks(key):
+  # A concrete causal mask (nnx.make_causal_mask) becomes is_causal=True, silently; a
+  # mask the kernels cannot take warns that it costs the reference path.
+  from flax import nnx
+  x = jax.random.normal(key, (2, 11, 32))
+  layer = _mha(js.flax_attention)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)
+    got = layer(x, mask=nnx.make_causal_mask(x[..., 0]))
+  np.testing.assert_allclose(got, _mha()(x, is_causal=True), rtol=2e-5, atol=2e-5)
+  padding = nnx.make_attention_mask(jnp.arange(11) < 7, jnp.arange(11) < 7)
+  with pytest.warns(UserWarning, match="reference path"):
+    layer(x, mask=jnp.broadcast_to(padding, (2, 1, 11, 11)))
+
+
+def test_nnx_norms_take_a_residual(key):
+  from flax import nnx
+  x, r = jax.random.normal(key, (2, 3, 16)), jax.random.normal(jax.random.fold_in(key, 1),
+                                                               (2, 3, 16))
+  for ours, theirs in ((js.nnx.LayerNorm, nnx.LayerNorm), (js.nnx.RMSNorm, nnx.RMSNorm)):
+    y, h = ours(16, rngs=nnx.Rngs(0))(x, residual=r)
+    np.testing.assert_allclose(h, x + r, rtol=1e-6)
+    np.testing.assert_allclose(y, theirs(16, rngs=nnx.Rngs(0))(x + r), rtol=2e-5, atol=2e-5)
+
+
+def test_nnx_is_an_attribute_after_import():
+  # A fresh interpreter: nnx is loaded on first use of js.nnx, not before.
+  script = ("import sys, jaxsoftmax as js; assert 'jaxsoftmax.nnx' not in sys.modules;"
+            "print(js.nnx.LayerNorm.__name__)")
+  run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       check=True)
+  assert run.stdout.strip() == "LayerNorm"
+
+
+# --- the compiled kernels ----------------------------------------------------------------
+
+
+GPU_DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", OPS)
+def test_nan_is_never_hidden_gpu(key, name, dtype):
+  test_nan_is_never_hidden(key, name, interpret=False, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("where", ["query", "key", "value", "bias"])
+def test_attention_nan_in_every_input_gpu(key, where, dtype):
+  test_attention_nan_in_every_input(key, where, None, interpret=False, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", OPS)
+def test_x64_mode_gpu(key, name, dtype):
+  test_x64_mode(key, name, interpret=False, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", OPS)
+def test_shard_map_with_check_vma_gpu(key, name, dtype):
+  # The compiled kernels inside shard_map(check_vma=True) on a mesh of every GPU, forward
+  # and backward, against one unsharded call.
+  mesh = jax.make_mesh((jax.device_count(),), ("x",))
+  op = OPS[name]
+  args = op.inputs(key, dtype, 8 * jax.device_count())
+  local, _ = _sharded(name, mesh, {})
+  placed = _placed(mesh, op, args)
+  for got, want in zip(jax.tree.leaves(jax.jit(local)(*placed)),
+                       jax.tree.leaves(op.ours(*args))):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-2, atol=1e-2)
+  floats = _float_args(args)
+  grads = jax.jit(jax.grad(_loss(local), argnums=floats))(*placed)
+  want = jax.grad(_loss(op.ours), argnums=floats)(*args)
+  for g, w in zip(grads, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n in OPS if n not in ("softmax", "log_softmax",
+                                                               "logsumexp", "cross_entropy")])
+def test_forward_mode_and_second_order_gpu(key, name):
+  test_forward_mode_and_second_order(key, name, interpret=False)
