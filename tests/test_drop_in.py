@@ -205,8 +205,10 @@ def test_shard_map_with_check_vma(key, name, monkeypatch):
   for g, w in zip(grads, want):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
   kernels, _ = _sharded(name, mesh, dict(interpret=False))
-  jax.jit(kernels).trace(*placed)
-  jax.jit(jax.grad(_loss(kernels), argnums=_float_args(args))).trace(*placed)
+  for dtype in (jnp.float32, jnp.bfloat16):  # the 16-bit paths too (a chunked backward)
+    placed = _placed(mesh, op, op.inputs(key, dtype, 16))
+    jax.jit(kernels).trace(*placed)
+    jax.jit(jax.grad(_loss(kernels), argnums=_float_args(args))).trace(*placed)
 
 
 def _float_args(args) -> tuple[int, ...]:
@@ -418,4 +420,6 @@ def test_shard_map_with_check_vma_gpu(key, name, dtype):
 @pytest.mark.parametrize("name", [n for n in OPS if n not in ("softmax", "log_softmax",
                                                                "logsumexp", "cross_entropy")])
 def test_forward_mode_and_second_order_gpu(key, name):
-  test_forward_mode_and_second_order(key, name, interpret=False)
+  # The twins' float32 products in full float32, not the GPU's default TF32.
+  with jax.default_matmul_precision("float32"):
+    test_forward_mode_and_second_order(key, name, interpret=False)

@@ -14,13 +14,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxsoftmax._backend import varying_like
+from jaxsoftmax._backend import vary_over, varying_axes, varying_like
 
 __all__ = ["pl", "plgpu", "hopper_device", "device_description", "pad_to", "compiler_params",
-           "gpu_kernel", "SMEM_BYTES"]
+           "gpu_kernel", "rem32", "div32", "SMEM_BYTES"]
 
 # Shared memory an H100/H200 block may use, in bytes.
 SMEM_BYTES = 227 * 1024
@@ -48,12 +49,25 @@ def compiler_params(softcap) -> plgpu.CompilerParams:
                               reduction_scratch_bytes=0)
 
 
+def rem32(a, b):
+  """lax.rem on int32 operands: under jax_enable_x64 a Python int divisor becomes int64,
+  which lax.rem will not mix with the kernels' int32 indices."""
+  return lax.rem(lax.convert_element_type(a, jnp.int32), lax.convert_element_type(b, jnp.int32))
+
+
+def div32(a, b):
+  """lax.div on int32 operands (see `rem32`)."""
+  return lax.div(lax.convert_element_type(a, jnp.int32), lax.convert_element_type(b, jnp.int32))
+
+
 def gpu_kernel(body, *, out_type, **options):
   """``plgpu.kernel(body, out_type=..., **options)``, its outputs declared to vary over
   the mesh axes its operands vary over (`jaxsoftmax._backend.varying_like`), so that it
   runs inside `jax.shard_map` with ``check_vma=True``."""
   def call(*args):
-    return plgpu.kernel(body, out_type=varying_like(out_type, args), **options)(*args)
+    outs = plgpu.kernel(body, out_type=varying_like(out_type, args), **options)(*args)
+    # JAX 0.11's plgpu.kernel returns invariant outputs whatever out_type says.
+    return vary_over(outs, varying_axes(args))
   return call
 
 

@@ -621,6 +621,8 @@ def _backward_chunked(x, w, b, rows: _Rows, dims: _Dims, options: _Options):
 
   init = (jnp.zeros((dims.R, dims.H), jnp.float32), jnp.zeros(w.shape, w.dtype),
           None if b is None else jnp.zeros((dims.V,), jnp.float32))
+  # The accumulators vary over the mesh axes their summands do (inside jax.shard_map).
+  init = _backend.vary_over(init, _backend.varying_axes(x, w, b, rows))
   (dx, dw, db), _ = lax.scan(step, init, jnp.arange(n_chunks, dtype=jnp.int32))
   return dx, dw, db
 

@@ -50,8 +50,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax import _backend
-from jaxsoftmax._backend.mosaic_gpu import (SMEM_BYTES, compiler_params, gpu_kernel, pad_to, pl,
-                                           plgpu)
+from jaxsoftmax._backend.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
+                                           pad_to, pl, plgpu, rem32)
 from jaxsoftmax.inputs import check_optional_positive_int
 
 __all__ = ["DlogitsInputs", "dlogits", "dlogits_inputs", "dlogits_smem_bytes", "forward",
@@ -201,8 +201,8 @@ def _produce(ring: _Ring, x_ref, w_ref, tiles, origin, bv: int):
 
   @pl.loop(0, tiles * chunks)
   def _(g):
-    s = lax.rem(g, stages)
-    t, c = lax.div(g, chunks), lax.rem(g, chunks)
+    s = rem32(g, stages)
+    t, c = div32(g, chunks), rem32(g, chunks)
     r0, vocab_tile = origin(t)
     hidden = pl.ds(c * _BLOCK_HIDDEN, _BLOCK_HIDDEN)
     pl.when(g >= stages)(lambda: plgpu.barrier_wait(ring.free.at[s]))
@@ -216,7 +216,7 @@ def _produce(ring: _Ring, x_ref, w_ref, tiles, origin, bv: int):
   # observed before they are deallocated (Pallas' Mosaic GPU interpreter checks that).
   @pl.loop(tiles * chunks, tiles * chunks + stages)
   def _(g):
-    pl.when(g >= stages)(lambda: plgpu.barrier_wait(ring.free.at[lax.rem(g, stages)]))
+    pl.when(g >= stages)(lambda: plgpu.barrier_wait(ring.free.at[rem32(g, stages)]))
 
 
 def _safe(m):
@@ -233,16 +233,16 @@ def _tile_logits(ring: _Ring, wg, t, bv: int):
   def products(acc_ref):
     @pl.loop(0, chunks)
     def _(c):
-      s = lax.rem(step0 + c, stages)
+      s = rem32(step0 + c, stages)
       plgpu.barrier_wait(ring.loaded.at[s])
       plgpu.wgmma(acc_ref, ring.x_smem.at[s, wg], ring.w_smem.at[s])
       # Keep this product in flight; the previous one is done: free its slot.
       plgpu.wgmma_wait(1)
       pl.when(c > 0)(lambda: plgpu.barrier_arrive(
-          ring.free.at[lax.rem(step0 + c - 1, stages)]))
+          ring.free.at[rem32(step0 + c - 1, stages)]))
 
     plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(ring.free.at[lax.rem(step0 + chunks - 1, stages)])
+    plgpu.barrier_arrive(ring.free.at[rem32(step0 + chunks - 1, stages)])
     return acc_ref[...]
 
   return pl.run_scoped(products, plgpu.ACC((_BLOCK_ROWS, bv), jnp.float32))

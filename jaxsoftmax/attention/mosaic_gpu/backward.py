@@ -55,8 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax._backend.mosaic_gpu import (SMEM_BYTES, compiler_params, gpu_kernel, pad_to, pl,
-                                           plgpu)
+from jaxsoftmax._backend.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
+                                           pad_to, pl, plgpu, rem32)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
@@ -229,7 +229,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     def head(g, carry):
       def block(i, carry, *, masked: bool):
         step_index = g * blocks_per_head + i - lo
-        step(i, query_head(g), step_index, lax.rem(step_index, stages), masked=masked)
+        step(i, query_head(g), step_index, rem32(step_index, stages), masked=masked)
         return carry
       return walk_block_ranges(ranges, block, carry)
     lax.fori_loop(0, group, head, 0)
@@ -294,7 +294,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           plgpu.wgmma(dv_acc, p.astype(do_ring.dtype), do_ring.at[s])
           plgpu.wgmma_wait(0)  # dV's product has read dO
           plgpu.barrier_arrive(slot_free.at[s])
-          buf = lax.rem(step_index, n_buffers)
+          buf = rem32(step_index, n_buffers)
           plgpu.barrier_wait(ds_ready.at[buf])
 
           def chunk(acc, *, columns):
@@ -326,7 +326,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           delta = plgpu.load(delta_ring.at[s], layout=_COL)
           ds_terms = score_grad_terms(score_grad(p, dp, _cols(delta, shape), tanh),
                                       q_ring.dtype)
-          buf = lax.rem(step_index, n_buffers)
+          buf = rem32(step_index, n_buffers)
           pl.when(step_index >= n_buffers)(lambda: plgpu.barrier_wait(ds_free.at[buf]))
           for t, term in enumerate(ds_terms):
             ds_smem.at[buf, t][...] = term
@@ -385,7 +385,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         """This consumer's chunks of dQ for query block i of head n: dSᵀ goes to shared
         memory, and once both consumers' halves are there, dQ = dS K over the CTA's keys
         in 64-column chunks, each added into the float32 dQ by TMA."""
-        buf = lax.rem(step_index, 2)
+        buf = rem32(step_index, 2)
         for t, term in enumerate(ds_terms):
           ds_smem.at[buf, t, wg][...] = term
         plgpu.commit_smem()  # dSᵀ visible to both consumers' products
@@ -399,7 +399,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           return acc[...]
 
         for c in range(n_chunks):  # chunk c of this step's dQ is consumer (c + step)'s
-          pl.when(lax.rem(step_index + c, _CONSUMERS) == wg)(
+          pl.when(rem32(step_index + c, _CONSUMERS) == wg)(
               lambda c=c: add_dq_chunk(chunk, dq_smem.at[wg], i, n, c))
 
       walk_steps(step)
@@ -428,7 +428,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
       def block(i, carry):
         step_index = g * blocks_per_head + i - lo
-        s = lax.rem(step_index, stages)
+        s = rem32(step_index, stages)
         rows = pl.ds(i * bq, bq)
         pl.when(step_index >= stages)(lambda: plgpu.barrier_wait(slot_free.at[s]))
         plgpu.copy_gmem_to_smem(q_ref.at[b, rows, n], q_ring.at[s], q_loaded.at[s])
@@ -468,7 +468,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
   lo, hi = ranges[0], ranges[3]
 
   def slot(j):
-    return lax.rem(j - lo, stages)
+    return rem32(j - lo, stages)
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
@@ -538,7 +538,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
       rows = (b, pl.ds(q0 + c * bq, bq), n)
       plgpu.copy_gmem_to_smem(q_ref.at[rows], q_tiles.at[c], q_loaded.at[c])
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_tiles.at[c], q_loaded.at[c])
-    kv_head = lax.div(n, group)
+    kv_head = div32(n, group)
 
     @pl.loop(lo, hi)
     def _(j):

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax import _backend
-from jaxsoftmax._backend.mosaic_gpu import (SMEM_BYTES, compiler_params, gpu_kernel, pad_to, pl,
-                                           plgpu)
+from jaxsoftmax._backend.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
+                                           pad_to, pl, plgpu, rem32)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
@@ -164,7 +164,7 @@ class _Work:
       return cta
     # Items come heaviest first; alternating the direction of the rounds (a snake)
     # pairs each CTA's heavier items with lighter ones.
-    return jnp.where(lax.rem(i, 2) == 0, cta, self.ctas - 1 - cta)
+    return jnp.where(rem32(i, 2) == 0, cta, self.ctas - 1 - cta)
 
   def item_count(self, cta):
     """How many items the persistent CTA ``cta`` walks."""
@@ -175,11 +175,11 @@ class _Work:
     """(b, n, tile) of the persistent CTA's item i."""
     w = i * self.ctas + self._position(cta, i)
     if self.causal:  # the tiles that walk the most key blocks first, as in the grid
-      rank, rest = lax.div(w, self.heads * self.batch), lax.rem(w, self.heads * self.batch)
-      return lax.div(rest, self.heads), lax.rem(rest, self.heads), self.q_tiles - 1 - rank
+      rank, rest = div32(w, self.heads * self.batch), rem32(w, self.heads * self.batch)
+      return div32(rest, self.heads), rem32(rest, self.heads), self.q_tiles - 1 - rank
     # The grid's order: heads fastest, then query tiles, then batch rows.
-    n, rest = lax.rem(w, self.heads), lax.div(w, self.heads)
-    return lax.div(rest, self.q_tiles), n, lax.rem(rest, self.q_tiles)
+    n, rest = rem32(w, self.heads), div32(w, self.heads)
+    return div32(rest, self.q_tiles), n, rem32(rest, self.q_tiles)
 
 
 def split_aux_refs(refs, aux_present):
@@ -229,7 +229,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
       row0 = q0 + wg * bq
 
       def slot(j):  # the ring runs on across the CTA's items
-        return lax.rem(consumed + j - lo, stages)
+        return rem32(consumed + j - lo, stages)
 
       q_seg = None
       if q_seg_ref is not None:
@@ -324,7 +324,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       # With no output tiles, the query tile takes the output: all products are done.
       out_tile[...] = o.astype(out_tile.dtype)
-      m_smem[...] = jnp.where(some, m, -jnp.inf)
+      # A NaN l makes m NaN too: the GPU's max skips NaN, and lse and the backward's P
+      # must carry it (docs/numerics.md).
+      m_smem[...] = jnp.where(some, jnp.where(l == l, m, jnp.nan), -jnp.inf)
       log2_l_smem[...] = jnp.log2(jnp.where(some, l, 1.0))
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(out_tile, o_ref.at[b, pl.ds(row0, bq), n])
@@ -347,11 +349,11 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
     def item_body(i, item, issued):
       b, n, _ = item
       q0, _, _, (lo, _, _, hi) = item_ranges(item)
-      kv_head = lax.div(n, group)
+      kv_head = div32(n, group)
 
       def load_kv(j):
         g = issued + j - lo  # the ring starts empty: its first loads wait for no slot
-        s = lax.rem(g, stages)
+        s = rem32(g, stages)
         rows = (b, pl.ds(j * bkv, bkv), kv_head)
         pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[s]))
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[s], k_loaded.at[s])

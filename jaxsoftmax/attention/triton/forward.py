@@ -76,7 +76,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
   _backend.store(o_ref, o.astype(o_ref.dtype), mask=q_tile_mask)
   if o32_ref:
     _backend.store(o32_ref[0], o, mask=q_tile_mask)
-  _backend.store(m_ref, jnp.where(some, m, -jnp.inf), mask=q_ok)
+  # A NaN l makes m NaN too: the GPU's max may skip NaN, and lse and the backward's P
+  # must carry it (docs/numerics.md).
+  _backend.store(m_ref, jnp.where(some, jnp.where(l == l, m, jnp.nan), -jnp.inf), mask=q_ok)
   _backend.store(log2_l_ref, jnp.log2(l_safe), mask=q_ok)
 
 
