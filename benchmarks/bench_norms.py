@@ -9,7 +9,8 @@ norm(h), both returned). Forward and forward + backward (the VJP for a random dy
 random cotangent of h with the residual). Minimum traffic in units of one (rows, C)
 array: plain 2 (read x, write y) and 5 with the backward (read x and dy, write dx); with
 the residual 4 and 8 (read h, dy and h's cotangent, write dx). Scale and bias are C
-values: not counted. % is of the copy ceiling.
+values: not counted. % is of the copy ceiling. 16-bit shapes also run with float32
+scale and bias ("f32 params", Flax's default param_dtype; outputs in x's dtype).
 
 ``--modes`` may add "bwd": the backward alone from the residuals each forward saved
 (`harness.pullbacks`), 3 arrays of traffic (4 with the residual), as a model pays it:
@@ -38,7 +39,9 @@ import jaxsoftmax as js
 
 SHAPES = [((4096, 4096), jnp.float32), ((16384, 8192), jnp.bfloat16),
           ((8192, 16384), jnp.float32), ((65536, 1024), jnp.bfloat16)]
-SMOKE_SHAPES = [((16, 300), jnp.float32)]
+SMOKE_SHAPES = [((16, 300), jnp.float32)]  # also tune_norms' and profile_rows'
+# This script's smoke run adds a 16-bit shape, for the float32-parameter rows.
+BENCH_SMOKE_SHAPES = SMOKE_SHAPES + [((16, 300), jnp.bfloat16)]
 EPS = 1e-6
 STEP_WIDTH = 128  # the columns of w in "step" mode's y @ w
 
@@ -67,10 +70,13 @@ def _ours(x, scale, bias, residual, *, rms):
 
 
 def _flax(x, scale, bias, residual, *, rms):
+  """Flax's module computing in x's dtype, its parameters in scale's (float32 parameters
+  with 16-bit activations: Flax's mixed precision, the params cast to x's dtype)."""
   from flax import nnx
   C = x.shape[-1]
-  module = (nnx.RMSNorm(C, epsilon=EPS, dtype=x.dtype, param_dtype=x.dtype, rngs=nnx.Rngs(0))
-            if rms else nnx.LayerNorm(C, epsilon=EPS, dtype=x.dtype, param_dtype=x.dtype,
+  module = (nnx.RMSNorm(C, epsilon=EPS, dtype=x.dtype, param_dtype=scale.dtype,
+                        rngs=nnx.Rngs(0))
+            if rms else nnx.LayerNorm(C, epsilon=EPS, dtype=x.dtype, param_dtype=scale.dtype,
                                       rngs=nnx.Rngs(0)))
   module.scale[...] = scale
   if not rms:
@@ -164,16 +170,26 @@ def _backward_alone(fn, reference, residual: bool, sets, scale, bias) -> dict:
               arg_sets=[(r, s[2], s[3]) for r, s in zip(residual_sets, sets)], truth=truth)
 
 
+def _param_dtypes(dtype) -> tuple:
+  """Parameter dtypes to measure: the activations', and for 16-bit activations also
+  float32 (Flax's default param_dtype, as mixed-precision models keep them)."""
+  return (dtype,) if jnp.dtype(dtype).itemsize == 4 else (dtype, jnp.float32)
+
+
 def bench_shape(report: harness.Report, shape, dtype):
-  sets, scale, bias, n_bytes, common = shape_inputs(report, shape, dtype)
+  sets, scale_x, bias_x, n_bytes, common = shape_inputs(report, shape, dtype)
   w = step_weight(shape, dtype)
-  for rms in (False, True):
+  for param_dtype, rms in ((p, r) for p in _param_dtypes(dtype) for r in (False, True)):
+    scale, bias = scale_x.astype(param_dtype), bias_x.astype(param_dtype)
+    suffix = "" if param_dtype == dtype else " f32 params"
     name = "rms_norm" if rms else "layer_norm"
     b = None if rms else bias
     impls = {"jaxsoftmax": _ours, "xla": jax.jit(_jnp_norm, static_argnames="rms"),
              "flax nnx": _flax, "pallas": _pallas}
+    if suffix:
+      del impls["pallas"]  # its kernels take the parameters in x's dtype
     for residual in (False, True):
-      op = name + (" +res" if residual else "")
+      op = name + (" +res" if residual else "") + suffix
       reference = functools.partial(_jnp_norm, rms=rms)
       for impl, fn in impls.items():
         if residual and impl in ("flax nnx", "pallas"):
@@ -217,5 +233,6 @@ def bench_shape(report: harness.Report, shape, dtype):
 
 
 if __name__ == "__main__":
-  harness.run("norms", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda shape, dtype, modes: 2 + len(modes) * 2 * (4 + 2))
+  harness.run("norms", __doc__, SHAPES, BENCH_SMOKE_SHAPES, bench_shape,
+              lambda shape, dtype, modes: 2 + len(modes) * 2 * (
+                  (4 + 2) + (3 + 2) * (len(_param_dtypes(dtype)) - 1)))

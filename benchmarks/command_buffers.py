@@ -63,7 +63,7 @@ def _step_time(size: dict) -> float:
 
   params = demo.init_params(jax.random.PRNGKey(0), vocab=size["vocab"], dim=size["dim"],
                             heads=size["heads"], kv_heads=size["kv_heads"],
-                            head_dim=size["head_dim"], layers=size["layers"])
+                            head_dim=size["head_dim"], layers=size["layers"], seq=size["seq"])
   state = (params, optimizer.init(params))
   tokens = demo.copy_task(jax.random.PRNGKey(1), batch=size["batch"], seq=size["seq"],
                           vocab=size["vocab"])(0)

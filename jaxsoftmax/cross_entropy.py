@@ -36,7 +36,7 @@ from jaxsoftmax import _backend, reference
 from jaxsoftmax.inputs import check_floating
 from jaxsoftmax.rowwise import RowOp, RowTiling, row_call
 from jaxsoftmax.linear_map import LinearMap
-from jaxsoftmax.state import nan_for_inf, probabilities, safe_shift, state_lse
+from jaxsoftmax.state import probabilities, safe_shift, state_lse
 
 __all__ = ["cross_entropy"]
 
@@ -152,7 +152,6 @@ def _state(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling,
       _forward_op(label_smoothing), (logits,), (first,) if label_smoothing else (),
       where=where, tiling=tiling, interpret=interpret)
   m, lse = safe_shift(m), state_lse(m, l)
-  l = nan_for_inf(l)  # a +inf logit: NaN loss and gradients (optax's), lse +inf
   label_logit = jnp.take_along_axis(
       logits, _label_index(labels, n_classes)[:, None], axis=1)[:, 0].astype(jnp.float32)
   # Differences from m first: lse - x_y would lose an ulp of |lse| to cancellation.

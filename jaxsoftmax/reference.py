@@ -76,8 +76,13 @@ def softmax(x, axis=-1, where=None):
 def log_softmax(x, axis=-1, where=None):
   """(x - m) - log(l); -inf where ``where`` is False, as jax.nn.log_softmax (NaN on a
   row holding +inf)."""
+  return _log_softmax(x, axis, where, nan_for_infinite_rows=True)
+
+
+def _log_softmax(x, axis, where, *, nan_for_infinite_rows=False):
   m, l = _state(x, axis, where)
-  l = nan_for_inf(l)
+  if nan_for_infinite_rows:
+    l = nan_for_inf(l)
   y = (x - m) - _log_l(l, axis, where)
   return y if where is None else jnp.where(where, y, -jnp.inf)
 
@@ -100,8 +105,10 @@ def cross_entropy(logits, labels, *, where=None, ignore_index=-100, label_smooth
     active = active & jnp.any(where, axis=-1)
   in_range = (labels >= 0) & (labels < n_classes)
   safe = jnp.where(in_range, labels, 0)
+  # From the raw l (not log_softmax's NaN for a row holding +inf): a +inf logit gives a
+  # loss of +inf, NaN where it is the label's, as optax's lse - label logit does.
   if where is None:
-    log_p = log_softmax(logits, axis=-1)
+    log_p = _log_softmax(logits, -1, None)
     log_p_label = jnp.take_along_axis(log_p, safe[..., None], axis=-1)[..., 0]
   else:  # log p of the label as log_softmax forms it, also where the label is masked
     m, l = _state(logits, -1, where)
@@ -109,7 +116,7 @@ def cross_entropy(logits, labels, *, where=None, ignore_index=-100, label_smooth
     log_p_label = ((label_logit - m) - _log_l(l, -1, where))[..., 0]
   loss = -(1 - label_smoothing) * log_p_label
   if label_smoothing:
-    loss = loss - label_smoothing / n_classes * jnp.sum(log_p, axis=-1)
+    loss = loss - label_smoothing / n_classes * jnp.sum(log_softmax(logits, axis=-1), axis=-1)
   if z_loss:
     loss = loss + z_loss * logsumexp(logits, axis=-1, where=where)**2
   loss = jnp.where(active, jnp.where(in_range, loss, jnp.nan), 0)

@@ -204,6 +204,20 @@ def test_nan_logits_propagate():
   assert np.isnan(loss[0]) and np.isfinite(loss[1])
 
 
+def test_positive_infinite_logit_as_optax():
+  # A row holding +inf: a loss of +inf, NaN where the label is the +inf logit (optax's
+  # lse - label logit), its lse +inf; the other rows untouched.
+  logits = jnp.zeros((3, 8)).at[0, 3].set(jnp.inf).at[1, 2].set(jnp.inf)
+  labels = jnp.array([1, 2, 2])
+  f = lambda x: js.cross_entropy(x, labels, reduction="none", return_lse=True)
+  loss, lse = f(logits)
+  want = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  np.testing.assert_array_equal(np.asarray(loss), np.asarray(want))
+  assert (lse[:2] == jnp.inf).all() and np.isfinite(lse[2])
+  grad = jax.grad(lambda x: jnp.sum(f(x)[0]))(logits)
+  assert np.isnan(grad[:2]).any(axis=1).all() and np.isfinite(grad[2]).all()
+
+
 def test_check_grads(key):
   logits = jax.random.normal(key, (5, 33))
   labels = jnp.array([0, 32, 7, -100, 3])

@@ -113,16 +113,32 @@ def test_batch_and_heads_sharded_too(key):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
 
 
-def test_ring_attention_inside_a_users_shard_map(key):
-  # The entry point a training step uses: its own shard_map, tokens kept zigzag-permuted.
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_xla_blocks(key, strategy):
+  # implementation="xla" (the default off a GPU): every block in jnp, float32.
+  _check(key, 4, B=2, N=4, K=2, segments=True, logits_soft_cap=3.0, is_causal=True,
+         layout="zigzag", strategy=strategy, implementation="xla")
+  _check(key, 4, strategy=strategy, local_window_size=(20, 7), implementation="xla")
+
+
+@pytest.mark.parametrize("implementation", ["xla", None])
+def test_ring_attention_inside_a_users_shard_map(key, monkeypatch, implementation):
+  # The entry point a training step uses: its own shard_map (JAX's default check_vma=True),
+  # tokens kept zigzag-permuted. Off a GPU the default runs the XLA blocks; Pallas'
+  # interpreter fails under check_vma (docs/numerics.md), so the kernels run there with
+  # check_vma=False.
+  monkeypatch.delenv("JAXSOFTMAX_INTERPRET", raising=False)
   P, B, T, N, H = 4, 1, 64, 2, 16
   q, k, v, do = _inputs(key, B, T, N, N, H, jnp.float32)
   mesh = _mesh(P)
   spec = jax.sharding.PartitionSpec(None, "sp")
+  kernels_interpreted = implementation is None and not ON_GPU
   local = jax.shard_map(
       functools.partial(js.ring_attention, axis_name="sp", is_causal=True, layout="zigzag",
-                        interpret=not ON_GPU),
-      mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+                        implementation=implementation,
+                        interpret=True if kernels_interpreted else None),
+      mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+      check_vma=not kernels_interpreted)
   sharding = jax.sharding.NamedSharding(mesh, spec)
   out = jax.jit(local)(*(jax.device_put(js.zigzag_permute(x, P), sharding)
                          for x in (q, k, v)))

@@ -145,6 +145,8 @@ def _extreme(kind, key, dtype):
     x = x.at[2].set(-jnp.inf)
   elif kind == "nan":  # a NaN spreads through its row only
     x = x.at[4, 17].set(jnp.nan)
+  elif kind == "pos-inf-entry":  # softmax, log_softmax: NaN rows as jax.nn; logsumexp +inf
+    x = x.at[1, 5].set(jnp.inf)
   return x.astype(dtype)
 
 
@@ -155,7 +157,8 @@ EXTREME_TILINGS = [
 ]
 
 
-EXTREME_KINDS = ["huge", "offset", "all-equal", "neg-inf-entries", "neg-inf-row", "nan"]
+EXTREME_KINDS = ["huge", "offset", "all-equal", "neg-inf-entries", "neg-inf-row", "nan",
+                 "pos-inf-entry"]
 
 
 @pytest.mark.parametrize("name", OPS)

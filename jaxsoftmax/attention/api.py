@@ -63,20 +63,29 @@ def _forward(q, k, v, aux, call: Call, backend: str, *, for_backward: bool):
 # stop_gradient, as in jax.nn).
 
 
-def _reference_output(q, k, v, aux: AuxArrays, call: Call):
-  """The reference attention's output for ``call`` (its masks from `call.spec`)."""
+def spec_window(spec) -> tuple[int, int] | None:
+  """The (left, right) window of a `MaskSpec` as jax.nn spells it (a side without a
+  bound reaches every key), or None."""
+  if spec.window_left is None and spec.window_right is None:
+    return None
+  far = spec.q_len + spec.kv_len
+  return (far if spec.window_left is None else spec.window_left,
+          far if spec.window_right is None else spec.window_right)
+
+
+def reference_attention(q, k, v, aux: AuxArrays, call: Call):
+  """(out, lse (B, T, N) float32) of the reference attention for ``call``, its masks
+  from `call.spec`."""
   spec = call.spec
-  window = None
-  if spec.window_left is not None or spec.window_right is not None:
-    far = spec.q_len + spec.kv_len  # a side without a bound reaches every key
-    window = (far if spec.window_left is None else spec.window_left,
-              far if spec.window_right is None else spec.window_right)
-  out, _ = reference.dot_product_attention(
+  return reference.dot_product_attention(
       q, k, v, scale=call.scale, is_causal=spec.is_causal,
       query_seq_lengths=aux.q_lengths, key_value_seq_lengths=aux.kv_lengths,
-      local_window_size=window, logits_soft_cap=call.softcap, q_segments=aux.q_segments,
-      kv_segments=aux.kv_segments)
-  return out
+      local_window_size=spec_window(spec), logits_soft_cap=call.softcap,
+      q_segments=aux.q_segments, kv_segments=aux.kv_segments)
+
+
+def _reference_output(q, k, v, aux: AuxArrays, call: Call):
+  return reference_attention(q, k, v, aux, call)[0]
 
 
 def _tangent_twin(res, t, *, call: Call, backend: str):

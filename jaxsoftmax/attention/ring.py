@@ -47,7 +47,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxsoftmax import _backend
+from jaxsoftmax import _backend, reference
 from jaxsoftmax.attention import api, logits
 from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
@@ -194,6 +194,10 @@ class _Plan:
 def _block_forward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg):
   """(o in float32 (B, T, N, H), lse (B, T, N)) of one kernel call."""
   call = plan.call(piece)
+  if plan.implementation == "xla":  # the reference, in float32
+    f32 = lambda x: x.astype(jnp.float32)
+    return api.reference_attention(f32(q), f32(k), f32(v),
+                                   AuxArrays(q_segments=q_seg, kv_segments=kv_seg), call)
   backend = api.select_backend(plan.implementation, call)
   o, m, log2_l, *o32 = backend.fwd(q, k, v, AuxArrays(q_segments=q_seg, kv_segments=kv_seg),
                                    call, float32_output=q.dtype != jnp.float32)
@@ -206,6 +210,8 @@ def _block_backward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg, delta, l
   """float32 (dq, dk, dv) of one kernel call, from the global lse and
   delta = rowsum(dO ∘ O) of the global output, both (B, T, N)."""
   call = plan.call(piece)
+  if plan.implementation == "xla":
+    return _xla_block_backward(call, q, k, v, q_seg, kv_seg, delta, lse, do)
   # The kernels take the lse as (m, log2 l) with lse = m · factor + log(l).
   factor = logits.Logits(plan.scale, plan.softcap, fused=False).factor
   m = jnp.transpose(lse, (0, 2, 1)) / factor
@@ -214,6 +220,39 @@ def _block_backward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg, delta, l
   return backward.bwd(q, k, v, None, m, jnp.zeros_like(m), do,
                       AuxArrays(q_segments=q_seg, kv_segments=kv_seg), call,
                       grad_dtype=jnp.float32, delta=jnp.transpose(delta, (0, 2, 1)))
+
+
+def _xla_block_backward(call: Call, q, k, v, q_seg, kv_seg, delta, lse, do):
+  """`_block_backward` in jnp, float32 (FlashAttention-2's backward, docs/math.md): from
+  the global lse and delta, P = exp(logits - lse), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - delta)
+  (times 1 - tanh² under a soft cap), dQ = dS K · scale, dK = dSᵀ Q · scale."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  q, do = (x.astype(jnp.float32).reshape(B, T, K, N // K, H) for x in (q, do))
+  k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+  rows = lambda x: x.reshape(B, T, K, N // K).transpose(0, 2, 3, 1)[..., None]  # B K G T 1
+  x = jnp.einsum("btkgh,bskh->bkgts", q, k, precision=lax.Precision.HIGHEST)
+  tanh = None
+  if call.softcap is None:
+    x = x * call.scale
+  else:
+    tanh = jnp.tanh(x * (call.scale / call.softcap))
+    x = call.softcap * tanh
+  spec = call.spec
+  allowed = reference.attention_mask(T, S, is_causal=spec.is_causal,
+                                     local_window_size=api.spec_window(spec),
+                                     q_segments=q_seg, kv_segments=kv_seg, batch=B)
+  finite = jnp.isfinite(rows(lse))  # a row with no allowed key has lse -inf: P = 0
+  p = jnp.where(allowed[:, :, None] & finite, jnp.exp(x - jnp.where(finite, rows(lse), 0)),
+                0.0)
+  dv = jnp.einsum("bkgts,btkgh->bskh", p, do, precision=lax.Precision.HIGHEST)
+  ds = p * (jnp.einsum("btkgh,bskh->bkgts", do, v, precision=lax.Precision.HIGHEST)
+            - rows(delta))
+  if tanh is not None:
+    ds = ds * (1 - tanh * tanh)
+  dq = jnp.einsum("bkgts,bskh->btkgh", ds, k, precision=lax.Precision.HIGHEST) * call.scale
+  dk = jnp.einsum("bkgts,btkgh->bskh", ds, q, precision=lax.Precision.HIGHEST) * call.scale
+  return dq.reshape(B, T, N, H), dk, dv
 
 
 def _rows(x, piece: _Piece):
@@ -507,8 +546,9 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
       only keys of its segment (packed sequences).
     logits_soft_cap, local_window_size: as `jaxsoftmax.dot_product_attention` (the
       window in global positions).
-    implementation: the forward's kernel backend, as `dot_product_attention` ("xla" is
-      not one); the backward is the one that pairs with it (see above).
+    implementation: the forward's kernel backend, as `dot_product_attention`; the
+      backward is the one that pairs with it (see above). "xla": every block in jnp,
+      float32 (the default off a GPU).
     block_sizes: tiles for the forward's backend, as `dot_product_attention`.
     interpret: run the kernels in Pallas interpret mode (the Triton backend).
     deterministic: as `dot_product_attention`: gradients bit-identical from run to run
@@ -529,10 +569,12 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
     raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
   if strategy not in STRATEGIES:
     raise ValueError(f"{op}: strategy must be one of {STRATEGIES}, got {strategy!r}")
-  if implementation not in api.IMPLEMENTATIONS or implementation == "xla":
-    raise ValueError(f"{op}: implementation must be one of "
-                     f"{tuple(i for i in api.IMPLEMENTATIONS if i != 'xla')}, got "
+  if implementation not in api.IMPLEMENTATIONS:
+    raise ValueError(f"{op}: implementation must be one of {api.IMPLEMENTATIONS}, got "
                      f"{implementation!r}")
+  if implementation is None and _backend.xla_by_default(
+      interpret, kernel_asked=block_sizes is not None):
+    implementation = "xla"  # off a GPU: the blocks in jnp (`_xla_block_backward`)
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"{op}: logits_soft_cap must be > 0, got {logits_soft_cap!r}")
   window = api._window(local_window_size, op)
@@ -612,7 +654,8 @@ def _sharded_program(mesh, axis_name, layout: str, batch_axis, head_axis,
   in_specs = (tokens, tokens, tokens)
   if segment_pair is not None:
     in_specs = (*in_specs, (ids, ids) if segment_pair else ids)
-  # check_vma=False: the Pallas kernels inside declare no varying mesh axes.
+  # check_vma=False: Pallas' interpreter fails under check_vma (docs/numerics.md); the
+  # kernels themselves declare their outputs' varying mesh axes.
   sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens,
                           check_vma=False)
 

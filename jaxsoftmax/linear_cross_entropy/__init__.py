@@ -73,7 +73,7 @@ from jaxsoftmax._backend import mosaic_gpu as mosaic_device
 from jaxsoftmax.cross_entropy import REDUCTIONS, check_labels, reduce_losses
 from jaxsoftmax.inputs import check_floating, check_optional_positive_int
 from jaxsoftmax.linear_map import LinearMap
-from jaxsoftmax.state import nan_for_inf, reduce_states, safe_shift
+from jaxsoftmax.state import reduce_states, safe_shift
 from jaxsoftmax.linear_cross_entropy import mosaic_gpu
 from jaxsoftmax.linear_cross_entropy.mosaic_gpu import LinearCrossEntropyHopperTiling
 
@@ -812,10 +812,7 @@ def _state(x, w, b, labels, dims: _Dims, options: _Options):
   Differentiated only at second order (`_rows` differentiates the losses): an error."""
   m, log_l, label_logit, total = _forward(x, w, b, labels, dims, options)
   lse = m + log_l
-  # A row with a +inf logit (l = +inf): its loss and gradients NaN, as optax's (the
-  # backward's p from a NaN log l), its lse +inf.
-  log_l = nan_for_inf(log_l)
-  return _loss(m + log_l, label_logit, total, labels, dims, options), lse, m, log_l
+  return _loss(lse, label_logit, total, labels, dims, options), lse, m, log_l
 
 
 @_state.defjvp
