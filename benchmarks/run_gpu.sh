@@ -45,7 +45,8 @@
 #                           (accuracy_linear_cross_entropy.py)
 #   norm-tests, norm-bench  layer_norm, rms_norm (NORM_ONLY picks shapes, NORM_MODES as
 #                           ROWS_MODES, plus "step": the backward through y @ w);
-#                           tune-norms sweeps their tiles; norm-ncu: the backward kernel's counters
+#                           tune-norms sweeps their tiles (TUNE_NORM_PARAMS=float32: with
+#                           float32 scale and bias); norm-ncu: the backward kernel's counters
 #                           (profile_norms.py)
 #
 # The attention peers FA3 and tokamax come as wheels placed in .peers (git-ignored; carry

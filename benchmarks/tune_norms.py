@@ -16,9 +16,16 @@ forward at 16384x8192 bfloat16 ran at 65% of copy on 16 warps a row and 83% on 4
 Minimum traffic in (rows, C) arrays: forward 2 (read x, write y), 4 with the residual
 (read x and residual, write y and h); backward 3 (read h and dy, write dh), 4 with the
 residual (also h's cotangent). % is of the copy ceiling; the impl column names the tiling.
+
+With ``TUNE_NORM_PARAMS=float32`` in the environment, scale and bias are float32 (Flax's
+default param_dtype beside 16-bit activations) and the sweep adds tiles of 2 and 4 rows:
+each program loads the parameters once for all its rows, where one row a program reads
+them again for every row (twice the bytes of a 16-bit row of x, from L2).
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +39,9 @@ from jaxsoftmax.rowwise import RowTiling
 
 def _name(t: RowTiling) -> str:
   return f"{t.variant} {t.block_rows}x{t.block_cols} w{t.num_warps}"
+
+
+PARAMS = os.environ.get("TUNE_NORM_PARAMS")  # None: the activations' dtype
 
 
 def tilings(cols: int, most_per_thread: int) -> list[RowTiling]:
@@ -51,6 +61,12 @@ def tilings(cols: int, most_per_thread: int) -> list[RowTiling]:
     # the backward's column sums (reduced over the tile's rows first) stay one vector.
     out += [RowTiling("resident", 2, cols_pow2, 1, w) for w in (16, 32)
             if 2 * cols_pow2 // (32 * w) <= most_per_thread]
+  if PARAMS is not None:  # several rows sharing one load of the parameters
+    out += [RowTiling(variant, rows, cols_pow2 // parts, 1, w)
+            for variant, parts in (("resident", 1), ("online", 2)) for rows in (2, 4)
+            for w in (8, 16, 32)
+            if rows * cols_pow2 // parts <= 1 << 17
+            and 4 <= rows * cols_pow2 // parts // (32 * w) <= most_per_thread]
   return out
 
 
@@ -62,6 +78,8 @@ def _norm(rms: bool, residual: bool, C: int, dtype, tiling) -> norms._Norm:
 def tune_shape(report: harness.Report, shape, dtype):
   rows, C = shape
   sets, scale, bias, n_bytes, common = shape_inputs(report, shape, dtype)
+  if PARAMS is not None:
+    scale, bias = scale.astype(PARAMS), bias.astype(PARAMS)
   forward_saving = jax.jit(norms._normalize_fwd, static_argnums=4)
   for rms in (False, True):
     b = None if rms else bias

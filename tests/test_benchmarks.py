@@ -99,17 +99,16 @@ def test_bench_linear_cross_entropy_smoke(tmp_path):
 def test_bench_norms_smoke(tmp_path):
   pytest.importorskip("matplotlib")
   _run("benchmarks/bench_norms.py", "--smoke", "--out", str(tmp_path), "--modes",
-       "fwd,fwd+bwd,step")
+       "fwd,step")
   with open(tmp_path / "norms.json") as f:
     rows = json.load(f)["rows"]
   ours = [r for r in rows if r["impl"] == "jaxsoftmax"]
-  # layer_norm and rms_norm, plain and with the residual, forward, backward and the
-  # backward through y @ w; in float32, and in bfloat16 with bfloat16 and with float32
-  # parameters.
+  # layer_norm and rms_norm, plain and with the residual, forward and the backward
+  # through y @ w; in float32, and in bfloat16 with bfloat16 and with float32 parameters.
   f32 = [r for r in ours if r["dtype"] == "float32"]
-  assert len(f32) == 12 and all(r["max_rel_err"] < 1e-4 for r in f32)
-  assert len(ours) == 36 and all(r["max_rel_err"] < 2e-2 for r in ours)
-  assert sum(r["op"].endswith("f32 params") for r in ours) == 12
+  assert len(f32) == 8 and all(r["max_rel_err"] < 1e-4 for r in f32)
+  assert len(ours) == 24 and all(r["max_rel_err"] < 2e-2 for r in ours)
+  assert sum(r["op"].endswith("f32 params") for r in ours) == 8
   assert sum(r["mode"] == "step" for r in ours) == 12
   assert all(r["note"] for r in rows if r["median_us"] is None)
 

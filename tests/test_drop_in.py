@@ -231,8 +231,8 @@ def test_forward_mode_and_second_order(key, name, interpret=True):
       with pytest.raises(NotImplementedError, match="reverse mode .* only"):
         transform(ours)
     return
-  # The attention's Hessian at 2 queries (of 19 keys): 512 x 512 entries.
-  assert_same_derivatives(ours, theirs, first, hessian_at=first[:, :2] if attention else None)
+  # The attention's Hessian at one query (of 19 keys): 256 x 256 entries.
+  assert_same_derivatives(ours, theirs, first, hessian_at=first[:, :1] if attention else None)
 
 
 def test_ring_attention_reverse_mode_only(key):
