@@ -369,32 +369,34 @@ def test_nnx_is_an_attribute_after_import():
 # --- the compiled kernels ----------------------------------------------------------------
 
 
-GPU_DTYPES = [jnp.float32, jnp.bfloat16]
+# Each GPU twin in float32 (Triton kernels) and bfloat16 (Mosaic GPU ones on a Hopper GPU).
+gpu_dtypes = pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
+                                     ids=["float32", "bfloat16"])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["float32", "bfloat16"])
+@gpu_dtypes
 @pytest.mark.parametrize("name", OPS)
 def test_nan_is_never_hidden_gpu(key, name, dtype):
   test_nan_is_never_hidden(key, name, interpret=False, dtype=dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["float32", "bfloat16"])
+@gpu_dtypes
 @pytest.mark.parametrize("where", ["query", "key", "value", "bias"])
 def test_attention_nan_in_every_input_gpu(key, where, dtype):
   test_attention_nan_in_every_input(key, where, None, interpret=False, dtype=dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["float32", "bfloat16"])
+@gpu_dtypes
 @pytest.mark.parametrize("name", OPS)
 def test_x64_mode_gpu(key, name, dtype):
   test_x64_mode(key, name, interpret=False, dtype=dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["float32", "bfloat16"])
+@gpu_dtypes
 @pytest.mark.parametrize("name", OPS)
 def test_shard_map_with_check_vma_gpu(key, name, dtype):
   # The compiled kernels inside shard_map(check_vma=True) on a mesh of every GPU, forward

@@ -34,8 +34,7 @@ from jax.sharding import ManualAxisType
 
 __all__ = ["pl", "load", "store", "dot", "exp2", "pallas_call", "atomic_add",
            "resolve_interpret", "xla_by_default", "resolve_deterministic", "num_cores",
-           "varying_axes",
-           "vary_together", "vary_over", "varying_like"]
+           "varying_axes", "vary_together", "vary_over", "varying_like"]
 
 # The Triton lowering warns on every compilation that it is deprecated. That is a
 # message for kernel authors (this file is where the move will happen), not for users

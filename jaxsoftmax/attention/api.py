@@ -1,6 +1,7 @@
 """`dot_product_attention`: jax.nn.dot_product_attention's signature on FlashAttention
-kernels, with a custom VJP that saves (q, k, v, o) and the log-sum-exp (as its parts m
-and log2 l, see `triton.forward`), and nothing of size T x S.
+kernels, differentiable in every mode: a custom JVP whose tangent map, transposed,
+is the backward kernels, from (q, k, v, o) and the log-sum-exp (as its parts m and
+log2 l, see `triton.forward`), nothing of size T x S (below, "derivatives").
 
 Layout B T N H (or T N H, unbatched); K/V heads K dividing N (GQA, MQA). Beyond jax.nn:
 ``logits_soft_cap``, ``segment_ids`` for packed sequences, and ``block_sizes``. A query
@@ -84,15 +85,16 @@ def reference_attention(q, k, v, aux: AuxArrays, call: Call):
       q_segments=aux.q_segments, kv_segments=aux.kv_segments)
 
 
-def _reference_output(q, k, v, aux: AuxArrays, call: Call):
-  return reference_attention(q, k, v, aux, call)[0]
+def _reference_of(res, call: Call):
+  """(the reference output as a function of (q, k, v), (q, k, v)) from the residuals."""
+  q, k, v, *aux = res[:7]
+  return lambda q, k, v: reference_attention(q, k, v, AuxArrays(*aux), call)[0], (q, k, v)
 
 
 def _tangent_twin(res, t, *, call: Call, backend: str):
   del backend
-  q, k, v, *aux = res[:7]
-  fn = lambda q, k, v: _reference_output(q, k, v, AuxArrays(*aux), call)
-  return (jax.jvp(fn, (q, k, v), t)[1],)
+  fn, qkv = _reference_of(res, call)
+  return (jax.jvp(fn, qkv, t)[1],)
 
 
 def _transpose_kernel(res, cts, *, call: Call, backend: str):
@@ -104,17 +106,21 @@ def _transpose_kernel(res, cts, *, call: Call, backend: str):
 
 def _transpose_twin(res, cts, *, call: Call, backend: str):
   del backend
-  q, k, v, *aux = res[:7]
-  _, vjp = jax.vjp(lambda q, k, v: _reference_output(q, k, v, AuxArrays(*aux), call), q, k, v)
-  return vjp(cts[0])
+  fn, qkv = _reference_of(res, call)
+  return jax.vjp(fn, *qkv)[1](cts[0])
 
 
 _TANGENT = LinearMap("attention_tangent", kernel=_tangent_twin, twin=_tangent_twin).pair(
     LinearMap("attention_transpose", kernel=_transpose_kernel, twin=_transpose_twin))
 
 
-def _residuals(q, k, v, aux: AuxArrays, o, m, log2_l) -> tuple:
-  return (q, k, v, *aux, o, m, log2_l)
+def _output_tangent(primals, tangents, state, call: Call, backend: str):
+  """The output's tangent for (dq, dk, dv), from the forward's ``state``."""
+  q, k, v, aux = primals
+  _, _, o_delta, m, log2_l = state
+  do, = _TANGENT((q, k, v, *aux, o_delta, m, log2_l), tuple(tangents[:3]), call=call,
+                 backend=backend)
+  return do
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
@@ -127,10 +133,9 @@ def _state(q, k, v, aux, call: Call, backend: str):
 
 @_state.defjvp
 def _state_jvp(call: Call, backend: str, primals, tangents):
-  q, k, v, aux = primals
-  o, lse, o_delta, m, log2_l = state = _state(q, k, v, aux, call, backend)
-  do, = _TANGENT(_residuals(q, k, v, aux, o_delta, m, log2_l), tuple(tangents[:3]),
-                 call=call, backend=backend)
+  state = _state(*primals, call, backend)
+  _, lse, o_delta, m, log2_l = state
+  do = _output_tangent(primals, tangents, state, call, backend)
   return state, (do, jnp.zeros_like(lse), do.astype(o_delta.dtype), jnp.zeros_like(m),
                  jnp.zeros_like(log2_l))
 
@@ -142,11 +147,10 @@ def _attention(q, k, v, aux, call: Call, backend: str):
 
 @_attention.defjvp
 def _attention_jvp(call: Call, backend: str, primals, tangents):
-  q, k, v, aux = primals
-  o, lse, o_delta, m, log2_l = _state(q, k, v, aux, call, backend)
-  do, = _TANGENT(_residuals(q, k, v, aux, o_delta, m, log2_l), tuple(tangents[:3]),
-                 call=call, backend=backend)
-  return (o, lse), (do, jnp.zeros_like(lse))
+  state = _state(*primals, call, backend)
+  o, lse = state[:2]
+  return (o, lse), (_output_tangent(primals, tangents, state, call, backend),
+                    jnp.zeros_like(lse))
 
 
 _attention_jit = jax.jit(_attention, static_argnums=(4, 5))
