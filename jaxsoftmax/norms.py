@@ -291,11 +291,11 @@ def _transpose_twin(res, cts, *, norm: _Norm):
 
 # Column arrays (scale, bias and their gradients) are not row by row: under vmap the maps
 # run once per batch element, as the backward kernel's column sums do (`rowwise.row_call`).
-_with_columns = lambda norm: not (norm.has_scale or norm.has_bias)
+_rows_only = lambda norm: not (norm.has_scale or norm.has_bias)
 _TANGENT = LinearMap("norm_tangent", kernel=_tangent_twin, twin=_tangent_twin,
-                     fold_rows=_with_columns).pair(
+                     fold_rows=_rows_only).pair(
     LinearMap("norm_transpose", kernel=_transpose_kernel, twin=_transpose_twin,
-              fold_rows=_with_columns))
+              fold_rows=_rows_only))
 
 
 def _tangent_inputs(norm: _Norm, tangents) -> tuple:
@@ -314,10 +314,11 @@ def _state(x, residual, scale, bias, norm: _Norm):
 
 @_state.defjvp
 def _state_jvp(norm: _Norm, primals, tangents):
-  x, residual, scale, bias = primals
+  _, _, scale, bias = primals
   y, h, mean, rstd = _state(*primals, norm)
-  dy, *_ = _TANGENT((h, scale, bias, mean, rstd), _tangent_inputs(norm, tangents), norm=norm)
-  dh, _, _ = _tangent_parts(norm, _tangent_inputs(norm, tangents))
+  t = _tangent_inputs(norm, tangents)
+  dy, *_ = _TANGENT((h, scale, bias, mean, rstd), t, norm=norm)
+  dh, _, _ = _tangent_parts(norm, t)
   # mean moves by mean(dh); rstd = (var + ε)^(-1/2) (or of mean(h²)) by -rstd² · mean(x̂ · dh).
   dmean = jnp.zeros_like(mean) if norm.rms else jnp.mean(dh, axis=-1)
   drstd = -rstd * rstd * jnp.mean(_xhat(h, mean, rstd) * dh, axis=-1)
@@ -333,7 +334,7 @@ def _normalize(x, residual, scale, bias, norm: _Norm):
 
 @_normalize.defjvp
 def _normalize_jvp(norm: _Norm, primals, tangents):
-  x, residual, scale, bias = primals
+  _, _, scale, bias = primals
   y, h, mean, rstd = _state(*primals, norm)
   outs = _TANGENT((h, scale, bias, mean, rstd), _tangent_inputs(norm, tangents), norm=norm)
   if norm.has_residual:
