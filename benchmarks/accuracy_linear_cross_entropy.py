@@ -23,7 +23,7 @@ import numpy as np
 
 import harness
 import jaxsoftmax as js
-from jaxsoftmax import reference
+from jaxsoftmax.cross_entropy import reference
 
 OPTIONS = dict(label_smoothing=0.1, z_loss=1e-4, logit_soft_cap=30.0)
 V = 3001

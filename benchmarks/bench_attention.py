@@ -35,7 +35,7 @@ import numpy as np
 
 import harness
 import jaxsoftmax as js
-from jaxsoftmax import reference
+from jaxsoftmax.attention import reference
 
 # (B, T, N, K, H, causal): T == S; K the K/V heads. The shapes the speed targets name
 # (head dims 128, 64 and 256), which the tuning and backward benchmarks share.

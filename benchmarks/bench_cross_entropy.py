@@ -16,7 +16,7 @@ import optax
 
 import harness
 import jaxsoftmax as js
-from jaxsoftmax import reference
+from jaxsoftmax.cross_entropy import reference
 
 SHAPES = [((8192, 131072), jnp.bfloat16), ((16384, 32000), jnp.bfloat16)]
 SMOKE_SHAPES = [((16, 1000), jnp.bfloat16)]

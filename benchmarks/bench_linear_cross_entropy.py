@@ -28,7 +28,7 @@ import optax
 
 import harness
 import jaxsoftmax as js
-from jaxsoftmax import reference
+from jaxsoftmax.cross_entropy import reference
 
 SHAPES = [((8192, 4096, 131072), jnp.bfloat16), ((8192, 2304, 256000), jnp.bfloat16)]
 SMOKE_SHAPES = [((37, 40, 301), jnp.float32)]

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 import harness
 import jaxsoftmax as js
-from jaxsoftmax import reference
+from jaxsoftmax.softmax import reference
 
 SHAPES = [
     ((4096, 4096), jnp.float32),

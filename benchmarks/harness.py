@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsoftmax import _backend
-from jaxsoftmax._backend import pl
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.pallas import pl
 
 L2_BYTES = 60 * 2**20
 ITERATIONS = 20
@@ -192,13 +192,13 @@ def copy_kernel(x: jax.Array) -> jax.Array:
   def kernel(x_ref, y_ref):
     idx = pl.program_id(0) * _CEILING_BLOCK + jnp.arange(_CEILING_BLOCK, dtype=jnp.int32)
     ok = idx < n
-    _backend.store(y_ref, _backend.load(x_ref, mask=ok, other=0), mask=ok)
+    pallas.store(y_ref, pallas.load(x_ref, mask=ok, other=0), mask=ok)
 
   spec = pl.BlockSpec((_CEILING_BLOCK,), lambda i: (i,))
-  return _backend.pallas_call(
+  return pallas.pallas_call(
       kernel, name="ceiling_copy", grid=(_flat_blocks(n),), in_specs=[spec],
       out_specs=spec, out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
-      num_warps=8, num_stages=1, interpret=_backend.resolve_interpret(None))(flat).reshape(x.shape)
+      num_warps=8, num_stages=1, interpret=pallas.resolve_interpret(None))(flat).reshape(x.shape)
 
 
 def read_kernel(x: jax.Array) -> jax.Array:
@@ -208,15 +208,15 @@ def read_kernel(x: jax.Array) -> jax.Array:
 
   def kernel(x_ref, s_ref):
     idx = pl.program_id(0) * _CEILING_BLOCK + jnp.arange(_CEILING_BLOCK, dtype=jnp.int32)
-    v = _backend.load(x_ref, mask=idx < n, other=0).astype(jnp.float32)
-    _backend.store(s_ref, jnp.sum(v, keepdims=True))
+    v = pallas.load(x_ref, mask=idx < n, other=0).astype(jnp.float32)
+    pallas.store(s_ref, jnp.sum(v, keepdims=True))
 
-  return _backend.pallas_call(
+  return pallas.pallas_call(
       kernel, name="ceiling_read", grid=(_flat_blocks(n),),
       in_specs=[pl.BlockSpec((_CEILING_BLOCK,), lambda i: (i,))],
       out_specs=pl.BlockSpec((1,), lambda i: (i,)),
       out_shape=jax.ShapeDtypeStruct((_flat_blocks(n),), jnp.float32),
-      num_warps=8, num_stages=1, interpret=_backend.resolve_interpret(None))(flat)
+      num_warps=8, num_stages=1, interpret=pallas.resolve_interpret(None))(flat)
 
 
 # --- errors ----------------------------------------------------------------------------

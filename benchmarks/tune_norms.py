@@ -32,9 +32,10 @@ import jax.numpy as jnp
 
 import harness
 from bench_norms import EPS, SHAPES, SMOKE_SHAPES, shape_inputs
-from jaxsoftmax import _backend, norms
-from jaxsoftmax._backend import pl
-from jaxsoftmax.rowwise import RowTiling
+from jaxsoftmax.norms import api as norms
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.pallas import pl
+from jaxsoftmax.rows import RowTiling
 
 
 def _name(t: RowTiling) -> str:
@@ -72,7 +73,7 @@ def tilings(cols: int, most_per_thread: int) -> list[RowTiling]:
 
 def _norm(rms: bool, residual: bool, C: int, dtype, tiling) -> norms._Norm:
   return norms._Norm(rms, EPS, 0.0, C, jnp.dtype(dtype).name, residual, True, not rms,
-                     tiling, _backend.resolve_interpret(None))
+                     tiling, pallas.resolve_interpret(None))
 
 
 def tune_shape(report: harness.Report, shape, dtype):

@@ -1,4 +1,4 @@
-"""Sweeps RowTilings of the row-wise engine on the GPU, to set `rowwise.default_tiling`.
+"""Sweeps RowTilings of the row-wise engine on the GPU, to set `rows.default_tiling`.
 
     PYTHONPATH=. python3 benchmarks/tune_rows.py --out benchmarks/results
 
@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import harness
 import jaxsoftmax as js
 from bench_softmax import SHAPES, SMOKE_SHAPES
-from jaxsoftmax import _backend
-from jaxsoftmax._backend import pl
-from jaxsoftmax.rowwise import RowOp, RowTiling, STREAM_BLOCK_BYTES, row_call
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.pallas import pl
+from jaxsoftmax.rows import RowOp, RowTiling, default_tiling, row_call
+from jaxsoftmax.rows.tiling import STREAM_BLOCK_BYTES
 
 _IDENTITY = RowOp("identity", apply=lambda t, s: t.x[0])
 
@@ -70,14 +71,14 @@ def tune_shape(report, shape, dtype):
   x_sets = [((4 * jax.random.normal(k, shape, jnp.float32)).astype(dtype),) for k in keys]
   common = dict(shape=shape, dtype=jnp.dtype(dtype).name)
   copy, _ = harness.measure_ceilings(report, x_sets, shape=shape, dtype=dtype)
-  default = js.rowwise.default_tiling(rows, cols, dtype, reduces=True)
+  default = default_tiling(rows, cols, dtype, reduces=True)
   for t in reduction_tilings(rows, cols, dtype):
     mark = " (default)" if t == default else ""
     report.measure(op="softmax", impl=_name(t) + mark, mode="fwd",
                    fn=lambda x, t=t: js.softmax(x, tiling=t), arg_sets=x_sets,
                    nbytes=2 * n * itemsize, ceiling_gbps=copy, **common)
-  default = js.rowwise.default_tiling(rows, cols, dtype, reduces=False)
-  interpret = _backend.resolve_interpret(None)
+  default = default_tiling(rows, cols, dtype, reduces=False)
+  interpret = pallas.resolve_interpret(None)
   for t in map_tilings(rows, cols, dtype):
     mark = " (default)" if t == default else ""
     report.measure(op="map", impl=_name(t) + mark, mode="fwd",

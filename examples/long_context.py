@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import jaxsoftmax as js  # noqa: E402
+from jaxsoftmax.attention.context_parallel.ring import STRATEGIES  # noqa: E402
 
 
 def median_time(fn, *args, repeats: int) -> float:
@@ -51,7 +52,7 @@ def main():
   parser.add_argument("--heads", type=int, default=16 if on_gpu else 4)
   parser.add_argument("--kv-heads", type=int, default=16 if on_gpu else 2)
   parser.add_argument("--head-dim", type=int, default=128 if on_gpu else 32)
-  parser.add_argument("--strategy", choices=js.attention.ring.STRATEGIES, default="ring")
+  parser.add_argument("--strategy", choices=STRATEGIES, default="ring")
   parser.add_argument("--repeats", type=int, default=5 if on_gpu else 2)
   args = parser.parse_args()
 

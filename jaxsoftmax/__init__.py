@@ -14,10 +14,10 @@ from jaxsoftmax.cross_entropy import cross_entropy
 from jaxsoftmax.linear_cross_entropy import (LinearCrossEntropyHopperTiling,
                                              LinearCrossEntropyTiling, linear_cross_entropy)
 from jaxsoftmax.norms import layer_norm, rms_norm
-from jaxsoftmax.rowwise import RowTiling
+from jaxsoftmax.rows import RowTiling
 from jaxsoftmax.softmax import log_softmax, logsumexp, softmax
-from jaxsoftmax.state import (merge_attention_states, merge_states, reduce_lse, reduce_states,
-                              state_lse)
+from jaxsoftmax._core.state import (merge_attention_states, merge_states, reduce_lse,
+                                    reduce_states, state_lse)
 
 __all__ = [
     "softmax",

@@ -4,7 +4,7 @@ derivatives bind (`jaxsoftmax.linear_map.kernel_jaxpr`) included."""
 
 from jax.extend import core
 
-from jaxsoftmax.linear_map import kernel_jaxpr
+from jaxsoftmax._core.linear_map import kernel_jaxpr
 
 
 def pallas_calls(jaxpr) -> list[tuple[str, int]]:

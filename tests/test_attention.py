@@ -17,8 +17,8 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoftmax as js
-from jaxsoftmax import reference
-from jaxsoftmax._backend import mosaic_gpu as mosaic_device
+from jaxsoftmax.attention import reference
+from jaxsoftmax._core import mosaic_gpu as mosaic_device
 from jaxsoftmax.attention import BlockSizes, HopperBlockSizes, api
 from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec

@@ -5,29 +5,29 @@ import sys
 
 import pytest
 
-from jaxsoftmax import _backend
+from jaxsoftmax._core import pallas
 
 
 def test_argument_wins_over_environment(monkeypatch):
   monkeypatch.setenv("JAXSOFTMAX_INTERPRET", "1")
-  assert _backend.resolve_interpret(False) is False
-  assert _backend.resolve_interpret(None) is True
+  assert pallas.resolve_interpret(False) is False
+  assert pallas.resolve_interpret(None) is True
   monkeypatch.setenv("JAXSOFTMAX_INTERPRET", "0")
-  assert _backend.resolve_interpret(None) is False
+  assert pallas.resolve_interpret(None) is False
 
 
 def test_bad_values_are_errors(monkeypatch):
   with pytest.raises(TypeError, match="interpret must be a bool"):
-    _backend.resolve_interpret("yes")
+    pallas.resolve_interpret("yes")
   monkeypatch.setenv("JAXSOFTMAX_INTERPRET", "maybe")
   with pytest.raises(ValueError, match="JAXSOFTMAX_INTERPRET='maybe'"):
-    _backend.resolve_interpret(None)
+    pallas.resolve_interpret(None)
 
 
 def test_automatic_choice_follows_the_backend(monkeypatch):
   import jax
   monkeypatch.delenv("JAXSOFTMAX_INTERPRET", raising=False)
-  assert _backend.resolve_interpret(None) == (jax.default_backend() != "gpu")
+  assert pallas.resolve_interpret(None) == (jax.default_backend() != "gpu")
 
 
 @pytest.mark.gpu
@@ -44,10 +44,10 @@ def test_users_do_not_see_the_triton_deprecation_warning():
 def test_deterministic_follows_xla_flags(monkeypatch):
   # The argument wins; else XLA's own determinism flag decides.
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  assert _backend.resolve_deterministic(None) is False
-  assert _backend.resolve_deterministic(True) is True
+  assert pallas.resolve_deterministic(None) is False
+  assert pallas.resolve_deterministic(True) is True
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true --xla_foo=1")
-  assert _backend.resolve_deterministic(None) is True
-  assert _backend.resolve_deterministic(False) is False
+  assert pallas.resolve_deterministic(None) is True
+  assert pallas.resolve_deterministic(False) is False
   with pytest.raises(TypeError, match="deterministic must be a bool or None"):
-    _backend.resolve_deterministic(1)
+    pallas.resolve_deterministic(1)

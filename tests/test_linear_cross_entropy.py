@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import jaxsoftmax as js
-from jaxsoftmax import reference
-from jaxsoftmax import _backend
-from jaxsoftmax._backend import mosaic_gpu as mosaic_device
+from jaxsoftmax.cross_entropy import reference
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core import mosaic_gpu as mosaic_device
 from jaxsoftmax.linear_cross_entropy import mosaic_gpu
 from tolerance import assert_2x, truth
 
@@ -194,7 +194,7 @@ def test_hopper_extremes_interpreted(key, monkeypatch, kind):
   # extreme inputs.
   if ON_GPU:
     pytest.skip("on a GPU, test_extremes_gpu runs the compiled kernels")
-  monkeypatch.setattr(_backend, "num_cores", lambda: 4)
+  monkeypatch.setattr(pallas, "num_cores", lambda: 4)
   tiling = js.LinearCrossEntropyTiling(
       forward="mosaic_gpu", chunk_vocab=128, dlogits="mosaic_gpu",
       hopper=js.LinearCrossEntropyHopperTiling(block_vocab=64))
@@ -382,7 +382,7 @@ def test_hopper_dlogits_interpreted(key, monkeypatch, rows, H, V, chunk, options
   # row blocks, the last group one.
   if ON_GPU:
     pytest.skip("on a GPU, test_hopper_dlogits_gpu runs the compiled kernel")
-  monkeypatch.setattr(_backend, "num_cores", lambda: 4)
+  monkeypatch.setattr(pallas, "num_cores", lambda: 4)
   tiling = js.LinearCrossEntropyTiling(
       chunk_vocab=chunk, dlogits="mosaic_gpu",
       hopper=js.LinearCrossEntropyHopperTiling(block_vocab=64))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jaxsoftmax.linear_map import LinearMap
+from jaxsoftmax._core.linear_map import LinearMap
 
 CALLS = []
 

@@ -220,7 +220,7 @@ def test_forward_tilings_gpu(key, rms, residual, shape, dtype):
 
 
 def _norm_of(n_cols, dtype, *, rms=False, residual=False):
-  from jaxsoftmax import norms
+  from jaxsoftmax.norms import api as norms
   return norms._Norm(rms, 1e-6, 0.0, n_cols, jnp.dtype(dtype).name, residual, True,
                      not rms, None, False)
 
@@ -229,8 +229,8 @@ def test_forward_tiling_choice():
   # The forward's warps: values a thread holds by kind, only where a program holds one
   # whole row of 1024 columns or more; layer_norm's rows of 8192 columns and more in
   # halves (online, 8 warps); otherwise the rows' defaults.
-  from jaxsoftmax import norms
-  from jaxsoftmax.rowwise import RowTiling, default_tiling
+  from jaxsoftmax.norms import api as norms
+  from jaxsoftmax.rows import RowTiling, default_tiling
 
   def tiling(n_rows, n_cols, dtype, **kind):
     return norms._forward_tiling(_norm_of(n_cols, dtype, **kind), n_rows)
@@ -252,8 +252,8 @@ def test_forward_tiling_choice():
 
 def test_backward_tiling_choice():
   # Two rows a program only for rms_norm's 16-bit rows of 8192 columns, no residual.
-  from jaxsoftmax import norms
-  from jaxsoftmax.rowwise import default_tiling
+  from jaxsoftmax.norms import api as norms
+  from jaxsoftmax.rows import default_tiling
 
   rows = lambda n_rows, n_cols, dtype, **kind: norms._backward_tiling(
       _norm_of(n_cols, dtype, **kind), n_rows).block_rows
@@ -272,8 +272,8 @@ def _rows_for_three_blocks(block_rows: int) -> int:
   """Rows that make each program of the resident column-sum kernel walk three row blocks
   of ``block_rows``, the last program's last block past the rows (for blocks small
   enough to get the most programs per SM)."""
-  from jaxsoftmax._backend import num_cores
-  from jaxsoftmax.rowwise import COL_SUM_PROGRAMS_PER_CORE
+  from jaxsoftmax._core.pallas import num_cores
+  from jaxsoftmax.rows.engine import COL_SUM_PROGRAMS_PER_CORE
   return (2 * COL_SUM_PROGRAMS_PER_CORE[1] * num_cores() + 1) * block_rows - 1
 
 
@@ -281,7 +281,7 @@ def test_engine_column_sums(key):
   # The row engine's column sums: each program of the resident variant walks several row
   # blocks (3 of 2 rows, the last block past the rows), and XLA adds the programs'
   # partial sums.
-  from jaxsoftmax.rowwise import RowOp, row_call
+  from jaxsoftmax.rows import RowOp, row_call
   x = jax.random.normal(key, (_rows_for_three_blocks(2), 100))
   op = RowOp("col_sums_test", sums=(lambda t: t.x[0],),
              apply=lambda t, stats: t.x[0] - stats[0] / 100,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxsoftmax as js
-from jaxsoftmax import reference
+from jaxsoftmax.attention import reference
 from tolerance import assert_2x, max_errors, truth
 
 ON_GPU = jax.default_backend() == "gpu"

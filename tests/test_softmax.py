@@ -15,8 +15,8 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoftmax as js
-from jaxsoftmax import reference
-from jaxsoftmax.rowwise import RowTiling, default_tiling
+from jaxsoftmax.softmax import reference
+from jaxsoftmax.rows import RowTiling, default_tiling
 from jaxprs import kernel_names
 from tolerance import assert_2x, assert_same_derivatives, truth
 

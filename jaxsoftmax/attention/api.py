@@ -28,13 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsoftmax import _backend, reference
+from jaxsoftmax.attention import reference
+from jaxsoftmax._core import pallas
 from jaxsoftmax.attention import logits, mosaic_gpu, triton
 from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import HopperBlockSizes
 from jaxsoftmax.attention.triton import BlockSizes
-from jaxsoftmax.linear_map import LinearMap
+from jaxsoftmax._core.linear_map import LinearMap
 
 __all__ = ["dot_product_attention", "attention_kernels", "select_backend", "BACKENDS",
            "BlockSizes", "HopperBlockSizes"]
@@ -308,9 +309,9 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
 
   reference_path = (bias is not None or mask is not None or query.dtype == jnp.float64
                     or query.size == 0 or key.size == 0)
-  # Off a GPU the default is the XLA path too (`_backend.xla_by_default`); naming a
+  # Off a GPU the default is the XLA path too (`pallas.xla_by_default`); naming a
   # kernel backend or its tiles runs the kernels there (interpreted).
-  default_xla = implementation is None and _backend.xla_by_default(
+  default_xla = implementation is None and pallas.xla_by_default(
       interpret, kernel_asked=block_sizes is not None)
   if reference_path and implementation not in (None, "xla"):
     raise ValueError(f"dot_product_attention: implementation={implementation!r} cannot run "
@@ -321,8 +322,8 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   call = Call(B, T, S, N, key.shape[2], H, jnp.dtype(query.dtype).name,
               MaskSpec(T, S, bool(is_causal), *(window or (None, None)),
                        has_segments=q_seg is not None),
-              scale, logits_soft_cap, block_sizes, _backend.resolve_interpret(interpret),
-              _backend.resolve_deterministic(deterministic))
+              scale, logits_soft_cap, block_sizes, pallas.resolve_interpret(interpret),
+              pallas.resolve_deterministic(deterministic))
   return _Plan(query, key, value, unbatched, aux, scale, window, call,
                select_backend(implementation, call))
 
@@ -406,7 +407,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         logits_soft_cap=logits_soft_cap, q_segments=q_seg, kv_segments=kv_seg)
     lse = jax.lax.stop_gradient(lse)
   else:
-    query, key, value, aux = _backend.vary_together(query, key, value, plan.aux)
+    query, key, value, aux = pallas.vary_together(query, key, value, plan.aux)
     out, lse = _attention_jit(query, key, value, aux, plan.call, plan.backend.NAME)
     lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)))  # (B, N, T) -> (B, T, N)
   lse = lse.astype(query.dtype if residual_dtype is None else residual_dtype)

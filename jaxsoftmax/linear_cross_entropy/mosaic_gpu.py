@@ -49,10 +49,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax import _backend
-from jaxsoftmax._backend.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
-                                           pad_to, pl, plgpu, rem32)
-from jaxsoftmax.inputs import check_optional_positive_int
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
+                                        pad_to, pl, plgpu, rem32)
+from jaxsoftmax._core.inputs import check_optional_positive_int
 
 __all__ = ["DlogitsInputs", "dlogits", "dlogits_inputs", "dlogits_smem_bytes", "forward",
            "LinearCrossEntropyHopperTiling", "supported"]
@@ -143,7 +143,7 @@ class _Plan:
   def splits(self) -> tuple[int, int]:
     """(vocabulary ranges, tiles per range); every range holds a tile."""
     wanted = self.tiling.vocab_splits or pl.cdiv(self.vocab_tiles, 32)
-    return _backend.even_groups(self.vocab_tiles, wanted)
+    return pallas.even_groups(self.vocab_tiles, wanted)
 
 
 class _Ring(NamedTuple):
@@ -287,7 +287,7 @@ def _kernel(x_ref, w_ref, *refs, plan: _Plan, per: int):
       if pad is not None:  # selected, not added: an infinite hidden value times the
         # padding's zero columns is NaN there
         s = jnp.where(lax.broadcast_in_dim(pad, shape, [1]) == 0, s, -jnp.inf)
-      # l is relative to m made safe (state.py: 0 for an infinite m), so a +inf logit
+      # l is relative to m made safe (_core/state.py: 0 for an infinite m), so a +inf logit
       # gives l = +inf and lse = +inf, as jax.nn.logsumexp does; the empty state's
       # l = 0 stays 0 however far the shift moves.
       m_new = jnp.maximum(m, s.max(axis=1))
@@ -460,7 +460,7 @@ def dlogits(inputs: DlogitsInputs, w_chunk, start, *, tiling: LinearCrossEntropy
   # About one CTA per SM (each takes most of an SM's shared memory, so one runs at a
   # time): the chunk's tiles times groups of row blocks, each CTA walking its group.
   row_blocks = R_pad // (_CONSUMERS * _BLOCK_ROWS)
-  groups, per = _backend.even_groups(row_blocks, pl.cdiv(_backend.num_cores(), chunk // bv))
+  groups, per = pallas.even_groups(row_blocks, pl.cdiv(pallas.num_cores(), chunk // bv))
   return _launch(
       functools.partial(_dlogits_kernel, chunks=H64 // _BLOCK_HIDDEN, stages=stages,
                         per=per, row_blocks=row_blocks, softcap=softcap),

@@ -6,13 +6,13 @@ The forward and the backward take bfloat16 and float16 inputs and head dims up t
 ``deterministic=True``, takes it from a kernel of its own (head dims up to 128). Its
 residuals are the Triton forward's, so the Triton backward differentiates what this one
 does not (deterministic calls above head dim 128). It has no interpret mode (see
-`jaxsoftmax._backend.mosaic_gpu`).
+`jaxsoftmax._core.mosaic_gpu`).
 """
 
 from __future__ import annotations
 
-from jaxsoftmax._backend import mosaic_gpu as _device
-from jaxsoftmax._backend.mosaic_gpu import SMEM_BYTES
+from jaxsoftmax._core import mosaic_gpu as _device
+from jaxsoftmax._core.mosaic_gpu import SMEM_BYTES
 from jaxsoftmax.attention.call import Call
 from jaxsoftmax.attention.mosaic_gpu import backward as _backward
 from jaxsoftmax.attention.mosaic_gpu import forward as _forward

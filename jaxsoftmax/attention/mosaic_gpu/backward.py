@@ -55,8 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax._backend.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
-                                           pad_to, pl, plgpu, rem32)
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
+                                        pad_to, pl, plgpu, rem32)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)

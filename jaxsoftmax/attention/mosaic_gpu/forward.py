@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax import _backend
-from jaxsoftmax._backend.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
-                                           pad_to, pl, plgpu, rem32)
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
+                                        pad_to, pl, plgpu, rem32)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
@@ -401,7 +401,7 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages
   work = _Work(B, N, n_q_tiles, spec.is_causal,
-               _backend.num_cores() if blocks.persistent else None)
+               pallas.num_cores() if blocks.persistent else None)
   # A persistent CTA refills its query tiles while the previous item finishes, so its
   # outputs need tiles of their own, where shared memory has room for them.
   output_tiles = blocks.persistent and blocks.smem_bytes(

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax import _backend
-from jaxsoftmax._backend import pl
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.logits import Logits, row_delta, score_grad, score_grad_terms
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
                                         query_block_ranges, walk_block_ranges)
@@ -54,10 +54,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
   k_idx, kv_ok = block_rows(k0, bk, dims.S)
   h_ok = dims.head_ok()
   kv_mask = dims.tile_mask(kv_ok, h_ok, bk)
-  k = _backend.load(k_ref, mask=kv_mask, other=0)
-  v = _backend.load(v_ref, mask=kv_mask, other=0)
+  k = pallas.load(k_ref, mask=kv_mask, other=0)
+  v = pallas.load(v_ref, mask=kv_mask, other=0)
   q_length, kv_length = load_scalar(q_len_ref), load_scalar(kv_len_ref)
-  k_seg = None if kv_seg_ref is None else _backend.load(kv_seg_ref, mask=kv_ok, other=-2)
+  k_seg = None if kv_seg_ref is None else pallas.load(kv_seg_ref, mask=kv_ok, other=-2)
 
   def step(i, carry, *, g, masked: bool):
     dk, dv = carry
@@ -66,23 +66,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     q_mask = dims.tile_mask(q_ok, h_ok, bq)
     rows = pl.ds(q0, bq)
     # Query rows past T load as 0 with m = +inf: their P is 0, no element mask needed.
-    q = _backend.load(q_ref.at[rows, g, :], mask=q_mask, other=0)
-    do = _backend.load(do_ref.at[rows, g, :], mask=q_mask, other=0)
-    m = _max_or_inf(_backend.load(m_ref.at[g, rows], mask=q_ok, other=-jnp.inf))
-    log2_l = _backend.load(log2_l_ref.at[g, rows], mask=q_ok, other=0)
-    delta = _backend.load(delta_ref.at[g, rows], mask=q_ok, other=0)
+    q = pallas.load(q_ref.at[rows, g, :], mask=q_mask, other=0)
+    do = pallas.load(do_ref.at[rows, g, :], mask=q_mask, other=0)
+    m = _max_or_inf(pallas.load(m_ref.at[g, rows], mask=q_ok, other=-jnp.inf))
+    log2_l = pallas.load(log2_l_ref.at[g, rows], mask=q_ok, other=0)
+    delta = pallas.load(delta_ref.at[g, rows], mask=q_ok, other=0)
     x_t, tanh_t = scores(logits, k, q)  # (bk, bq)
     p_t = exp2(logits.exponent_from_stats(x_t, m[None, :], log2_l[None, :]))
     if masked:
       q_seg = None
       if q_seg_ref is not None:
-        q_seg = _backend.load(q_seg_ref.at[rows], mask=q_idx < dims.T, other=-1)
+        q_seg = pallas.load(q_seg_ref.at[rows], mask=q_idx < dims.T, other=-1)
       allowed = element_mask(spec, q_idx[None, :], k_idx[:, None], kv_length,
                              None if q_seg is None else q_seg[None, :],
                              None if k_seg is None else k_seg[:, None])
       p_t = jnp.where(allowed, p_t, 0.0)
-    dv = dv + _backend.dot(p_t.astype(do.dtype), do)
-    dp_t = _backend.dot(v, do, trans_b=True)
+    dv = dv + pallas.dot(p_t.astype(do.dtype), do)
+    dp_t = pallas.dot(v, do, trans_b=True)
     ds_t = score_grad(p_t, dp_t, delta[None, :], tanh_t)
     dk = dk + _score_grad_dot(ds_t, q)
     return dk, dv
@@ -97,16 +97,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
   if kv_length is not None:  # keys past the length were not masked in the interior
     used = (k_idx < kv_length)[:, None]
     dk, dv = jnp.where(used, dk, 0.0), jnp.where(used, dv, 0.0)
-  _backend.store(dk_ref, (dk * logits.scale).astype(dk_ref.dtype), mask=kv_mask)
-  _backend.store(dv_ref, dv.astype(dv_ref.dtype), mask=kv_mask)
+  pallas.store(dk_ref, (dk * logits.scale).astype(dk_ref.dtype), mask=kv_mask)
+  pallas.store(dv_ref, dv.astype(dv_ref.dtype), mask=kv_mask)
 
 
 def _score_grad_dot(ds, x):
   """ds · x on the tensor cores, with ds as `logits.score_grad_terms` of x's dtype."""
   terms = score_grad_terms(ds, x.dtype)
-  out = _backend.dot(terms[0], x)
+  out = pallas.dot(terms[0], x)
   for term in terms[1:]:
-    out = out + _backend.dot(term, x)
+    out = out + pallas.dot(term, x)
   return out
 
 
@@ -120,29 +120,29 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   block = query_block(q_ref, aux_refs, q0=q0, block_q=bq, dims=dims)
   q_idx, q_ok, h_ok, q_mask, q = block.idx, block.ok, block.h_ok, block.mask, block.tile
   q_length, kv_length, q_seg = block.q_length, block.kv_length, block.segments
-  do = _backend.load(do_ref, mask=q_mask, other=0)
-  m = _max_or_inf(_backend.load(m_ref, mask=q_ok, other=-jnp.inf))
-  log2_l = _backend.load(log2_l_ref, mask=q_ok, other=0)
-  delta = _backend.load(delta_ref, mask=q_ok, other=0)
+  do = pallas.load(do_ref, mask=q_mask, other=0)
+  m = _max_or_inf(pallas.load(m_ref, mask=q_ok, other=-jnp.inf))
+  log2_l = pallas.load(log2_l_ref, mask=q_ok, other=0)
+  delta = pallas.load(delta_ref, mask=q_ok, other=0)
 
   def step(j, dq, *, masked: bool):
     k0 = j * bk
     k_idx, kv_mask = key_block(k0, bk, dims, h_ok, masked=masked)
-    k = _backend.load(k_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
-    v = _backend.load(v_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
+    k = pallas.load(k_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
+    v = pallas.load(v_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
     x, tanh = scores(logits, q, k)
     p = exp2(logits.exponent_from_stats(x, m[:, None], log2_l[:, None]))
     if masked:
       allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
                                   q_idx=q_idx, q_segments=q_seg, kv_length=kv_length)
       p = jnp.where(allowed, p, 0.0)
-    dp = _backend.dot(do, v, trans_b=True)
+    dp = pallas.dot(do, v, trans_b=True)
     ds = score_grad(p, dp, delta[:, None], tanh)
     return dq + _score_grad_dot(ds, k)
 
   dq = walk_block_ranges(key_block_ranges(spec, q0, bq, bk, kv_length, q_length), step,
                          jnp.zeros((bq, dims.H_pad), jnp.float32))
-  _backend.store(dq_ref, (dq * logits.scale).astype(dq_ref.dtype), mask=q_mask)
+  pallas.store(dq_ref, (dq * logits.scale).astype(dq_ref.dtype), mask=q_mask)
 
 
 def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes,
@@ -160,7 +160,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
     delta = row_delta(o, do)
   statics = dict(dims=dims, spec=spec, blocks=blocks, aux=aux,
                  logits=Logits(scale, softcap, fused=q.dtype != jnp.float32),
-                 exp2=_backend.exp2(interpret))
+                 exp2=pallas.exp2(interpret))
   common = dict(num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd,
                 interpret=interpret)
 
@@ -171,7 +171,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
   q_group = pl.BlockSpec((None, q_rows, group, dims.H_pad), lambda j, b, h: (b, 0, h, 0))
   kv_tile = pl.BlockSpec((None, bk, None, dims.H_pad), lambda j, b, h: (b, j, h, 0))
   stat_group = pl.BlockSpec((None, group, q_rows), lambda j, b, h: (b, h, 0))
-  dk, dv = _backend.pallas_call(
+  dk, dv = pallas.pallas_call(
       functools.partial(_dkdv_kernel, **statics), name="attention_backward_dkdv",
       grid=(n_k_blocks, dims.B, dims.K),
       in_specs=[q_group, kv_tile, kv_tile, q_group, stat_group, stat_group, stat_group,
@@ -187,7 +187,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
   launch = query_block_launch(dims, aux, block_q=blocks.block_q_dq,
                               block_k=blocks.block_k_dq, last_first=spec.is_causal)
   q_tile, stat_tile = launch.q_tile, launch.stat_tile
-  dq = _backend.pallas_call(
+  dq = pallas.pallas_call(
       functools.partial(_dq_kernel, q_block=launch.q_block, **statics),
       name="attention_backward_dq", grid=launch.grid,
       in_specs=[q_tile, launch.kv_all, launch.kv_all, q_tile, stat_tile, stat_tile,

@@ -23,14 +23,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxsoftmax import _backend
-from jaxsoftmax._backend import pl
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, key_block,
                                                 key_block_allowed, query_block,
                                                 query_block_launch, scores)
-from jaxsoftmax.state import safe_shift
+from jaxsoftmax._core.state import safe_shift
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
@@ -49,7 +49,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
     m, l, acc = carry
     k0 = j * bk
     k_idx, kv_mask = key_block(k0, bk, dims, h_ok, masked=masked)
-    k = _backend.load(k_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
+    k = pallas.load(k_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
     x, _ = scores(logits, q, k)
     if masked:
       allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
@@ -59,8 +59,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
     shift = safe_shift(m_new)
     p = exp2(logits.exponent(x, shift[:, None]))
     alpha = exp2(logits.exponent(m, shift))
-    v = _backend.load(v_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
-    acc = acc * alpha[:, None] + _backend.dot(p.astype(v.dtype), v)
+    v = pallas.load(v_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
+    acc = acc * alpha[:, None] + pallas.dot(p.astype(v.dtype), v)
     return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
   ranges = key_block_ranges(spec, q0, bq, bk, kv_length, q_length)
@@ -73,13 +73,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
     some = some & (q_idx < q_length)
   l_safe = jnp.where(some, l, 1.0)
   o = jnp.where(some[:, None], acc / l_safe[:, None], 0.0)
-  _backend.store(o_ref, o.astype(o_ref.dtype), mask=q_tile_mask)
+  pallas.store(o_ref, o.astype(o_ref.dtype), mask=q_tile_mask)
   if o32_ref:
-    _backend.store(o32_ref[0], o, mask=q_tile_mask)
+    pallas.store(o32_ref[0], o, mask=q_tile_mask)
   # A NaN l makes m NaN too: the GPU's max may skip NaN, and lse and the backward's P
   # must carry it (docs/numerics.md).
-  _backend.store(m_ref, jnp.where(some, jnp.where(l == l, m, jnp.nan), -jnp.inf), mask=q_ok)
-  _backend.store(log2_l_ref, jnp.log2(l_safe), mask=q_ok)
+  pallas.store(m_ref, jnp.where(some, jnp.where(l == l, m, jnp.nan), -jnp.inf), mask=q_ok)
+  pallas.store(log2_l_ref, jnp.log2(l_safe), mask=q_ok)
 
 
 def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: float,
@@ -97,9 +97,9 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: f
   logits = Logits(scale, softcap, fused=q.dtype != jnp.float32)
   kernel = functools.partial(_forward_kernel, dims=dims, spec=spec, blocks=blocks, aux=aux,
                              logits=logits, q_block=launch.q_block,
-                             exp2=_backend.exp2(interpret))
+                             exp2=pallas.exp2(interpret))
   q_tile, stat_tile = launch.q_tile, launch.stat_tile
-  return _backend.pallas_call(
+  return pallas.pallas_call(
       kernel, name="attention_forward", grid=launch.grid,
       in_specs=[q_tile, launch.kv_all, launch.kv_all, *launch.aux_specs],
       out_specs=[q_tile, stat_tile, stat_tile] + [q_tile] * float32_output,

@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxsoftmax import _backend
-from jaxsoftmax._backend import pl
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import MaskSpec, element_mask
@@ -220,7 +220,7 @@ def query_block_launch(dims: Dims, aux: Aux, *, block_q: int, block_k: int,
 
 def load_scalar(ref):
   """A per-batch-row scalar (a length) from its (1,) block, or None without a ref."""
-  return None if ref is None else jnp.max(_backend.load(ref))
+  return None if ref is None else jnp.max(pallas.load(ref))
 
 
 def block_rows(start, rows: int, total: int):
@@ -253,9 +253,9 @@ def query_block(q_ref, aux_refs: AuxArrays, *, q0, block_q: int, dims: Dims) -> 
   q_seg_ref = aux_refs.q_segments
   return QueryBlock(
       idx=q_idx, ok=q_ok, h_ok=h_ok, mask=q_mask,
-      tile=_backend.load(q_ref, mask=q_mask, other=0),
+      tile=pallas.load(q_ref, mask=q_mask, other=0),
       q_length=load_scalar(aux_refs.q_lengths), kv_length=load_scalar(aux_refs.kv_lengths),
-      segments=None if q_seg_ref is None else _backend.load(q_seg_ref, mask=q_ok, other=-1))
+      segments=None if q_seg_ref is None else pallas.load(q_seg_ref, mask=q_ok, other=-1))
 
 
 def key_block(k0, block_k: int, dims: Dims, h_ok, *, masked: bool):
@@ -267,7 +267,7 @@ def key_block(k0, block_k: int, dims: Dims, h_ok, *, masked: bool):
 
 def scores(logits: Logits, a, b):
   """x for the tiles a, b (a bᵀ, float32, soft-capped), and the tanh the backward needs."""
-  return logits.cap(_backend.dot(a, b, trans_b=True))
+  return logits.cap(pallas.dot(a, b, trans_b=True))
 
 
 def key_block_allowed(spec: MaskSpec, kv_seg_ref, *, k0, k_idx, block_k: int, q_idx,
@@ -276,8 +276,8 @@ def key_block_allowed(spec: MaskSpec, kv_seg_ref, *, k0, k_idx, block_k: int, q_
   forward's and the dQ kernel's boundary blocks), loading the keys' segment ids."""
   k_segments = None
   if kv_seg_ref is not None:
-    k_segments = _backend.load(kv_seg_ref.at[pl.ds(k0, block_k)], mask=k_idx < spec.kv_len,
-                               other=-2)
+    k_segments = pallas.load(kv_seg_ref.at[pl.ds(k0, block_k)], mask=k_idx < spec.kv_len,
+                             other=-2)
   return element_mask(spec, q_idx[:, None], k_idx[None, :], kv_length,
                       None if q_segments is None else q_segments[:, None],
                       None if k_segments is None else k_segments[None, :])

@@ -47,53 +47,19 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxsoftmax import _backend, reference
+from jaxsoftmax.attention import reference
+from jaxsoftmax._core import pallas
 from jaxsoftmax.attention import api, logits
 from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
-from jaxsoftmax.linear_map import LinearMap
-from jaxsoftmax.state import merge_attention_states
+from jaxsoftmax._core.linear_map import LinearMap
+from jaxsoftmax._core.state import merge_attention_states
+from jaxsoftmax.attention.context_parallel.zigzag import zigzag_permute, zigzag_unpermute
 
-__all__ = ["ring_attention", "context_parallel_attention", "zigzag_permute",
-           "zigzag_unpermute"]
+__all__ = ["ring_attention", "context_parallel_attention"]
 
 LAYOUTS = ("contiguous", "zigzag")
 STRATEGIES = ("ring", "all_gather")
-
-
-def _zigzag_order(num_shards: int) -> np.ndarray:
-  """Chunk order of the zigzag layout: 0, 2P-1, 1, 2P-2, ..."""
-  return np.array([c for d in range(num_shards) for c in (d, 2 * num_shards - 1 - d)])
-
-
-def _check_zigzag(x, num_shards, axis, op):
-  if not (isinstance(num_shards, int) and num_shards >= 1):
-    raise ValueError(f"{op}: num_shards must be a positive int, got {num_shards!r}")
-  length = x.shape[axis]
-  if length % (2 * num_shards):
-    raise ValueError(f"{op}: the length {length} of axis {axis} must be a multiple of "
-                     f"2 * num_shards = {2 * num_shards}")
-
-
-def _reorder_chunks(x, order: np.ndarray, axis: int):
-  chunks = jnp.split(x, len(order), axis=axis)
-  return jnp.concatenate([chunks[c] for c in order], axis=axis)
-
-
-def zigzag_permute(x, num_shards: int, axis: int = 1):
-  """Puts a sequence axis in the zigzag order of `ring_attention(layout="zigzag")`: cut
-  into 2·num_shards chunks, device d's shard becomes chunks d and 2·num_shards-1-d. Apply
-  it to the tokens (and to positions, for RoPE) before sharding the axis."""
-  x = jnp.asarray(x)
-  _check_zigzag(x, num_shards, axis, "zigzag_permute")
-  return _reorder_chunks(x, _zigzag_order(num_shards), axis)
-
-
-def zigzag_unpermute(x, num_shards: int, axis: int = 1):
-  """The inverse of `zigzag_permute`: back to the natural order of the sequence."""
-  x = jnp.asarray(x)
-  _check_zigzag(x, num_shards, axis, "zigzag_unpermute")
-  return _reorder_chunks(x, np.argsort(_zigzag_order(num_shards)), axis)
 
 
 def _band(T: int, S: int, offset: int, is_causal: bool, window, has_segments: bool):
@@ -307,8 +273,8 @@ def _choose(index, variants: tuple, run, *operands):
   kernel to run returns constants, which vary over none), as `lax.switch` wants."""
   if all(v == variants[0] for v in variants):
     return run(variants[0], *operands)
-  axes = _backend.varying_axes(index, operands)
-  branch = lambda v: lambda *ops: _backend.vary_over(run(v, *ops), axes)
+  axes = pallas.varying_axes(index, operands)
+  branch = lambda v: lambda *ops: pallas.vary_over(run(v, *ops), axes)
   return lax.switch(index, [branch(v) for v in variants], *operands)
 
 
@@ -572,7 +538,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
   if implementation not in api.IMPLEMENTATIONS:
     raise ValueError(f"{op}: implementation must be one of {api.IMPLEMENTATIONS}, got "
                      f"{implementation!r}")
-  if implementation is None and _backend.xla_by_default(
+  if implementation is None and pallas.xla_by_default(
       interpret, kernel_asked=block_sizes is not None):
     implementation = "xla"  # off a GPU: the blocks in jnp (`_xla_block_backward`)
   if logits_soft_cap is not None and not logits_soft_cap > 0:
@@ -591,10 +557,10 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
   plan = _Plan(axis_name, _shards(axis_name, op), layout, strategy, bool(is_causal), window,
                q_seg is not None, float(1 / np.sqrt(H) if scale is None else scale),
                logits_soft_cap, implementation, block_sizes,
-               _backend.resolve_interpret(interpret),
-               _backend.resolve_deterministic(deterministic), B, T, S, N, K, H,
+               pallas.resolve_interpret(interpret),
+               pallas.resolve_deterministic(deterministic), B, T, S, N, K, H,
                jnp.dtype(query.dtype).name)
-  query, key, value, q_seg, kv_seg = _backend.vary_together(query, key, value, q_seg, kv_seg)
+  query, key, value, q_seg, kv_seg = pallas.vary_together(query, key, value, q_seg, kv_seg)
   return _context_parallel(plan, query, key, value, q_seg, kv_seg)
 
 

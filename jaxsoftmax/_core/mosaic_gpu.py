@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxsoftmax._backend import vary_over, varying_axes, varying_like
+from jaxsoftmax._core.pallas import vary_over, varying_axes, varying_like
 
 __all__ = ["pl", "plgpu", "hopper_device", "device_description", "pad_to", "compiler_params",
            "gpu_kernel", "rem32", "div32", "SMEM_BYTES"]
@@ -62,7 +62,7 @@ def div32(a, b):
 
 def gpu_kernel(body, *, out_type, **options):
   """``plgpu.kernel(body, out_type=..., **options)``, its outputs declared to vary over
-  the mesh axes its operands vary over (`jaxsoftmax._backend.varying_like`), so that it
+  the mesh axes its operands vary over (`jaxsoftmax._core.pallas.varying_like`), so that it
   runs inside `jax.shard_map` with ``check_vma=True``."""
   def call(*args):
     outs = plgpu.kernel(body, out_type=varying_like(out_type, args), **options)(*args)

@@ -4,7 +4,7 @@ Every op here views its input as R rows of C columns (the reduced axis last) and
 per row:
 
 1. statistics: at most one online-softmax state (m, l), at most one Welford state
-   (n, mean, M2) (both defined in `state.py`, docs/math.md), plus any number of plain
+   (n, mean, M2) (both defined in `_core/state.py`, docs/math.md), plus any number of plain
    sums, each of a function of the row's elements;
 2. a map: each element of one or more outputs from the input elements, the row's
    statistics and per-column inputs (a normalization's scale and bias).
@@ -47,34 +47,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from jaxsoftmax import _backend
-from jaxsoftmax._backend import pl
-from jaxsoftmax.state import merge_moments, reduce_moments, reduce_states, safe_shift
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.pallas import pl
+from jaxsoftmax._core.state import merge_moments, reduce_moments, reduce_states, safe_shift
+from jaxsoftmax.rows.tiling import RowTiling, default_tiling
 
-__all__ = ["RowOp", "RowTiling", "Tile", "default_tiling", "exp_for", "row_call"]
+__all__ = ["RowOp", "Tile", "exp_for", "row_call"]
 
-VARIANTS = ("resident", "online", "split")
-
-# Largest row a resident program holds: 16384 float32 values are 32 registers per thread
-# at 16 warps, leaving room for the exp and the output before Triton spills. 16-bit rows
-# of 32768 held by 32 warps (32 values a thread) were slower on the H200 than the online
-# variant's two reads (4096x32768 bfloat16 softmax 207 against 164 us,
-# benchmarks/results/softmax_wide.md): one such program per SM leaves little in flight.
-RESIDENT_MAX_COLS = 16384
-# Short rows share a program up to this many elements. On the H200 one row of 1024 or
-# more per program beat 2 to 16 rows per program at the same row length (H200 sweep,
-# benchmarks/results/tune_rows.md): many small programs hide latency better.
-ROWS_TILE_ELEMS = 1024
-# Column block of the streaming variants, in bytes per row: 16 KB beat 8 and 32 KB on
-# the long-row shapes of the H200 sweep.
-STREAM_BLOCK_BYTES = 16384
-# Tile of the pure map kernel: 16384 elements reached the copy ceiling on every shape.
-MAP_TILE_ELEMS = 16384
-# Programs per SM the split variant aims for: short chunks (2 column blocks) were the
-# fastest in the H200 sweep; fewer, longer chunks leave HBM idle at the tail.
-SPLIT_PROGRAMS_PER_CORE = 64
-# Guard against tilings whose tile cannot live in registers.
-MAX_TILE_ELEMS = 1 << 17
 # Column sums in the resident kernel: each program walks its share of the row blocks, one
 # block in flight at a time, and writes one row of partial sums. Programs per SM: enough
 # for about COL_SUM_BYTES_IN_FLIGHT of each input per SM, from 2 to 8. Two programs of a
@@ -89,72 +68,6 @@ COL_SUM_PROGRAMS_PER_CORE = (2, 8)
 # norm backward spilled 97 M local-memory requests and ran at 22% of copy
 # (ncu_norms_bwd_8192x16384_f32_residual.log); such rows take XLA's column sums instead.
 MAX_COL_SUM_VALUES_PER_THREAD = 32
-
-
-def _is_pow2(n: int) -> bool:
-  return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class RowTiling:
-  """How a row-wise op is cut into programs.
-
-  Attributes:
-    variant: ``"resident"``, ``"online"`` or ``"split"`` (see the module docstring).
-    block_rows: rows per program; a power of two.
-    block_cols: columns per tile; a power of two. ``resident`` needs it >= the row length.
-    chunk_blocks: ``split`` only: column blocks (of ``block_cols``) per program.
-    num_warps: warps per program; a power of two from 1 to 32.
-  """
-
-  variant: str
-  block_rows: int = 1
-  block_cols: int = 1024
-  chunk_blocks: int = 1
-  num_warps: int = 4
-
-  def __post_init__(self):
-    if self.variant not in VARIANTS:
-      raise ValueError(f"RowTiling.variant must be one of {VARIANTS}, got {self.variant!r}")
-    for field in ("block_rows", "block_cols"):
-      if not _is_pow2(getattr(self, field)):
-        raise ValueError(
-            f"RowTiling.{field} must be a power of two, got {getattr(self, field)!r}")
-    if self.block_rows * self.block_cols > MAX_TILE_ELEMS:
-      raise ValueError(
-          f"RowTiling: block_rows * block_cols = {self.block_rows * self.block_cols} "
-          f"exceeds {MAX_TILE_ELEMS} elements, more than a program's registers hold")
-    if not (isinstance(self.chunk_blocks, int) and self.chunk_blocks >= 1):
-      raise ValueError(f"RowTiling.chunk_blocks must be a positive int, got {self.chunk_blocks!r}")
-    if not (_is_pow2(self.num_warps) and self.num_warps <= 32):
-      raise ValueError(f"RowTiling.num_warps must be a power of two <= 32, got {self.num_warps!r}")
-
-
-def _warps_for(tile_elems: int) -> int:
-  # About 16 elements per thread (four 16-byte loads of float32), 4 to 16 warps.
-  return max(4, min(16, tile_elems // 512))
-
-
-def default_tiling(n_rows: int, n_cols: int, dtype, *, reduces: bool) -> RowTiling:
-  """The tiling jaxsoftmax uses for an (n_rows, n_cols) view, tuned on an H200."""
-  cols_pow2 = pl.next_power_of_2(n_cols)
-  rows_pow2 = pl.next_power_of_2(n_rows)
-  stream_cols = STREAM_BLOCK_BYTES // jnp.dtype(dtype).itemsize
-  if not reduces:
-    block_cols = min(cols_pow2, MAP_TILE_ELEMS)
-    block_rows = min(rows_pow2, max(1, MAP_TILE_ELEMS // block_cols))
-    return RowTiling("split", block_rows, block_cols, 1, _warps_for(block_rows * block_cols))
-  if cols_pow2 <= RESIDENT_MAX_COLS:
-    block_rows = min(rows_pow2, max(1, ROWS_TILE_ELEMS // cols_pow2))
-    return RowTiling("resident", block_rows, cols_pow2, 1,
-                     _warps_for(block_rows * cols_pow2))
-  cores = _backend.num_cores()
-  if n_rows >= 2 * cores:
-    return RowTiling("online", 1, stream_cols, 1, _warps_for(stream_cols))
-  chunks = pl.cdiv(SPLIT_PROGRAMS_PER_CORE * cores, n_rows)
-  chunk_blocks = max(1, pl.cdiv(pl.cdiv(n_cols, chunks), stream_cols))
-  return RowTiling("split", 1, stream_cols, chunk_blocks, _warps_for(stream_cols))
-
 
 class Tile(NamedTuple):
   """What a RowOp's functions see of one (block_rows, block_cols) tile.
@@ -260,7 +173,7 @@ _LOG2E = 1.4426950408889634
 def exp_for(interpret: bool, dtype) -> Callable[[jax.Array], jax.Array]:
   """exp on the float32 tiles of an op whose inputs are ``dtype``.
 
-  16-bit inputs: one multiply and the backend's exp2 (`_backend.exp2`); libdevice's expf
+  16-bit inputs: one multiply and the backend's exp2 (`pallas.exp2`); libdevice's expf
   costs several instructions more, which bounds bfloat16 kernels by issue rate. Callers
   pass x - m, never x·log2e - m·log2e, so large |x| costs no accuracy. float32 inputs:
   jnp.exp (libdevice's expf). The multiply rounds its argument t = x - m, which costs
@@ -272,7 +185,7 @@ def exp_for(interpret: bool, dtype) -> Callable[[jax.Array], jax.Array]:
   (softmax.md)."""
   if jnp.dtype(dtype) == jnp.float32:
     return jnp.exp
-  exp2 = _backend.exp2(interpret)
+  exp2 = pallas.exp2(interpret)
   return lambda x: exp2(x * _LOG2E)
 
 
@@ -329,8 +242,8 @@ class _Bounds:
 def _load_rows(row_refs, rows_ok, row_slice=None) -> tuple[jax.Array, ...]:
   """The per-row inputs of the program's rows (``row_slice`` of them, where the program
   covers several blocks), each of shape (block_rows,)."""
-  return tuple(_backend.load(r if row_slice is None else r.at[row_slice], mask=rows_ok,
-                             other=0) for r in row_refs)
+  return tuple(pallas.load(r if row_slice is None else r.at[row_slice], mask=rows_ok,
+                           other=0) for r in row_refs)
 
 
 class _Block(NamedTuple):
@@ -346,12 +259,12 @@ def _load_block(refs: _Refs, start, in_bounds, block_cols: int, cols_ok=None,
                 row_slice=None) -> _Block:
   local = pl.ds(start, block_cols)
   row_slice = slice(None) if row_slice is None else row_slice
-  xs = tuple(_backend.load(r.at[row_slice, local], mask=in_bounds, other=0)
+  xs = tuple(pallas.load(r.at[row_slice, local], mask=in_bounds, other=0)
              .astype(jnp.float32) for r in refs.inputs)
   where = None
   if refs.where is not None:
-    where = _backend.load(refs.where.at[row_slice, local], mask=in_bounds, other=False)
-  colvals = tuple(_backend.load(r.at[local], mask=cols_ok, other=0).astype(jnp.float32)
+    where = pallas.load(refs.where.at[row_slice, local], mask=in_bounds, other=False)
+  colvals = tuple(pallas.load(r.at[local], mask=cols_ok, other=0).astype(jnp.float32)
                   for r in refs.cols)
   return _Block(xs, where, colvals)
 
@@ -400,7 +313,7 @@ def _tile_moments(values, valid):
 
 
 def _accumulate(op: RowOp, state, tile: Tile):
-  """Merges one tile into the running (m, l, moments, sums) of its rows (`state.py`).
+  """Merges one tile into the running (m, l, moments, sums) of its rows (`_core/state.py`).
   Returns the new state and the tile's exp(v - m_new)."""
   m, l, moments, sums = state
   e = None
@@ -434,9 +347,9 @@ def _store_map(op: RowOp, out_refs, tile: Tile, in_bounds, stats, *, start,
       tile = tile._replace(e=tile.exp(_masked(tile.valid, op.state_of(tile), -jnp.inf) - shift))
   ys = op.apply(tile, stats)
   for out_ref, y in zip(out_refs, ys if op.outputs > 1 else (ys,)):
-    _backend.store(out_ref.at[slice(None) if row_slice is None else row_slice,
+    pallas.store(out_ref.at[slice(None) if row_slice is None else row_slice,
                               pl.ds(start, block_cols)],
-                   _masked(tile.valid, y, op.fill).astype(out_ref.dtype), mask=in_bounds)
+                 _masked(tile.valid, y, op.fill).astype(out_ref.dtype), mask=in_bounds)
 
 
 # --- kernels ---------------------------------------------------------------------------
@@ -492,7 +405,7 @@ def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_bloc
 
       _pipelined(n_col_blocks, load, map_block, ())
   for ref, s in zip(refs.stats, stats):
-    _backend.store(ref, s, mask=rows_ok)
+    pallas.store(ref, s, mask=rows_ok)
 
 
 def _resident_col_sums_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
@@ -511,14 +424,14 @@ def _resident_col_sums_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds
     rows_ok = bounds.rows_ok(first_block + i)
     tile, stats = _resident_rows(op, refs, bounds, rows_ok, exp, row_slice)
     for ref, stat in zip(stat_refs, stats):
-      _backend.store(ref.at[row_slice], stat, mask=rows_ok)
+      pallas.store(ref.at[row_slice], stat, mask=rows_ok)
     return tuple(total + jnp.sum(_masked(tile.valid, f(tile), 0.0), axis=0)
                  for total, f in zip(sums, op.col_sums))
 
   sums = lax.fori_loop(0, row_blocks, row_block,
                        tuple(jnp.zeros((bc,), jnp.float32) for _ in op.col_sums))
   for ref, total in zip(col_refs, sums):
-    _backend.store(ref, total, mask=bounds.cols_ok(0))
+    pallas.store(ref, total, mask=bounds.cols_ok(0))
 
 
 def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
@@ -538,7 +451,7 @@ def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
                                bounds.cols_ok(col0 + b * bc))
   state = _pipelined(chunk_blocks, load, accumulate, _empty_state(op, bounds.block_rows))
   for ref, s in zip(refs.stats, _finish(op, state)):
-    _backend.store(ref, s, mask=rows_ok)
+    pallas.store(ref, s, mask=rows_ok)
 
 
 def _map_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, chunk_blocks: int,
@@ -597,7 +510,7 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
            out_shapes):
     in_specs = ([tile_spec] * layout.n_in + [row_spec] * n_rows_in
                 + [col_spec] * layout.n_cols_in + [tile_spec] * layout.has_where)
-    return _backend.pallas_call(
+    return pallas.pallas_call(
         kernel, name=f"{op.name}_{suffix}", grid=grid, in_specs=in_specs,
         out_specs=out_specs, out_shape=out_shapes, num_warps=tiling.num_warps,
         # The column loops are pipelined by hand (`_pipelined`); Triton's pipeliner,
@@ -618,8 +531,8 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
     block_bytes = br * bc * jnp.dtype(inputs[0].dtype).itemsize
     fewest, most = COL_SUM_PROGRAMS_PER_CORE
     per_core = min(most, max(fewest, COL_SUM_BYTES_IN_FLIGHT // block_bytes))
-    programs, row_blocks = _backend.even_groups(n_row_blocks,
-                                                per_core * _backend.num_cores())
+    programs, row_blocks = pallas.even_groups(n_row_blocks,
+                                              per_core * pallas.num_cores())
     span = row_blocks * br
     tile_spec = pl.BlockSpec((span, bc), lambda i: (i, 0))
     row_spec = pl.BlockSpec((span,), lambda i: (i,))

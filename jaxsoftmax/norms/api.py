@@ -37,10 +37,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax import _backend
-from jaxsoftmax.inputs import RowView, check_floating
-from jaxsoftmax.linear_map import LinearMap
-from jaxsoftmax.rowwise import RESIDENT_MAX_COLS, RowOp, RowTiling, default_tiling, row_call
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.inputs import RowView, check_floating
+from jaxsoftmax._core.linear_map import LinearMap
+from jaxsoftmax.norms import reference
+from jaxsoftmax.rows import RowOp, RowTiling, default_tiling, row_call
+from jaxsoftmax.rows.tiling import RESIDENT_MAX_COLS
 
 __all__ = ["layer_norm", "rms_norm"]
 
@@ -290,7 +292,7 @@ def _transpose_twin(res, cts, *, norm: _Norm):
 
 
 # Column arrays (scale, bias and their gradients) are not row by row: under vmap the maps
-# run once per batch element, as the backward kernel's column sums do (`rowwise.row_call`).
+# run once per batch element, as the backward kernel's column sums do (`rows.row_call`).
 _rows_only = lambda norm: not (norm.has_scale or norm.has_bias)
 _TANGENT = LinearMap("norm_tangent", kernel=_tangent_twin, twin=_tangent_twin,
                      fold_rows=_rows_only).pair(
@@ -342,28 +344,6 @@ def _normalize_jvp(norm: _Norm, primals, tangents):
   return (y, None), (outs[0], None)
 
 
-def _reference(x, residual, scale, bias, *, rms: bool, epsilon: float, scale_offset: float,
-               view: RowView):
-  """The XLA path (float64 inputs, empty arrays, and by default off a GPU): plain jnp
-  in float32 at least, as the kernels; h and y in x's dtype."""
-  acc = jnp.promote_types(x.dtype, jnp.float32)
-  h = x if residual is None else (x.astype(acc) + residual.astype(acc)).astype(x.dtype)
-  h32, axes = h.astype(acc), view.axes
-  if rms:
-    y = h32 * lax.rsqrt(jnp.mean(jnp.square(h32), axis=axes, keepdims=True) + epsilon)
-  else:
-    mean = jnp.mean(h32, axis=axes, keepdims=True)
-    var = jnp.mean(jnp.square(h32 - mean), axis=axes, keepdims=True)
-    y = (h32 - mean) * lax.rsqrt(var + epsilon)
-  shape = tuple(x.shape[a] if a in axes else 1 for a in range(x.ndim))
-  if scale is not None:
-    y = y * (scale.astype(acc).reshape(shape) + scale_offset)
-  if bias is not None:
-    y = y + bias.astype(acc).reshape(shape)
-  y = y.astype(x.dtype)
-  return y if residual is None else (y, h)
-
-
 def _norm(op: str, x, residual, scale, bias, *, epsilon, axis, scale_offset, rms: bool,
           tiling, interpret):
   x = check_floating(x, "x", op)
@@ -387,13 +367,13 @@ def _norm(op: str, x, residual, scale, bias, *, epsilon, axis, scale_offset, rms
   scale = None if scale is None else jnp.asarray(scale)
   bias = None if bias is None else jnp.asarray(bias)
   if (x.dtype == jnp.float64 or x.size == 0
-      or _backend.xla_by_default(interpret, kernel_asked=tiling is not None)):
-    return _reference(x, residual, scale, bias, rms=rms, epsilon=float(epsilon),
+      or pallas.xla_by_default(interpret, kernel_asked=tiling is not None)):
+    return reference.normalize(x, residual, scale, bias, rms=rms, epsilon=float(epsilon),
                       scale_offset=float(scale_offset), view=view)
   norm = _Norm(rms, float(epsilon), float(scale_offset), view.n_cols, jnp.dtype(x.dtype).name,
                residual is not None, scale is not None, bias is not None, tiling,
-               _backend.resolve_interpret(interpret))
-  x, residual, scale, bias = _backend.vary_together(x, residual, scale, bias)
+               pallas.resolve_interpret(interpret))
+  x, residual, scale, bias = pallas.vary_together(x, residual, scale, bias)
   rows = lambda a: None if a is None else view.to_rows(a)
   cols = lambda a: None if a is None else a.reshape(view.n_cols)
   y, h = _normalize(rows(x), rows(residual), cols(scale), cols(bias), norm)

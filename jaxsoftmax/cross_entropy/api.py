@@ -32,11 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsoftmax import _backend, reference
-from jaxsoftmax.inputs import check_floating
-from jaxsoftmax.rowwise import RowOp, RowTiling, row_call
-from jaxsoftmax.linear_map import LinearMap
-from jaxsoftmax.state import probabilities, safe_shift, state_lse
+from jaxsoftmax.cross_entropy import reference
+from jaxsoftmax.softmax import reference as softmax_reference
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.inputs import check_floating
+from jaxsoftmax.rows import RowOp, RowTiling, row_call
+from jaxsoftmax._core.linear_map import LinearMap
+from jaxsoftmax._core.state import probabilities, safe_shift, state_lse
 
 __all__ = ["cross_entropy"]
 
@@ -329,14 +331,14 @@ def cross_entropy(logits, labels, axis=-1, where=None, *, ignore_index: int = -1
   options = dict(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
                  z_loss=float(z_loss), reduction=reduction)
   if (logits.dtype == jnp.float64 or logits.size == 0
-      or _backend.xla_by_default(interpret, kernel_asked=tiling is not None)):
+      or pallas.xla_by_default(interpret, kernel_asked=tiling is not None)):
     # The XLA path: the reference on float32 logits at least (float32 losses, as ours).
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     loss = reference.cross_entropy(logits, labels, where=where, **options)
     if return_lse:
-      return loss, reference.logsumexp(logits, axis=-1, where=where)
+      return loss, softmax_reference.logsumexp(logits, axis=-1, where=where)
     return loss
-  logits, labels, where = _backend.vary_together(logits, labels, where)
+  logits, labels, where = pallas.vary_together(logits, labels, where)
   loss, lse = _cross_entropy(logits, labels, where, **options, tiling=tiling,
-                             interpret=_backend.resolve_interpret(interpret))
+                             interpret=pallas.resolve_interpret(interpret))
   return (loss, lse) if return_lse else loss

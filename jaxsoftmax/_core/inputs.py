@@ -2,7 +2,7 @@
 
 The ops check their arguments here before any kernel runs (errors name the argument and
 its shape), and see an array as (rows, columns) with `RowView`, the layout the row
-kernels (`rowwise`) take.
+kernels (`jaxsoftmax.rows`) take.
 """
 
 from __future__ import annotations

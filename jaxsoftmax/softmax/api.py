@@ -6,7 +6,7 @@ handling of -inf and of masked elements. Inputs are float32, bfloat16 or float16
 are accumulated in float32; float64 inputs (under ``jax_enable_x64``) and empty arrays
 take the pure-jnp path of `jaxsoftmax.reference`.
 
-Forward (x of R rows of C elements, reduced axes last; `rowwise` picks the variant),
+Forward (x of R rows of C elements, reduced axes last; `rows` picks the variant),
 from the row state m = max(x), l = sum(exp(x - m)):
 
     softmax = exp(x - m) / l;  log_softmax = (x - m) - log(l);  logsumexp = m + log(l)
@@ -37,11 +37,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxsoftmax import _backend, reference
-from jaxsoftmax.linear_map import LinearMap
-from jaxsoftmax.inputs import RowView, check_floating, check_where
-from jaxsoftmax.rowwise import RowOp, RowTiling, row_call
-from jaxsoftmax.state import nan_for_inf, probabilities, safe_shift, state_lse
+from jaxsoftmax.softmax import reference
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.linear_map import LinearMap
+from jaxsoftmax._core.inputs import RowView, check_floating, check_where
+from jaxsoftmax.rows import RowOp, RowTiling, row_call
+from jaxsoftmax._core.state import nan_for_inf, probabilities, safe_shift, state_lse
 
 __all__ = ["softmax", "log_softmax", "logsumexp"]
 
@@ -65,9 +66,9 @@ _LOGSUMEXP_BWD = RowOp(
 
 def _xla_path(x, interpret, tiling) -> bool:
   """Whether the call takes the XLA path (`reference`, in float32 at least): float64
-  and empty inputs, and by default off a GPU (`_backend.xla_by_default`)."""
+  and empty inputs, and by default off a GPU (`pallas.xla_by_default`)."""
   return (x.dtype == jnp.float64 or x.size == 0
-          or _backend.xla_by_default(interpret, kernel_asked=tiling is not None))
+          or pallas.xla_by_default(interpret, kernel_asked=tiling is not None))
 
 
 def _rows_or_none(view: RowView, a):
@@ -145,9 +146,9 @@ def softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
   where = check_where(where, x.shape, "softmax")
   if _xla_path(x, interpret, tiling):
     return reference.accumulated(reference.softmax, x, view.axes, where)
-  x, where = _backend.vary_together(x, where)
+  x, where = pallas.vary_together(x, where)
   return _softmax(x, where, view=view, tiling=tiling,
-                  interpret=_backend.resolve_interpret(interpret))
+                  interpret=pallas.resolve_interpret(interpret))
 
 
 # --- log_softmax -----------------------------------------------------------------------
@@ -251,9 +252,9 @@ def log_softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
   where = check_where(where, x.shape, "log_softmax")
   if _xla_path(x, interpret, tiling):
     return reference.accumulated(reference.log_softmax, x, view.axes, where)
-  x, where = _backend.vary_together(x, where)
+  x, where = pallas.vary_together(x, where)
   return _log_softmax(x, where, view=view, tiling=tiling,
-                      interpret=_backend.resolve_interpret(interpret))
+                      interpret=pallas.resolve_interpret(interpret))
 
 
 # --- logsumexp -------------------------------------------------------------------------
@@ -324,6 +325,6 @@ def logsumexp(x, axis=None, b=None, keepdims: bool = False, return_sign: bool = 
                             return_sign=return_sign, where=where)
   if _xla_path(x, interpret, tiling):
     return reference.accumulated(reference.logsumexp, x, view.axes, where, keepdims)
-  x, where = _backend.vary_together(x, where)
+  x, where = pallas.vary_together(x, where)
   return _logsumexp(x, where, view=view, keepdims=keepdims, tiling=tiling,
-                    interpret=_backend.resolve_interpret(interpret))
+                    interpret=pallas.resolve_interpret(interpret))

@@ -1,0 +1,83 @@
+"""Attention's reference: jax.nn.dot_product_attention's XLA path, with our masks.
+
+Pure jnp in the dtype of the inputs: the truth every kernel is checked against (the
+tests evaluate it in float64, and in the input dtype for the error that dtype allows:
+the 2x rule, docs/testing.md and `tests/tolerance.py`), and the op's XLA path (float64,
+empty inputs, and by default off a GPU). It follows jax.nn / optax semantics, including
+`where` and -inf handling.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["attention_mask", "dot_product_attention"]
+
+
+def attention_mask(T: int, S: int, *, is_causal=False, local_window_size=None,
+                   query_seq_lengths=None, key_value_seq_lengths=None, q_segments=None,
+                   kv_segments=None, batch: int = 1):
+  """The (B, 1, T, S) boolean mask of the (query, key) pairs attention may use."""
+  q = jnp.arange(T)[None, None, :, None]
+  k = jnp.arange(S)[None, None, None, :]
+  allowed = jnp.ones((batch, 1, T, S), bool)
+  if is_causal:
+    allowed = allowed & (k <= q)
+  if local_window_size is not None:
+    left, right = ((local_window_size, local_window_size)
+                   if isinstance(local_window_size, int) else local_window_size)
+    allowed = allowed & (q - left <= k) & (k <= q + right)
+  if key_value_seq_lengths is not None:
+    allowed = allowed & (k < key_value_seq_lengths[:, None, None, None])
+  if query_seq_lengths is not None:
+    allowed = allowed & (q < query_seq_lengths[:, None, None, None])
+  if q_segments is not None:
+    allowed = allowed & (q_segments[:, None, :, None] == kv_segments[:, None, None, :])
+  return allowed
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                          is_causal=False, query_seq_lengths=None,
+                          key_value_seq_lengths=None, local_window_size=None,
+                          logits_soft_cap=None, q_segments=None, kv_segments=None):
+  """Attention in layout B T N H (K/V heads dividing N), returning (out, lse).
+
+  As jax.nn.dot_product_attention's XLA path: logits in float32 (float64 for float64
+  inputs), softmax in float32, probabilities cast to the value dtype for the second
+  product. One difference, by design: a query row with no allowed key (masked entirely)
+  gives out = 0 and lse = -inf with zero gradients, where jax.nn averages the values.
+  lse is float32, shape (B, T, N).
+  """
+  B, T, N, H = query.shape
+  S, K = key.shape[1], key.shape[2]
+  scale = 1 / np.sqrt(H) if scale is None else scale
+  acc = jnp.promote_types(query.dtype, jnp.float32)
+  q = query.reshape(B, T, K, N // K, H)
+  logits = jnp.einsum("btkgh,bskh->bkgts", q, key, preferred_element_type=acc,
+                      precision=jax.lax.Precision.HIGHEST) * scale
+  if logits_soft_cap is not None:
+    logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+  allowed = attention_mask(T, S, is_causal=is_causal, local_window_size=local_window_size,
+                           query_seq_lengths=query_seq_lengths,
+                           key_value_seq_lengths=key_value_seq_lengths,
+                           q_segments=q_segments, kv_segments=kv_segments, batch=B)
+  allowed = allowed.reshape(B, 1, 1, T, S)
+  if mask is not None:
+    allowed = allowed & jnp.broadcast_to(mask, (B, N, T, S)).reshape(B, K, N // K, T, S)
+  if bias is not None:
+    logits = logits + jnp.broadcast_to(bias, (B, N, T, S)).reshape(
+        B, K, N // K, T, S).astype(acc)
+  logits = jnp.where(allowed, logits, -jnp.inf)
+  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
+  m = jnp.where(jnp.isfinite(m), m, 0)
+  p = jnp.exp(logits - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  some = l != 0  # l = 0: no allowed key; NaN (from a NaN input) stays NaN
+  probs = jnp.where(some, p / jnp.where(some, l, 1), 0)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(value.dtype), value,
+                   preferred_element_type=acc, precision=jax.lax.Precision.HIGHEST)
+  lse = jnp.where(some, m + jnp.log(jnp.where(some, l, 1)), -jnp.inf)[..., 0]
+  lse = lse.reshape(B, N, T).transpose(0, 2, 1).astype(jnp.float32)
+  return out.reshape(B, T, N, H).astype(query.dtype), lse
