@@ -492,7 +492,7 @@ def write_lines(out_dir: str, filename: str, lines: Sequence[str]):
 
 def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
         unit: str = "GB/s", summary: Callable[[list[Row]], str] | None = None,
-        flops_doc: str = _ATTENTION_FLOPS):
+        flops_doc: str = _ATTENTION_FLOPS, default_modes: str = "fwd,fwd+bwd"):
   """The command line every benchmark script shares: ``--out``, ``--smoke``, ``--only``,
   ``--name``, ``--modes``.
 
@@ -504,7 +504,7 @@ def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
   parser = argparse.ArgumentParser(description=doc.splitlines()[0])
   add_shape_args(parser)
   parser.add_argument("--name", default=name, help="file name of the results")
-  parser.add_argument("--modes", default="fwd,fwd+bwd",
+  parser.add_argument("--modes", default=default_modes,
                       help="comma-separated modes, for benchmarks that have several")
   args = parser.parse_args()
   if jax.default_backend() != "gpu":

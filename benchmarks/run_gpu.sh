@@ -3,6 +3,7 @@
 # log and result under $OUT (default benchmarks/results/run). Run from the repo root:
 #
 #   STAGES="tests tune bench" bash benchmarks/run_gpu.sh
+#   bash benchmarks/run_gpu.sh --help        # this text: the stages and their options
 #
 # Stages (each bounded by a timeout, so that one hung stage still leaves the others'
 # results; everything is also packed into $OUT/run.tgz, since only a few files come back
@@ -46,12 +47,29 @@
 #   norm-tests, norm-bench  layer_norm, rms_norm (NORM_ONLY picks shapes, NORM_MODES as
 #                           ROWS_MODES, plus "step": the backward through y @ w);
 #                           tune-norms sweeps their tiles (TUNE_NORM_PARAMS=float32: with
-#                           float32 scale and bias); norm-ncu: the backward kernel's counters
+#                           float32 scale and bias; NORM_MODES="fwd" or "bwd" sweeps one
+#                           kernel); norm-ncu: the backward kernel's counters
 #                           (profile_norms.py)
 #
 # The attention peers FA3 and tokamax come as wheels placed in .peers (git-ignored; carry
 # it to the machine); they are installed under /tmp for the run.
 set -uo pipefail
+stages=${STAGES:-tests tune bench}
+known="tests tune bench rows-profile attn-tests attn-tune attn-tune-hopper attn-bench
+  attn-bench-bwd attn-ncu attn-resources pytest lce-tests lce-bench lce-profile lce-accuracy
+  tune-lce norm-tests norm-bench tune-norms norm-ncu ring-tests ring-bench ring-profile
+  ring-example accuracy-rows command-buffers example"
+if [ "${1:-}" = --help ] || [ "${1:-}" = -h ]; then
+  sed -n '2,/^$/{s/^# \{0,1\}//;/^set /q;p}' "$0"
+  exit 0
+fi
+# Every stage named must exist before any runs: a typo should not cost a machine's time.
+for stage in $stages; do
+  case " $(echo $known) " in
+    *" $stage "*) ;;
+    *) echo "unknown stage '$stage'; bash benchmarks/run_gpu.sh --help lists them" >&2; exit 2 ;;
+  esac
+done
 # Only a few files come back from the machine: the logs and results go to $OUT/run and
 # come back packed in $OUT/run.tgz, with the one-line-per-stage summary beside it.
 top=${OUT:-benchmarks/results/run}
@@ -100,7 +118,7 @@ counters() {
     "$log" | head -n 30 | sed "s/^/$label: /" | tee -a "$out/summary.log"
 }
 
-for stage in ${STAGES:-tests tune bench}; do
+for stage in $stages; do
   echo "=== $stage $(date -u +%T)" | tee -a "$out/summary.log"
   case $stage in
     tests)
@@ -206,7 +224,7 @@ for stage in ${STAGES:-tests tune bench}; do
         | tee "$out/norm_bench.log" | tail -n 3 \
         | tee -a "$out/summary.log" ;;
     tune-norms)
-      timeout 400 $python benchmarks/tune_norms.py --out "$out" \
+      timeout 400 $python benchmarks/tune_norms.py --out "$out" ${NORM_MODES:+--modes "$NORM_MODES"} \
         ${NORM_ONLY:+--only "$NORM_ONLY"} 2>&1 | tee "$out/tune_norms.log" | tail -n 3 \
         | tee -a "$out/summary.log" ;;
     norm-ncu)
@@ -248,7 +266,6 @@ for stage in ${STAGES:-tests tune bench}; do
     example)
       timeout 120 $python examples/train_transformer.py --trace "$out/trace" 2>&1 \
         | tee "$out/example.log" | tail -n 8 | tee -a "$out/summary.log" ;;
-    *) echo "unknown stage $stage" | tee -a "$out/summary.log" ;;
   esac
   pack
 done

@@ -4,6 +4,7 @@ not rot off-GPU."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -225,3 +226,22 @@ def test_tune_linear_cross_entropy_smoke(tmp_path):
   tiles = rows[1:]
   assert len(tiles) == 2 and all(r["median_us"] > 0 and r["max_rel_err"] < 1e-4
                                  for r in tiles)
+
+
+def test_run_gpu_lists_and_checks_its_stages(tmp_path):
+  # --help prints the stages; a stage name that does not exist stops the run before any
+  # stage starts (nothing written under $OUT); every stage the case statement handles is
+  # one the check knows.
+  script = os.path.join(ROOT, "benchmarks", "run_gpu.sh")
+  shown = subprocess.run(["bash", script, "--help"], capture_output=True, text=True,
+                         check=True).stdout
+  assert "command-buffers" in shown and "set -uo" not in shown
+  env = dict(os.environ, STAGES="tests no-such-stage", OUT=str(tmp_path))
+  bad = subprocess.run(["bash", script], capture_output=True, text=True, env=env, cwd=ROOT)
+  assert bad.returncode == 2 and "unknown stage 'no-such-stage'" in bad.stderr
+  assert not os.listdir(tmp_path)
+  with open(script) as f:
+    text = f.read()
+  handled = set(re.findall(r"^    ([a-z0-9-]+)\)$", text, re.M))
+  known = set(re.search(r'^known="([^"]*)"', text, re.M).group(1).split())
+  assert handled == known
