@@ -103,6 +103,7 @@ def main():
   if args.child:  # one size, in a process of its own (XLA_FLAGS are read at start)
     print(json.dumps({"ms": _step_time(SIZES[args.child])}))
     return
+  os.makedirs(args.out, exist_ok=True)
   lines = []
   for size in SIZES:
     for mode, flag in MODES.items():

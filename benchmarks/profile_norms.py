@@ -7,8 +7,9 @@ kernels it selects, `--launch-skip 1 --launch-count 1`), and exits.
         python3 benchmarks/profile_norms.py --op layer_norm --shape 65536,1024 --mode fwd+bwd
 
 --op: layer_norm or rms_norm; --shape: rows,C; --dtype: float32 or bfloat16;
---residual: fuse the residual add; --mode: fwd or fwd+bwd (the backward's kernels carry
-"_bwd" in their names).
+--param-dtype: scale's and bias' (default: x's; float32 beside bfloat16 x is Flax's
+mixed precision); --residual: fuse the residual add; --mode: fwd or fwd+bwd (the
+backward's kernels carry "_bwd" in their names).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main():
   parser.add_argument("--op", default="layer_norm", choices=("layer_norm", "rms_norm"))
   parser.add_argument("--shape", default="65536,1024")
   parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+  parser.add_argument("--param-dtype", default=None, choices=("float32", "bfloat16"))
   parser.add_argument("--residual", action="store_true")
   parser.add_argument("--mode", default="fwd+bwd", choices=("fwd", "fwd+bwd"))
   args = parser.parse_args()
@@ -33,8 +35,9 @@ def main():
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
   x, r, dy, dh = (jax.random.normal(k, (rows, C), jnp.float32).astype(args.dtype)
                   for k in keys)
-  scale = jnp.ones((C,), args.dtype)
-  bias = None if args.op == "rms_norm" else jnp.zeros((C,), args.dtype)
+  param_dtype = args.param_dtype or args.dtype
+  scale = jnp.ones((C,), param_dtype)
+  bias = None if args.op == "rms_norm" else jnp.zeros((C,), param_dtype)
   residual = r if args.residual else None
 
   def norm(x, scale, bias, residual):

@@ -18,9 +18,10 @@ Minimum traffic in (rows, C) arrays: forward 2 (read x, write y), 4 with the res
 residual (also h's cotangent). % is of the copy ceiling; the impl column names the tiling.
 
 With ``TUNE_NORM_PARAMS=float32`` in the environment, scale and bias are float32 (Flax's
-default param_dtype beside 16-bit activations) and the sweep adds tiles of 2 and 4 rows:
-each program loads the parameters once for all its rows, where one row a program reads
-them again for every row (twice the bytes of a 16-bit row of x, from L2).
+default param_dtype beside 16-bit activations) and the sweep is over rows a program
+(`param_tilings`): each program loads the parameters once for all its rows, where one row
+a program reads them again for every row (twice the bytes of a 16-bit row of x, from L2).
+``--modes fwd`` or ``--modes bwd`` sweeps one of the two kernels (default: both).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def tilings(cols: int, most_per_thread: int) -> list[RowTiling]:
   online variant on a half and a quarter of the row a block, 16 and 32 values a thread:
   its second read of the row, from L1 or L2 right after the first, trades against the
   registers a resident program holds the row in (what bounds layer_norm's wide rows); and
-  resident tiles of two rows."""
+  resident tiles of two rows. With TUNE_NORM_PARAMS, `param_tilings` instead."""
+  if PARAMS is not None:
+    return param_tilings(cols, most_per_thread)
   cols_pow2 = pl.next_power_of_2(cols)
   out = [RowTiling("resident", 1, cols_pow2, 1, w) for w in (1, 2, 4, 8, 16, 32)
          if 4 <= cols_pow2 // (32 * w) <= most_per_thread]
@@ -62,18 +65,31 @@ def tilings(cols: int, most_per_thread: int) -> list[RowTiling]:
     # the backward's column sums (reduced over the tile's rows first) stay one vector.
     out += [RowTiling("resident", 2, cols_pow2, 1, w) for w in (16, 32)
             if 2 * cols_pow2 // (32 * w) <= most_per_thread]
-  if PARAMS is not None:  # several rows sharing one load of the parameters
-    out += [RowTiling(variant, rows, cols_pow2 // parts, 1, w)
-            for variant, parts in (("resident", 1), ("online", 2)) for rows in (2, 4)
-            for w in (8, 16, 32)
-            if rows * cols_pow2 // parts <= 1 << 17
-            and 4 <= rows * cols_pow2 // parts // (32 * w) <= most_per_thread]
+  return out
+
+
+def param_tilings(cols: int, most_per_thread: int) -> list[RowTiling]:
+  """Rows sharing one load of the parameters: resident tiles of 1 to 8 rows at 8 to
+  ``most_per_thread`` values a thread (at most 64), and for rows of 4096 columns or more
+  online tiles (half a row a block) of 1 to 4 rows at 8 to 32 values a thread."""
+  cols_pow2 = pl.next_power_of_2(cols)
+  out = []
+  for variant, block_cols, most in (("resident", cols_pow2, most_per_thread),
+                                    ("online", cols_pow2 // 2, 32)):
+    if variant == "online" and cols_pow2 < 4096:
+      continue
+    for rows in (1, 2, 4, 8) if variant == "resident" else (1, 2, 4):
+      for w in (1, 2, 4, 8, 16, 32):
+        per_thread = rows * block_cols // (32 * w)
+        if rows * block_cols <= 1 << 17 and 8 <= per_thread <= min(64, most):
+          out.append(RowTiling(variant, rows, block_cols, 1, w))
   return out
 
 
 def _norm(rms: bool, residual: bool, C: int, dtype, tiling) -> norms._Norm:
+  params = (jnp.zeros((), PARAMS or dtype),)
   return norms._Norm(rms, EPS, 0.0, C, jnp.dtype(dtype).name, residual, True, not rms,
-                     tiling, pallas.resolve_interpret(None))
+                     tiling, pallas.resolve_interpret(None), norms._param_parts(dtype, params))
 
 
 def tune_shape(report: harness.Report, shape, dtype):
@@ -105,6 +121,8 @@ def tune_shape(report: harness.Report, shape, dtype):
       for mode, fn, most, args, traffic in (
           ("fwd", forward, 128, [(s[0], s[1]) for s in sets], 4 if residual else 2),
           ("bwd", backward, 64, saved, 4 if residual else 3)):
+        if mode not in report.modes:
+          continue
         for t in tilings(C, most) + [None]:
           report.measure(op=op, impl="default" if t is None else _name(t), mode=mode,
                          fn=lambda *a, fn=fn, t=t: fn(*a, t), arg_sets=args,
@@ -113,8 +131,10 @@ def tune_shape(report: harness.Report, shape, dtype):
 
 def rows_per_shape(shape, dtype, modes) -> int:
   C = shape[1]
-  return 2 + 4 * (len(tilings(C, 128)) + len(tilings(C, 64)) + 2)
+  counts = {"fwd": len(tilings(C, 128)) + 1, "bwd": len(tilings(C, 64)) + 1}
+  return 2 + 4 * sum(counts[m] for m in modes if m in counts)
 
 
 if __name__ == "__main__":
-  harness.run("tune_norms", __doc__, SHAPES, SMOKE_SHAPES, tune_shape, rows_per_shape)
+  harness.run("tune_norms", __doc__, SHAPES, SMOKE_SHAPES, tune_shape, rows_per_shape,
+              default_modes="fwd,bwd")

@@ -48,12 +48,12 @@ def _ours(x, scale, bias, residual, *, rms, tiling, **options):
   return out if residual is not None else (out, x)
 
 
-def _inputs(key, shape, dtype, *, residual=True, mean=0.0, spread=1.0):
+def _inputs(key, shape, dtype, *, residual=True, mean=0.0, spread=1.0, param_dtype=None):
   kx, kr, ks, kb, ky, kh = jax.random.split(key, 6)
   x = (mean + spread * jax.random.normal(kx, shape)).astype(dtype)
   r = jax.random.normal(kr, shape).astype(dtype) if residual else None
-  scale = (1 + 0.3 * jax.random.normal(ks, shape[-1:])).astype(dtype)
-  bias = (0.3 * jax.random.normal(kb, shape[-1:])).astype(dtype)
+  scale = (1 + 0.3 * jax.random.normal(ks, shape[-1:])).astype(param_dtype or dtype)
+  bias = (0.3 * jax.random.normal(kb, shape[-1:])).astype(param_dtype or dtype)
   dy = jax.random.normal(ky, shape).astype(dtype)
   dh = jax.random.normal(kh, shape).astype(dtype)
   return x, r, scale, bias, dy, dh
@@ -86,7 +86,7 @@ def _check(x, r, scale, bias, dy, dh, *, rms, tiling=None, baseline_dtype=None, 
   for what, a, b, c in zip(names, got, in_dtype, exact):
     if a is None or (not has_r and what in ("h", "dresidual")):
       continue
-    assert a.dtype == x.dtype, what
+    assert a.dtype == (scale.dtype if what in ("dscale", "dbias") else x.dtype), what
     assert_2x(a, b, c, what=what)
 
 
@@ -96,6 +96,19 @@ def _check(x, r, scale, bias, dy, dh, *, rms, tiling=None, baseline_dtype=None, 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_matches_truth(key, rms, dtype, tiling, residual):
   _check(*_inputs(key, (37, 300), dtype, residual=residual), rms=rms, tiling=tiling)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("tiling", TILINGS[:2])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_float32_parameters(key, rms, dtype, tiling, residual):
+  # Flax's mixed precision: 16-bit x, float32 scale and bias, which the kernels read in
+  # three bfloat16 parts each (norms.api._bfloat16_parts). Without a residual, against
+  # XLA's path (float32 math, rounded once), where a scale rounded to bfloat16 would miss
+  # float16's bound; with one, against x's dtype (the float32 baseline would not round h).
+  _check(*_inputs(key, (37, 300), dtype, residual=residual, param_dtype=jnp.float32),
+         rms=rms, tiling=tiling, baseline_dtype=None if residual else jnp.float32)
 
 
 @pytest.mark.parametrize("tiling", TILINGS)
@@ -219,10 +232,22 @@ def test_forward_tilings_gpu(key, rms, residual, shape, dtype):
   _check(*_inputs(key, shape, dtype, residual=residual), rms=rms)
 
 
-def _norm_of(n_cols, dtype, *, rms=False, residual=False):
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("shape, dtype", [
+    ((2001, 8000), jnp.bfloat16), ((4099, 1100), jnp.float16), ((3, 1_000_003), jnp.bfloat16),
+], ids=["8000-bfloat16", "1100-float16", "split-bfloat16"])
+def test_float32_parameters_gpu(key, rms, shape, dtype):
+  # The compiled kernels reading float32 parameters in bfloat16 parts, on the default
+  # tilings, against XLA's float32 path.
+  _check(*_inputs(key, shape, dtype, residual=False, param_dtype=jnp.float32), rms=rms,
+         baseline_dtype=jnp.float32)
+
+
+def _norm_of(n_cols, dtype, *, rms=False, residual=False, param_parts=1):
   from jaxsoftmax.norms import api as norms
   return norms._Norm(rms, 1e-6, 0.0, n_cols, jnp.dtype(dtype).name, residual, True,
-                     not rms, None, False)
+                     not rms, None, False, param_parts)
 
 
 def test_forward_tiling_choice():
@@ -248,6 +273,17 @@ def test_forward_tiling_choice():
   for n_rows, n_cols in ((37, 300), (300, 40001)):  # many rows a program; online
     assert tiling(n_rows, n_cols, jnp.float32) == default_tiling(n_rows, n_cols,
                                                                  jnp.float32, reduces=True)
+  # float32 parameters (in bfloat16 parts) beside 16-bit rows of 8192: two rows a program,
+  # without a residual only.
+  assert tiling(16384, 8192, jnp.bfloat16, param_parts=3) == RowTiling("online", 2, 4096,
+                                                                       1, 8)
+  assert tiling(16384, 5000, jnp.float16, rms=True, param_parts=3) == RowTiling(
+      "resident", 2, 8192, 1, 16)
+  assert tiling(16384, 8192, jnp.bfloat16, residual=True, param_parts=3) == tiling(
+      16384, 8192, jnp.bfloat16, residual=True)
+  assert tiling(1, 8192, jnp.bfloat16, param_parts=3) == tiling(1, 8192, jnp.bfloat16)
+  assert tiling(65536, 1024, jnp.bfloat16, param_parts=3) == tiling(65536, 1024,
+                                                                     jnp.bfloat16)
 
 
 def test_backward_tiling_choice():

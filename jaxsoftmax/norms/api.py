@@ -75,10 +75,16 @@ class _Norm:
   has_bias: bool
   tiling: RowTiling | None
   interpret: bool
+  param_parts: int = 1  # kernel column inputs per parameter (`_columns`)
 
   def gamma(self, colvals):
-    """The effective scale scale_offset + scale, (1, block_cols); only with a scale."""
-    return colvals[0] + self.scale_offset
+    """The effective scale scale_offset + scale, (1, block_cols), from the kernel's
+    column values; only with a scale."""
+    return _joined(colvals[:self.param_parts]) + self.scale_offset
+
+  def beta(self, colvals):
+    """The bias, (1, block_cols), from the kernel's column values; only with a bias."""
+    return _joined(colvals[-self.param_parts:])
 
   def h(self, tile):
     """h as the kernels normalize it: x (+ residual, added in float32 and rounded to x's
@@ -103,7 +109,7 @@ def _forward_op(norm: _Norm) -> RowOp:
     if norm.has_scale:
       y = y * norm.gamma(tile.colvals)
     if norm.has_bias:
-      y = y + tile.colvals[-1]
+      y = y + norm.beta(tile.colvals)
     return (y, h) if norm.has_residual else y
 
   name = "rms_norm" if norm.rms else "layer_norm"
@@ -150,8 +156,49 @@ def _stats(norm: _Norm, stats):
   return stats[1], norm.rstd(stats)
 
 
-def _columns(scale, bias):
-  return tuple(c for c in (scale, bias) if c is not None)
+# float32 parameters beside 16-bit activations (Flax's default param_dtype in a
+# mixed-precision model) reach the kernels as three bfloat16 parts each, whose float32 sum
+# is the parameter (docs/numerics.md): the kernels' math stays float32 with the parameters
+# exact, while every array a program loads has 16-bit elements.
+def _param_parts(x_dtype, params) -> int:
+  """How many bfloat16 parts the kernels read each parameter in: 3 for parameters wider
+  than x's 16-bit elements, else 1 (the parameters as they are)."""
+  wide = any(jnp.dtype(p.dtype).itemsize > 2 for p in params if p is not None)
+  return 3 if jnp.dtype(x_dtype).itemsize == 2 and wide else 1
+
+
+def _bfloat16_parts(p) -> tuple:
+  """(hi, mid, lo) in bfloat16 with hi + mid + lo == p in float32, exactly for |p| above
+  about 1e-31 (below, lo falls under float32's normal range and flushes): hi and mid take
+  the next 8 bits of p's 24-bit significand by truncation, and each difference is exact.
+  The cuts are on the bits, not by converting to bfloat16 and back: XLA on a GPU may drop
+  such a round trip (its excess-precision rule), which left mid and lo zero. A NaN stays
+  NaN and an infinity stays in hi."""
+  p = p.astype(jnp.float32)
+  top = lambda a: lax.bitcast_convert_type(
+      lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)
+  hi = jnp.where(jnp.isnan(p), jnp.nan, top(p))
+  rest = jnp.where(jnp.isfinite(p), p - hi, 0.0)
+  mid = top(rest)
+  as_bfloat16 = lambda a: lax.bitcast_convert_type(
+      (lax.bitcast_convert_type(a, jnp.uint32) >> 16).astype(jnp.uint16), jnp.bfloat16)
+  return as_bfloat16(hi), as_bfloat16(mid), as_bfloat16(rest - mid)
+
+
+def _joined(parts):
+  total = parts[0]
+  for part in parts[1:]:
+    total = total + part
+  return total
+
+
+def _columns(norm: _Norm, scale, bias) -> tuple:
+  """The kernels' per-column inputs: scale and bias, those present, each as
+  ``norm.param_parts`` arrays."""
+  params = tuple(c for c in (scale, bias) if c is not None)
+  if norm.param_parts == 1:
+    return params
+  return tuple(part for p in params for part in _bfloat16_parts(p))
 
 
 def _forward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
@@ -161,11 +208,26 @@ def _forward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
   whole row's mean and variance in registers cost more than the second read, which L2
   serves. On the H200 (benchmarks/results/tune_norms_online.md): 8192x16384 float32
   397 -> 339 us, 16384x8192 bfloat16 162 -> 156 us and with a residual 306 -> 291 us;
-  8192x16384 float32 with a residual tied (705 / 707 us)."""
+  8192x16384 float32 with a residual tied (705 / 707 us).
+
+  float32 parameters beside 16-bit rows of 8192 columns (`_param_parts`), without a
+  residual: two rows a program, which read the parameters once for both. Their parts
+  took the one-row programs to 116 registers a thread against 64 with bfloat16
+  parameters, and to half the occupancy (Nsight Compute, layer_norm 16384x8192 bfloat16:
+  242 against 148 us). On the H200, each kernel alone at 16384x8192 bfloat16
+  (benchmarks/results/tune_norms_params.md): layer_norm 2x4096 online on 8 warps 3208
+  GB/s against 2327 on one row; rms_norm 2x8192 on 16 warps 3604 against 3358. With a
+  residual the fastest tiles held one row (layer_norm: the default, 3322 GB/s; rms_norm
+  3733 on 32 warps against the default's 3458, already ahead of XLA's)."""
   tiling = default_tiling(n_rows, norm.n_cols, norm.dtype, reduces=True)
   if (tiling.variant != "resident" or tiling.block_rows != 1
       or not 1024 <= tiling.block_cols <= RESIDENT_MAX_COLS):
     return tiling
+  if (norm.param_parts > 1 and not norm.has_residual and tiling.block_cols == 8192
+      and n_rows > 1):
+    if norm.rms:
+      return RowTiling("resident", 2, 8192, 1, 16)
+    return RowTiling("online", 2, 4096, 1, 8)
   if not norm.rms and tiling.block_cols >= 8192:
     return RowTiling("online", 1, tiling.block_cols // 2, 1, 8)
   kind = "residual" if norm.has_residual else "rms_norm" if norm.rms else "layer_norm"
@@ -178,7 +240,8 @@ def _forward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
 
 def _normalize_fwd(x, residual, scale, bias, norm: _Norm):
   inputs = (x,) if residual is None else (x, residual)
-  outs, stats = row_call(_forward_op(norm), inputs, col_inputs=_columns(scale, bias),
+  outs, stats = row_call(_forward_op(norm), inputs,
+                         col_inputs=_columns(norm, scale, bias),
                          tiling=norm.tiling or _forward_tiling(norm, x.shape[0]),
                          interpret=norm.interpret)
   y, h = outs if norm.has_residual else (outs, x)
@@ -204,7 +267,7 @@ def _normalize_bwd(norm: _Norm, saved, cotangents):
   dy, dh_out = cotangents
   inputs = (h, dy) + ((dh_out,) if norm.has_residual else ())
   dh, _, *col_sums = row_call(_backward_op(norm), inputs, (mean, rstd),
-                              col_inputs=(scale,) if norm.has_scale else (),
+                              col_inputs=_columns(norm, scale, None),
                               tiling=norm.tiling or _backward_tiling(norm, h.shape[0]),
                               interpret=norm.interpret)
   # (dscale, dbias) of those present, from the kernel; None where the rows were too
@@ -252,13 +315,18 @@ def _project_out(norm: _Norm, g, xhat, rstd):
   return rstd[:, None] * (centered - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
 
 
+def _gamma_of(norm: _Norm, scale):
+  """The effective scale, (1, C) float32, in jnp."""
+  return (scale.astype(jnp.float32) + norm.scale_offset)[None, :]
+
+
 def _tangent_twin(res, t, *, norm: _Norm):
   h, scale, _, mean, rstd = res
   dh, dscale, dbias = _tangent_parts(norm, t)
   xhat = _xhat(h, mean, rstd)
   dy = _project_out(norm, dh, xhat, rstd)
   if norm.has_scale:
-    dy = dy * norm.gamma((scale.astype(jnp.float32),))[None, :] + xhat * dscale.astype(
+    dy = dy * _gamma_of(norm, scale) + xhat * dscale.astype(
         jnp.float32)[None, :]
   if norm.has_bias:
     dy = dy + dbias.astype(jnp.float32)[None, :]
@@ -282,7 +350,7 @@ def _transpose_twin(res, cts, *, norm: _Norm):
   h, scale, bias, mean, rstd = res
   dy = cts[0].astype(jnp.float32)
   xhat = _xhat(h, mean, rstd)
-  g = dy * norm.gamma((scale.astype(jnp.float32),))[None, :] if norm.has_scale else dy
+  g = dy * _gamma_of(norm, scale) if norm.has_scale else dy
   dh = _project_out(norm, g, xhat, rstd)
   if norm.has_residual:
     dh = dh + cts[1].astype(jnp.float32)
@@ -372,7 +440,7 @@ def _norm(op: str, x, residual, scale, bias, *, epsilon, axis, scale_offset, rms
                       scale_offset=float(scale_offset), view=view)
   norm = _Norm(rms, float(epsilon), float(scale_offset), view.n_cols, jnp.dtype(x.dtype).name,
                residual is not None, scale is not None, bias is not None, tiling,
-               pallas.resolve_interpret(interpret))
+               pallas.resolve_interpret(interpret), _param_parts(x.dtype, (scale, bias)))
   x, residual, scale, bias = pallas.vary_together(x, residual, scale, bias)
   rows = lambda a: None if a is None else view.to_rows(a)
   cols = lambda a: None if a is None else a.reshape(view.n_cols)
