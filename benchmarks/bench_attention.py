@@ -16,8 +16,8 @@ memory): forward, the output; forward + backward, the largest of the dq, dk, dv 
 for the cotangent dO ~ N(0, 1). Peak MiB: what XLA's buffer assignment gives the compiled
 call besides its inputs. `--modes fwd` measures the forward alone.
 
-XLA's own attention (`implementation="xla"`, O(T·S) memory, 3-10x slower) is left out of
-this run to fit the device's time; `benchmarks/results/attention.md` of 2026-11-30 has it.
+XLA's own attention (`implementation="xla"`, O(T·S) memory) is left out of this run to
+fit the device's time.
 
 A peer that is absent (FA3 and tokamax travel as wheels in .peers, see run_gpu.sh) or fails on
 a shape gets a row saying so, never a crash. The table ends with each shape's ratio of
@@ -184,7 +184,8 @@ def bench_shape(report: harness.Report, case, dtype):
 
 
 # A row whose relative error exceeds this many times the smallest of its shape's rows
-# computes something else (e.g. FA3's non-causal backward on 2026-11-30: 1e4).
+# computes something else (e.g. FA3's non-causal backward in
+# benchmarks/results/attention_backward.md: 1e4).
 _WRONG = 10
 
 

@@ -8,9 +8,10 @@ with respect to hidden and weight (fwd+bwd), for
 `linear_cross_entropy` (its default: on a Hopper GPU the Mosaic GPU forward, and the
 chunked backward, whose ds comes from the Hopper dlogits kernel in bfloat16; the Triton
 forward; chunks of 1024 columns; and "two_kernels": the Pallas dhidden and dweight
-kernels; the atomic backward measured 6-8x slower than the unfused loss on 2026-11-30
-and is left out; for bfloat16, forward + backward, ds from XLA's float32 logits instead
-of the dlogits kernel, and chunks of 4096 columns),
+kernels; the atomic backward, whose per-tile float32 updates in global memory dominate
+its time as theirs do (`linear_cross_entropy.api`), is left out; for bfloat16, forward
++ backward, ds from XLA's float32 logits instead of the dlogits kernel, and chunks of
+4096 columns),
 for `x @ w` then optax's loss (XLA's own bfloat16 logits: the program a user writes),
 for `jnp.dot` with `preferred_element_type=float32` rounded to bfloat16 logits then our
 `cross_entropy` or optax's (XLA keeps the float32 product: 2x the logits' memory), and

@@ -7,7 +7,8 @@ bfloat16, B=1, N=16 (and GQA 32/8), H=128, T = 32k to 256k tokens in total, caus
 (zigzag layout) and not (contiguous), forward and forward + backward, for the ring and
 all-gather strategies on every visible GPU, beside `dot_product_attention` on one GPU;
 with --lhs, the ring also with XLA's latency-hiding scheduler turned on for its program
-(", LHS"; it changed nothing measurable on 2 GPUs, benchmarks/results/README.md).
+(", LHS"; it changed nothing measurable on 2 GPUs,
+benchmarks/results/tuning/ring_attention_lhs.md).
 
 Times are end to end: wall clock per call over 10 calls issued back to back, the median
 of three runs, with the inputs already placed (zigzag-ordered and sharded for the
@@ -69,8 +70,9 @@ def wall_us(fn, args) -> float:
 
 # XLA's latency-hiding scheduler, per compiled program (--lhs). Tried for the ring's
 # overlap: the transfer that ran under no kernel was the second of two collective permutes
-# (K's beside V's), synchronous with the scheduler or without; one stacked buffer fixed it
-# (benchmarks/results/README.md).
+# (K's beside V's), synchronous with the scheduler or without
+# (benchmarks/results/tuning/ring_attention_switchfree.md, its ", LHS" rows, and the
+# timeline beside it); one stacked buffer fixed it.
 _LATENCY_HIDING = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 

@@ -1,6 +1,6 @@
 """Sweeps the attention kernels' BlockSizes on the GPU, to set `BlockSizes.default`.
 
-    PYTHONPATH=. python3 benchmarks/tune_attention.py --out benchmarks/results
+    PYTHONPATH=. python3 benchmarks/tune_attention.py --out benchmarks/results/tuning
 
 bfloat16, head dims 64, 128 and 256. Forward tilings are timed on the forward alone;
 backward tilings on forward + backward with the forward's default tiles, so the rows of

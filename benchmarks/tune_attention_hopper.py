@@ -1,7 +1,7 @@
 """Sweeps the Hopper (Mosaic GPU) forward's HopperBlockSizes on the GPU, to set
 `HopperBlockSizes.default`.
 
-    PYTHONPATH=. python3 benchmarks/tune_attention_hopper.py --out benchmarks/results
+    PYTHONPATH=. python3 benchmarks/tune_attention_hopper.py --out benchmarks/results/tuning
 
 bfloat16, forward alone. The impl column names the tiles: "q64 kv128 s2" (block_q per
 consumer warpgroup, block_kv, num_stages), "persistent" when one CTA per SM walks the

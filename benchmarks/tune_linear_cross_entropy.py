@@ -2,11 +2,12 @@
 
     PYTHONPATH=.:benchmarks python3 benchmarks/tune_linear_cross_entropy.py --out DIR
 
-The Triton forward runs at 0.64x-0.73x cuBLAS's bfloat16 product on the H200 (21.1 ms
-against 13.5 and 16.3 ms, `benchmarks/results/README.md`) on its defaults, 64 rows x 128
-columns x 64 hidden per product on 4 warps, 2 stages: tiles that Hopper's tensor cores
-(one warpgroup's 64-row wgmma) fill only in part. So the sweep tries taller and wider
-tiles, deeper hidden chunks, 8 warps and deeper pipelines, at
+The Triton forward runs at 0.64x-0.65x the speed of cuBLAS's bfloat16 product alone on
+the H200 (21.2 and 22.2 ms against 13.5 and 14.5 ms at the two shapes,
+`benchmarks/results/tuning/tune_linear_cross_entropy_hopper*.md`) on its defaults, 64
+rows x 128 columns x 64 hidden per product on 4 warps, 2 stages: tiles that Hopper's
+tensor cores (one warpgroup's 64-row wgmma) fill only in part. So the sweep tries taller
+and wider tiles, deeper hidden chunks, 8 warps and deeper pipelines, at
 bench_linear_cross_entropy.py's shapes, the loss alone (the backward's default runs
 XLA's products), beside `x @ w` (XLA's bfloat16 product alone: the matmul ceiling,
 without the loss); then the tiles of the Hopper (Mosaic GPU) forward, the default on

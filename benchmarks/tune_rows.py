@@ -1,6 +1,6 @@
 """Sweeps RowTilings of the row-wise engine on the GPU, to set `rows.default_tiling`.
 
-    PYTHONPATH=. python3 benchmarks/tune_rows.py --out benchmarks/results
+    PYTHONPATH=. python3 benchmarks/tune_rows.py --out benchmarks/results/tuning
 
 Two kernels per shape: the softmax forward (statistics + map, every variant that fits
 the shape) and a pure map (an identity RowOp: the kernel of every backward map and of

@@ -48,9 +48,10 @@ The forward has two kernels, ``LinearCrossEntropyTiling.forward``: the Triton on
 default) and a Hopper one in Pallas Mosaic GPU (`mosaic_gpu`: wgmma products fed by TMA
 from a warp-specialized producer, the online-softmax update as their epilogue; the
 label's logit and, without a soft cap, Σ_j s come from XLA beside it). On a Hopper GPU
-it is the default for bfloat16 and float16: on the H200 it ran at 1.04x-1.08x the time
-of cuBLAS's bfloat16 product alone, 1.42x-1.48x faster than the Triton kernel
-(`benchmarks/results/README.md`).
+it is the default for bfloat16 and float16: on the H200, each on its default tiles, it
+ran at 1.04x-1.07x the time of cuBLAS's bfloat16 product alone, 1.44x-1.50x faster than the
+Triton kernel (`benchmarks/results/tuning/tune_linear_cross_entropy_hopper.md`,
+`tune_linear_cross_entropy_hopper_gemma.md`).
 
 FLOPs: forward 2·R·H·V; backward 6·R·H·V (logits again, dhidden, dweight), 8·R·H·V with
 two kernels.
@@ -348,8 +349,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
   dims = Dims(flat_labels.size, H, V, tiling)
   if tiling.dlogits != "xla":
     # By default the Hopper kernel where it runs: it saves XLA's float32 logits and their
-    # elementwise pass, 54.2 against 57.7 ms of kernels a step (benchmarks/results/
-    # README.md, "Fifth run").
+    # elementwise pass, forward + backward 56.9 against 60.3 ms at H = 4096 on the H200
+    # (benchmarks/results/linear_cross_entropy.md, "fused, XLA dlogits").
     tiling = _with_hopper_kernel(
         tiling, "dlogits", "xla",
         _dlogits_unsupported(hidden.dtype, dims, bias is not None, interpret), op)

@@ -57,16 +57,17 @@ __all__ = ["RowOp", "Tile", "exp_for", "row_call"]
 # Column sums in the resident kernel: each program walks its share of the row blocks, one
 # block in flight at a time, and writes one row of partial sums. Programs per SM: enough
 # for about COL_SUM_BYTES_IN_FLIGHT of each input per SM, from 2 to 8. Two programs of a
-# 2 KB row (65536 x 1024 bfloat16) left the H200 at 12% occupancy and 1.5 TB/s
-# (Nsight Compute, benchmarks/results/ncu_norms_bwd_65536x1024.log); rows of 16 KB (at
+# 2 KB row (65536 x 1024 bfloat16) left the H200 at 12% occupancy and 1.5 TB/s (Nsight
+# Compute, benchmarks/results/tuning/ncu_norms_bwd_65536x1024.log); rows of 16 KB (at
 # 4096 float32, 8192 bfloat16) keep two, so that the partial sums (programs x C float32
 # each, written and read again) stay a few percent of the traffic.
 COL_SUM_BYTES_IN_FLIGHT = 32768
 COL_SUM_PROGRAMS_PER_CORE = (2, 8)
 # Column sums a thread may carry across the row blocks (each program holds a float32
 # vector of the row per sum). At 64 a thread (16384 columns, two sums, 16 warps) the
-# norm backward spilled 97 M local-memory requests and ran at 22% of copy
-# (ncu_norms_bwd_8192x16384_f32_residual.log); such rows take XLA's column sums instead.
+# norm backward spilled 97 M local-memory requests, 4.00 ms for the kernel alone
+# (benchmarks/results/tuning/ncu_norms_bwd_8192x16384_f32_residual.log); such rows take
+# XLA's column sums instead.
 MAX_COL_SUM_VALUES_PER_THREAD = 32
 
 class Tile(NamedTuple):
@@ -180,9 +181,8 @@ def exp_for(interpret: bool, dtype) -> Callable[[jax.Array], jax.Array]:
   the result about |t|·log2(e) ulps (12 at t = -8.5, a probability of 1/5000): on the
   H200 that put float32 log_softmax's gradient at (2, 5000) at 3.5x XLA's error.
   float32 moves half as many elements per byte as bfloat16, which leaves room for the
-  extra instructions: on the H200 512x262144 float32 softmax took 419 us with expf
-  (benchmarks/results/softmax_sweep_forward.md) against 445 us with exp2 on earlier code
-  (softmax.md)."""
+  extra instructions: on the H200 512x262144 float32 softmax took 418.5 us with expf
+  against XLA's 500.5 (benchmarks/results/tuning/softmax_sweep_forward.md)."""
   if jnp.dtype(dtype) == jnp.float32:
     return jnp.exp
   exp2 = pallas.exp2(interpret)
@@ -395,8 +395,8 @@ def _fused_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds, n_col_bloc
     if refs.outs:
       # Sweep 2 walks the row forwards: backwards (first the blocks sweep 1 read last)
       # measured 5-7% slower on 16-bit rows of 32768 columns on the H200, 1-3% faster
-      # on float32 rows of 262144 (benchmarks/results/README.md, "the second sweep's
-      # direction").
+      # on float32 rows of 262144 (benchmarks/results/tuning/softmax_sweep_backward.md
+      # against softmax_sweep_forward.md).
       def map_block(b, block, carry):
         cols, in_bounds = tile_bounds(b)
         _store_map(op, refs.outs, _tile(block, rows, cols, in_bounds, exp), in_bounds, stats,

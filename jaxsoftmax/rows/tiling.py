@@ -19,11 +19,12 @@ VARIANTS = ("resident", "online", "split")
 # at 16 warps, leaving room for the exp and the output before Triton spills. 16-bit rows
 # of 32768 held by 32 warps (32 values a thread) were slower on the H200 than the online
 # variant's two reads (4096x32768 bfloat16 softmax 207 against 164 us,
-# benchmarks/results/softmax_wide.md): one such program per SM leaves little in flight.
+# benchmarks/results/tuning/softmax_wide.md against softmax_sweep_forward.md): one such
+# program per SM leaves little in flight.
 RESIDENT_MAX_COLS = 16384
 # Short rows share a program up to this many elements. On the H200 one row of 1024 or
 # more per program beat 2 to 16 rows per program at the same row length (H200 sweep,
-# benchmarks/results/tune_rows.md): many small programs hide latency better.
+# benchmarks/results/tuning/tune_rows.md): many small programs hide latency better.
 ROWS_TILE_ELEMS = 1024
 # Column block of the streaming variants, in bytes per row: 16 KB beat 8 and 32 KB on
 # the long-row shapes of the H200 sweep.

@@ -30,7 +30,7 @@ accumulates dV += Pᵀ dO and takes every chunk of dQ, consumer 1 computes dPᵀ
 hands dSᵀ to consumer 0 through shared memory and accumulates dK += dSᵀ Q. Sᵀ is
 computed twice, so a block pair costs 6 tile products, three a consumer. On the H200 at
 2x8192x16x256 it measured 362 TFLOP/s against cuDNN's 352, backward alone
-(`benchmarks/results/attention_backward_h256.md`).
+(`benchmarks/results/attention_backward.md`).
 
 The order of the adds into dQ varies from run to run: results agree to float32 rounding,
 not bit for bit. ``deterministic=True`` (head dims up to 128) runs the same kernel

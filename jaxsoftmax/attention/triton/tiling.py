@@ -72,7 +72,7 @@ class BlockSizes:
     """Tiles that fit the registers for the head dim, no larger than the sequences.
 
     The 16-bit values are the best of `benchmarks/tune_attention.py` on an H200
-    (benchmarks/results/tune_attention.log, tune_attention_long.md,
+    (benchmarks/results/tuning/: tune_attention.log, tune_attention_long.md,
     tune_attention_h256.md); float32 tiles are halved, as their operands
     take twice the registers and shared memory.
     """
@@ -89,7 +89,7 @@ class BlockSizes:
       # that fewer keys fall in its masked diagonal blocks). From 2 · LONG a causal
       # forward takes 256-row query tiles on 16 warps, which halve the key/value reads
       # per query: 491 against 477 TFLOP/s at T = 32768, but 436 against 476 at 16384
-      # (benchmarks/results/tune_attention_long.md).
+      # (benchmarks/results/tuning/tune_attention_long.md).
       if T < LONG:
         fwd = (64, 64, 4)
       elif is_causal and T >= 2 * LONG:
