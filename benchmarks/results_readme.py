@@ -65,11 +65,6 @@ RING = "ring_attention"
 OTHER = {
     "tuning": "the sweeps, A/B runs and counters that code comments cite for a default "
               "([tuning/README.md](tuning/README.md))",
-    "tune_norms*": "the norms' tile sweeps (`benchmarks/tune_norms.py`), cited by "
-                   "`jaxsoftmax/norms/api.py`",
-    "norms_float32_params.*": "the norms on 16-bit x with float32 parameters beside 16-bit "
-                              "ones (`benchmarks/bench_norms.py`), run before the two-row "
-                              "tiles for float32 parameters (commit bfc76b8)",
     RING + "_timelines": "the kernel timelines of the ring benchmark's traced calls "
                          "(`benchmarks/bench_ring_attention.py`)",
     "accuracy_rows.log": "the row ops' errors against XLA's over many seeds "

@@ -295,7 +295,7 @@ def test_matches_truth_gpu(key, rows, H, V, dtype):
   # The compiled kernels on their default tiles, with every term of the loss. At H = 8192
   # the rows are 2002: with 70, XLA's reference product splits the hidden sum (split-K)
   # and its float32 error falls about 10x below that of any unsplit product, XLA's own
-  # at 2002 rows included (benchmarks/results/README.md, "Fifth run").
+  # at 2002 rows included (benchmarks/results/accuracy_linear_cross_entropy.log).
   _check(*_inputs(key, rows, H, V, dtype, ignored=(1, 2)), tiling=None,
          label_smoothing=0.1, z_loss=1e-4, logit_soft_cap=30.0)
 

@@ -148,7 +148,7 @@ def test_ring_attention_inside_a_users_shard_map(key, monkeypatch, implementatio
 
 
 def test_causal_zigzag_ring_program():
-  # What the ring's overlap on GPUs rests on (benchmarks/results/README.md): no
+  # What the ring's overlap on GPUs rests on (benchmarks/results/tuning/ring_attention_*): no
   # conditional (the steps' tiles are placed by the device index instead), and one
   # transfer a hop, K and V (and dK, dV) stacked into one buffer. Read from the lowered
   # program: the backward's kernels and hops run inside the transpose of the output's

@@ -48,7 +48,7 @@ __all__ = ["layer_norm", "rms_norm"]
 
 # Values of a row each thread of the forward holds, by kind and input bytes, where a
 # program holds one whole row of 1024 to RESIDENT_MAX_COLS columns; from the H200 sweep of
-# every warp count, each kernel timed alone (benchmarks/results/tune_norms_warps.md).
+# every warp count, each kernel timed alone (benchmarks/results/tuning/tune_norms_warps.md).
 # Fewer warps a row than the softmax defaults (16 values a thread) pay for 16-bit rows:
 # layer_norm at 16384x8192 bfloat16 204 -> 162 us on 64 a thread, 65536x1024 77 -> 68 us
 # (one warp); and for rms_norm's float32 rows: 8192x16384 348 -> 293 us on 128 a thread.
@@ -206,7 +206,7 @@ def _forward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
   whole row of at least 1024 columns (see _FORWARD_VALUES_PER_THREAD), and layer_norm's
   rows of 8192 columns and more read twice in halves (the online variant, 8 warps): a
   whole row's mean and variance in registers cost more than the second read, which L2
-  serves. On the H200 (benchmarks/results/tune_norms_online.md): 8192x16384 float32
+  serves. On the H200 (benchmarks/results/tuning/tune_norms_online.md): 8192x16384 float32
   397 -> 339 us, 16384x8192 bfloat16 162 -> 156 us and with a residual 306 -> 291 us;
   8192x16384 float32 with a residual tied (705 / 707 us).
 
@@ -215,7 +215,7 @@ def _forward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
   took the one-row programs to 116 registers a thread against 64 with bfloat16
   parameters, and to half the occupancy (Nsight Compute, layer_norm 16384x8192 bfloat16:
   242 against 148 us). On the H200, each kernel alone at 16384x8192 bfloat16
-  (benchmarks/results/tune_norms_params.md): layer_norm 2x4096 online on 8 warps 3208
+  (benchmarks/results/tuning/tune_norms_params.md): layer_norm 2x4096 online on 8 warps 3208
   GB/s against 2327 on one row; rms_norm 2x8192 on 16 warps 3604 against 3358. With a
   residual the fastest tiles held one row (layer_norm: the default, 3322 GB/s; rms_norm
   3733 on 32 warps against the default's 3458, already ahead of XLA's)."""
@@ -252,7 +252,7 @@ def _normalize_fwd(x, residual, scale, bias, norm: _Norm):
 def _backward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
   """The backward's default: the rows' default, with two rows a program for rms_norm's
   16-bit rows of 8192 columns without a residual. On the H200 16384x8192 bfloat16 took
-  340 -> 284 us (benchmarks/results/tune_norms_online.md); two rows were slower for
+  340 -> 284 us (benchmarks/results/tuning/tune_norms_online.md); two rows were slower for
   layer_norm (359 -> 390 us), with a residual (341 -> 365) and at 8192x16384 float32."""
   tiling = default_tiling(n_rows, norm.n_cols, norm.dtype, reduces=True)
   if (norm.rms and not norm.has_residual and jnp.dtype(norm.dtype).itemsize == 2
