@@ -286,7 +286,7 @@ def test_hopper_backward_float32_grads_gpu(key, H, deterministic):
   ours = mosaic_backward.backward(q, k, v, None, m, log2_l, do, aux, spec=spec, scale=0.1,
                                   softcap=None, deterministic=deterministic,
                                   grad_dtype=jnp.float32, delta=delta)
-  theirs = api._BY_NAME["triton"].bwd(
+  theirs = api.REGISTRY["triton"].bwd(
       q, k, v, o32, m, log2_l, do, aux,
       Call(2, 300, 700, 4, 2, H, "bfloat16", spec, 0.1, None, None, False),
       grad_dtype=jnp.float32)
@@ -594,7 +594,7 @@ FEATURE_CALLS = {
 def test_backend_declarations(monkeypatch):
   # What each backend declares it can run: a backend cannot drop a feature silently.
   monkeypatch.setattr(mosaic_device, "hopper_device", lambda: True)
-  mosaic, triton = (api._BY_NAME[name] for name in ("mosaic_gpu", "triton"))
+  mosaic, triton = (api.REGISTRY[name] for name in ("mosaic_gpu", "triton"))
   for name, call in FEATURE_CALLS.items():
     assert mosaic.unsupported(call) is None, name
     assert triton.unsupported(call) is None, name

@@ -9,19 +9,19 @@ row with no allowed key gets output 0, lse -inf and zero gradients (jax.nn avera
 values instead). ``bias`` and ``mask`` take the pure-jnp path of `reference`, slower and
 O(T·S) in memory, with exact values and gradients (dbias included).
 
-Backends: each kernel backend (a folder beside this module) declares what it can run
-(``unsupported(call)`` gives the reason it cannot) and runs the forward (``fwd``).
-``implementation=None`` takes the first of `BACKENDS` that can run the call. All
-forwards save the same residuals: a backend's own backward differentiates its forward
-where it can (``backward_unsupported``), and the Triton backward everything else
-(`select_backward`).
+Backends: each kernel backend (a folder beside this module, an `AttentionBackend`)
+declares what it can run (``unsupported(call)`` gives the reason it cannot) and runs the
+forward (``fwd``). `REGISTRY` lists them fastest first and dispatches
+(`jaxsoftmax._core.backends.Registry`): ``implementation=None`` takes the first that can
+run the call. All forwards save the same residuals: a backend's own backward
+differentiates its forward where it can (``backward_unsupported``), and the Triton
+backward everything else (`select_backward`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any, NamedTuple
 
 import jax
@@ -31,7 +31,8 @@ import numpy as np
 from jaxsoftmax.attention import reference
 from jaxsoftmax._core import pallas
 from jaxsoftmax.attention import logits, mosaic_gpu, triton
-from jaxsoftmax.attention.call import AuxArrays, Call
+from jaxsoftmax._core.backends import Registry
+from jaxsoftmax.attention.call import AttentionBackend, AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import HopperBlockSizes
 from jaxsoftmax.attention.triton import BlockSizes
@@ -41,15 +42,17 @@ __all__ = ["dot_product_attention", "attention_kernels", "select_backend", "BACK
            "BlockSizes", "HopperBlockSizes"]
 
 # Kernel backends in order of preference (fastest first, where each can run a call).
-BACKENDS: tuple[ModuleType, ...] = (mosaic_gpu, triton)
-_BY_NAME = {backend.NAME: backend for backend in BACKENDS}
-IMPLEMENTATIONS = (None, *_BY_NAME, "xla")
+REGISTRY: Registry[AttentionBackend] = Registry(
+    "dot_product_attention", (mosaic_gpu, triton),
+    otherwise="implementation='xla' takes the reference path")
+BACKENDS = REGISTRY.backends
+IMPLEMENTATIONS = (None, *REGISTRY.names, "xla")
 
 
 def _forward(q, k, v, aux, call: Call, backend: str, *, for_backward: bool):
   """(o, lse, and with ``for_backward`` the residuals (o for delta, m, log2 l)). The
   backward's delta = rowsum(dO ∘ O) wants O before rounding (see `triton.forward`)."""
-  outputs = _BY_NAME[backend].fwd(
+  outputs = REGISTRY[backend].fwd(
       q, k, v, aux, call, float32_output=for_backward and q.dtype != jnp.float32)
   o, m, log2_l, *o32 = outputs
   lse = logits.lse(m, log2_l, scale=call.scale, softcap=call.softcap)
@@ -157,32 +160,18 @@ def _attention_jvp(call: Call, backend: str, primals, tangents):
 _attention_jit = jax.jit(_attention, static_argnums=(4, 5))
 
 
-def select_backward(call: Call, backend: str) -> ModuleType:
+def select_backward(call: Call, backend: str) -> AttentionBackend:
   """The backward for a forward that ``backend`` ran: the backend's own where it has one
   that can differentiate the call, else the Triton backward, which takes any forward's
   residuals (o, m, log2 l) and is deterministic."""
-  own = _BY_NAME[backend]
+  own = REGISTRY[backend]
   return own if own.backward_unsupported(call) is None else triton
 
 
-def select_backend(implementation: str | None, call: Call) -> ModuleType:
+def select_backend(implementation: str | None, call: Call) -> AttentionBackend:
   """The kernel backend that runs ``call``: the named one, or the first of `BACKENDS`
-  that can; a ValueError says why when none can."""
-  if implementation is not None:
-    backend = _BY_NAME[implementation]
-    why = backend.unsupported(call)
-    if why is not None:
-      raise ValueError(f"dot_product_attention: implementation={implementation!r} cannot "
-                       f"run this call: {why}")
-    return backend
-  reasons = []
-  for backend in BACKENDS:
-    why = backend.unsupported(call)
-    if why is None:
-      return backend
-    reasons.append(f"{backend.NAME}: {why}")
-  raise ValueError("dot_product_attention: no kernel backend can run this call ("
-                   + "; ".join(reasons) + "); implementation='xla' takes the reference path")
+  that can; a ValueError says why when none can (`Registry.select`)."""
+  return REGISTRY.select(implementation, call)
 
 
 def _window(local_window_size, op: str = "dot_product_attention") -> tuple[int, int] | None:
@@ -272,7 +261,7 @@ class _Plan(NamedTuple):
   scale: float
   window: tuple[int, int] | None
   call: Call | None
-  backend: ModuleType | None
+  backend: AttentionBackend | None
 
 
 def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,

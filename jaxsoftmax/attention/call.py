@@ -1,6 +1,7 @@
-"""`Call`: one attention call as the backends see it, every static choice and no arrays.
+"""`Call`: one attention call as the backends see it, every static choice and no arrays;
+`AttentionBackend`: what a backend gives (`jaxsoftmax._core.backends`).
 
-`api.dot_product_attention` builds it after checking the inputs; each backend
+`api.dot_product_attention` builds the call after checking the inputs; each backend
 (`attention.triton`, `attention.mosaic_gpu`) says from it whether it can run the call
 (``unsupported``), and runs it (``fwd``, and ``bwd`` where it has one).
 """
@@ -8,10 +9,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 
+from jaxsoftmax._core.backends import Backend
 from jaxsoftmax.attention.masks import MaskSpec
 
 
@@ -56,3 +58,22 @@ class AuxArrays(NamedTuple):
   kv_lengths: Any = None
   q_segments: Any = None
   kv_segments: Any = None
+
+
+@runtime_checkable
+class AttentionBackend(Backend, Protocol):
+  """An attention kernel backend: a folder beside `api` whose ``__init__`` gives these.
+  Every forward returns the same residuals, so that one backend's backward may
+  differentiate another's forward (`api.select_backward`)."""
+
+  def fwd(self, q, k, v, aux_arrays: AuxArrays, call: Call, *, float32_output: bool):
+    """(o, m, log2_l[, o in float32 with ``float32_output``]): the output and the row
+    statistics (m, log2 l) in float32, (B, N, T)."""
+
+  def backward_unsupported(self, call: Call) -> str | None:
+    """Why this backend's backward cannot differentiate ``call`` (which its forward ran),
+    or None when it can."""
+
+  def bwd(self, q, k, v, o, m, log2_l, do, aux_arrays: AuxArrays, call: Call, *,
+          grad_dtype=None, delta=None):
+    """(dq, dk, dv) from the forward's residuals and the output's cotangent ``do``."""

@@ -1,4 +1,5 @@
-"""The backend switch: interpret-mode resolution and the silenced deprecation warning."""
+"""`_core.pallas`: interpret-mode resolution, where a call runs, and the silenced deprecation
+warning."""
 
 import subprocess
 import sys
