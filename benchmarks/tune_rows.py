@@ -23,7 +23,7 @@ from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.rows import RowOp, RowTiling, default_tiling, row_call
 from jaxsoftmax.rows.tiling import STREAM_BLOCK_BYTES
 
-_IDENTITY = RowOp("identity", apply=lambda t, s: t.x[0])
+_IDENTITY = RowOp("identity", apply=lambda t, s: t.x.x)
 
 
 def _name(t: RowTiling) -> str:
@@ -82,7 +82,7 @@ def tune_shape(report, shape, dtype):
   for t in map_tilings(rows, cols, dtype):
     mark = " (default)" if t == default else ""
     report.measure(op="map", impl=_name(t) + mark, mode="fwd",
-                   fn=lambda x, t=t: row_call(_IDENTITY, (x,), tiling=t, interpret=interpret)[0],
+                   fn=lambda x, t=t: row_call(_IDENTITY, (x,), tiling=t, interpret=interpret).out,
                    arg_sets=x_sets, nbytes=2 * n * itemsize, ceiling_gbps=copy, **common)
 
 

@@ -319,11 +319,12 @@ def test_engine_column_sums(key):
   # partial sums.
   from jaxsoftmax.rows import RowOp, row_call
   x = jax.random.normal(key, (_rows_for_three_blocks(2), 100))
-  op = RowOp("col_sums_test", sums=(lambda t: t.x[0],),
-             apply=lambda t, stats: t.x[0] - stats[0] / 100,
-             col_sums=(lambda t: t.x[0], lambda t: t.x[0] * t.x[0]))
-  out, (row_sum,), (col_sum, col_squares) = row_call(
-      op, (x,), tiling=RowTiling("resident", 2, 128), interpret=not ON_GPU)
+  op = RowOp("col_sums_test", sums={"total": lambda t: t.x.x},
+             apply=lambda t, stats: t.x.x - stats.total / 100,
+             col_sums={"total": lambda t: t.x.x, "squares": lambda t: t.x.x * t.x.x})
+  out, stats, col_sums = row_call(op, (x,), tiling=RowTiling("resident", 2, 128),
+                                  interpret=not ON_GPU)
+  row_sum, (col_sum, col_squares) = stats.total, col_sums
   np.testing.assert_allclose(out, x - x.mean(axis=1, keepdims=True), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(row_sum, x.sum(axis=1), rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(col_sum, x.sum(axis=0), rtol=1e-5, atol=1e-4)
@@ -331,12 +332,11 @@ def test_engine_column_sums(key):
   # Rows streamed in column blocks, and resident rows too wide for a thread to carry
   # the sums (two of 4096 columns on 4 warps: 64 a thread): no column sums from the
   # kernels.
-  _, _, (col_sum, _) = row_call(op, (x,), tiling=RowTiling("online", 4, 64),
-                                interpret=not ON_GPU)
-  assert col_sum is None
-  _, _, (col_sum, _) = row_call(op, (x[:5],), tiling=RowTiling("resident", 1, 4096, 1, 4),
-                                interpret=not ON_GPU)
-  assert col_sum is None
+  col_sums = row_call(op, (x,), tiling=RowTiling("online", 4, 64), interpret=not ON_GPU).col_sums
+  assert col_sums.total is None and col_sums.squares is None
+  col_sums = row_call(op, (x[:5],), tiling=RowTiling("resident", 1, 4096, 1, 4),
+                      interpret=not ON_GPU).col_sums
+  assert col_sums.total is None
 
 
 def test_vmap_of_gradients(key):

@@ -23,11 +23,16 @@ Infinite or NaN values propagate as they would in jax.nn.logsumexp.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 __all__ = ["merge_states", "reduce_states", "state_lse", "merge_attention_states", "reduce_lse",
-           "merge_moments", "reduce_moments", "nan_for_inf"]
+           "merge_moments", "reduce_moments", "nan_for_inf", "LOG2E"]
+
+# log2(e): the kernels take exp(x) as exp2(x · LOG2E), the hardware's ex2 (docs/math.md).
+LOG2E = math.log2(math.e)
 
 
 def safe_shift(m: jax.Array) -> jax.Array:

@@ -308,11 +308,14 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
                      "path (implementation=None or 'xla')")
   if reference_path or default_xla or implementation == "xla":
     return _Plan(query, key, value, unbatched, aux, scale, window, None, None)
-  call = Call(B, T, S, N, key.shape[2], H, jnp.dtype(query.dtype).name,
-              MaskSpec(T, S, bool(is_causal), *(window or (None, None)),
-                       has_segments=q_seg is not None),
-              scale, logits_soft_cap, block_sizes, pallas.resolve_interpret(interpret),
-              pallas.resolve_deterministic(deterministic))
+  window_left, window_right = window or (None, None)
+  call = Call(B=B, T=T, S=S, N=N, K=key.shape[2], H=H, dtype=jnp.dtype(query.dtype).name,
+              spec=MaskSpec(q_len=T, kv_len=S, is_causal=bool(is_causal),
+                            window_left=window_left, window_right=window_right,
+                            has_segments=q_seg is not None),
+              scale=scale, softcap=logits_soft_cap, block_sizes=block_sizes,
+              interpret=pallas.resolve_interpret(interpret),
+              deterministic=pallas.resolve_deterministic(deterministic))
   return _Plan(query, key, value, unbatched, aux, scale, window, call,
                select_backend(implementation, call))
 

@@ -46,17 +46,20 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def _forward_op(label_smoothing: float) -> RowOp:
-  """Rows: (first logit of the row,) if label_smoothing, else none."""
-  relative_sum = lambda t: t.x[0] - t.rows[0]
-  return RowOp("cross_entropy", state_of=lambda t: t.x[0],
-               sums=(relative_sum,) if label_smoothing else ())
+  """The row state of the logits; with label smoothing also the sum of the logits less
+  the row's first (a row input), whose float32 sum stays exact beside a large mean."""
+  if not label_smoothing:
+    return RowOp("cross_entropy", inputs=("logits",), state_of=lambda t: t.x.logits)
+  return RowOp("cross_entropy", inputs=("logits",), row_inputs=("first",),
+               state_of=lambda t: t.x.logits,
+               sums={"relative_sum": lambda t: t.x.logits - t.rows.first})
 
 
 def _backward_op(label_smoothing: float, z_loss: float, n_classes: int) -> RowOp:
   def apply(t, stats):
     del stats  # a pure map: the row statistics come in as row inputs
-    x, = t.x
-    label, m, l, g, g_lse = t.rows
+    x = t.x.logits
+    label, m, l, g, g_lse = t.rows.label, t.rows.m, t.rows.l, t.rows.g, t.rows.g_lse
     # (g·(1 + 2z·lse) + g_lse)·p with p = exp(x - m) / l: one row coefficient times exp.
     d = t.exp(x - m) * ((g * (1 + 2 * z_loss * (m + jnp.log(l))) + g_lse) / l)
     d = d - jnp.where(t.cols == label, g * (1 - label_smoothing), 0.0)
@@ -64,7 +67,8 @@ def _backward_op(label_smoothing: float, z_loss: float, n_classes: int) -> RowOp
       d = d - g * (label_smoothing / n_classes)
     return d
 
-  return RowOp("cross_entropy_bwd", apply=apply)
+  return RowOp("cross_entropy_bwd", inputs=("logits",),
+               row_inputs=("label", "m", "l", "g", "g_lse"), apply=apply)
 
 
 def _active(labels, where, ignore_index: int):
@@ -113,8 +117,8 @@ def _transpose_kernel(res, t, *, ignore_index, label_smoothing, z_loss, interpre
   g, g_lse = t
   n_classes = logits.shape[-1]
   g = _row_weights(g, labels, where, ignore_index, n_classes)
-  dlogits, _ = row_call(_backward_op(label_smoothing, z_loss, n_classes), (logits,),
-                        (labels, m, l, g, g_lse), where=where, interpret=interpret)
+  dlogits = row_call(_backward_op(label_smoothing, z_loss, n_classes), (logits,),
+                     (labels, m, l, g, g_lse), where=where, interpret=interpret).out
   if where is not None:
     # The kernel leaves masked logits at 0, but the label's logit counts even where it
     # is masked (optax takes it regardless): its -g goes back there.
@@ -147,19 +151,20 @@ _TANGENT = LinearMap("cross_entropy_tangent", kernel=_tangent_twin, twin=_tangen
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _state(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling, interpret):
   """(loss, lse, m, l) of each row: the losses and the forward's row state. Its
-  derivatives are needed only at second order; first order goes through `_rows`."""
+  derivatives are needed only at second order; first order goes through `_losses_and_lse`."""
   n_classes = logits.shape[-1]
   first = logits[:, 0].astype(jnp.float32)
-  _, (m, l, *relative_sum) = row_call(
-      _forward_op(label_smoothing), (logits,), (first,) if label_smoothing else (),
-      where=where, tiling=tiling, interpret=interpret)
+  stats = row_call(_forward_op(label_smoothing), (logits,),
+                   (first,) if label_smoothing else (), where=where, tiling=tiling,
+                   interpret=interpret).stats
+  m, l = stats.m, stats.l
   m, lse = safe_shift(m), state_lse(m, l)
   label_logit = jnp.take_along_axis(
       logits, _label_index(labels, n_classes)[:, None], axis=1)[:, 0].astype(jnp.float32)
   # Differences from m first: lse - x_y would lose an ulp of |lse| to cancellation.
   loss = jnp.log(l) + (1 - label_smoothing) * (m - label_logit)
   if label_smoothing:
-    loss = loss + label_smoothing * ((m - first) - relative_sum[0] / n_classes)
+    loss = loss + label_smoothing * ((m - first) - stats.relative_sum / n_classes)
   if z_loss:
     loss = loss + z_loss * lse**2
   # An ignored row contributes nothing, nor does a row that `where` masks entirely (as
@@ -186,13 +191,14 @@ def _state_jvp(*args):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _rows(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling, interpret):
+def _losses_and_lse(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling,
+                    interpret):
   return _state(logits, labels, where, ignore_index, label_smoothing, z_loss, tiling,
                 interpret)[:2]
 
 
-@_rows.defjvp
-def _rows_jvp(*args):
+@_losses_and_lse.defjvp
+def _losses_and_lse_jvp(*args):
   *statics, primals, tangents = args
   state = _state(*primals, *statics)
   return state[:2], _tangents(primals, tangents[0], state, statics)
@@ -204,7 +210,7 @@ def _cross_entropy(logits, labels, where, *, ignore_index, label_smoothing, z_lo
                    reduction, tiling, interpret):
   batch_shape, n_classes = labels.shape, logits.shape[-1]
   flat = lambda a: None if a is None else a.reshape(-1, n_classes)
-  loss, lse = _rows(flat(logits), labels.reshape(-1).astype(jnp.int32), flat(where),
+  loss, lse = _losses_and_lse(flat(logits), labels.reshape(-1).astype(jnp.int32), flat(where),
                     ignore_index, label_smoothing, z_loss, tiling, interpret)
   return reduce_losses(loss, labels, where, ignore_index, reduction), lse.reshape(batch_shape)
 

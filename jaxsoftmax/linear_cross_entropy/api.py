@@ -151,7 +151,7 @@ def _hopper_unsupported(dtype, tiling: LinearCrossEntropyTiling, interpret: bool
   """Why the Hopper forward cannot run, or None. An explicit ``forward="mosaic_gpu"``
   runs interpreted off a GPU; the default is interpreted only as Triton (the interpreter
   that every kernel of this op has)."""
-  why = mosaic_gpu.supported(dtype, tiling.hopper_tiling)
+  why = mosaic_gpu.unsupported(dtype, tiling.hopper_tiling)
   if why is None and interpret and tiling.forward is None:
     why = "interpret mode runs the Triton forward unless forward='mosaic_gpu' is asked for"
   if why is None and not interpret and not mosaic_device.hopper_device():
@@ -251,7 +251,7 @@ _TANGENT = LinearMap("linear_cross_entropy_tangent", kernel=_tangent_kernel, twi
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
 def _state(x, w, b, labels, dims: Dims, options: Options):
   """(loss, lse, m, log l) of each row: the losses and the residuals of the backward.
-  Differentiated only at second order (`_rows` differentiates the losses): an error."""
+  Differentiated only at second order (`_losses_and_lse` differentiates the losses): an error."""
   m, log_l, label_logit, total = _forward(x, w, b, labels, dims, options)
   lse = m + log_l
   return _loss(lse, label_logit, total, labels, dims, options), lse, m, log_l
@@ -261,11 +261,11 @@ def _state_jvp(dims: Dims, options: Options, primals, tangents):
   raise NotImplementedError(_REVERSE_ONLY)
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
-def _rows(x, w, b, labels, dims: Dims, options: Options):
+def _losses_and_lse(x, w, b, labels, dims: Dims, options: Options):
   return _state(x, w, b, labels, dims, options)[:2]
 
-@_rows.defjvp
-def _rows_jvp(dims: Dims, options: Options, primals, tangents):
+@_losses_and_lse.defjvp
+def _losses_and_lse_jvp(dims: Dims, options: Options, primals, tangents):
   x, w, b, labels = primals
   loss, lse, m, log_l = _state(x, w, b, labels, dims, options)
   t = tuple(tangents[:2]) + (() if b is None else (tangents[2],))
@@ -359,7 +359,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
                      None if logit_soft_cap is None else float(logit_soft_cap),
                      bias is not None, interpret)
   hidden, weight, bias, flat_labels = pallas.vary_together(hidden, weight, bias, flat_labels)
-  loss, lse = _rows(hidden.reshape(-1, H), weight, bias, flat_labels, dims, options)
+  loss, lse = _losses_and_lse(hidden.reshape(-1, H), weight, bias, flat_labels, dims, options)
   loss = reduce_losses(jnp.where(flat_labels != ignore_index, loss, 0.0), labels, None,
                        ignore_index, reduction)
   return (loss, lse.reshape(labels.shape)) if return_lse else loss

@@ -6,20 +6,17 @@ operands in the inputs' dtype."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxsoftmax._core.state import reduce_states, safe_shift
+from jaxsoftmax._core.state import LOG2E, reduce_states, safe_shift
 from jaxsoftmax.linear_cross_entropy.tiling import Dims
 
 __all__ = ["Options", "Rows", "LOG2E", "F16_TOP", "capped", "merged_state", "probabilities",
            "p_coefficient", "logit_gradient", "operand_terms", "power_of_two_scale",
            "scaled_terms", "sum_products"]
-
-LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -53,9 +52,10 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
                                         pad_to, pl, plgpu, rem32)
 from jaxsoftmax._core.inputs import check_optional_positive_int
+from jaxsoftmax._core.state import LOG2E
 
 __all__ = ["DlogitsInputs", "dlogits", "dlogits_inputs", "dlogits_smem_bytes", "forward",
-           "LinearCrossEntropyHopperTiling", "supported"]
+           "LinearCrossEntropyHopperTiling", "unsupported"]
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a consumer's tile
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per vocabulary column of a tile
@@ -65,7 +65,6 @@ _BLOCK_HIDDEN = 64  # hidden-dim chunk: one 128-byte swizzled row of 16-bit valu
 # Registers per thread, as in the attention forward: 2 · 128 · 232 + 128 · 40 = 64512.
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
-_LOG2E = math.log2(math.e)
 # Row values of the dlogits kernel: m, log2 l, and the coefficients of p, of the label
 # and of the smoothing (`dlogits_inputs`).
 _ROWVALS = 5
@@ -112,7 +111,7 @@ class LinearCrossEntropyHopperTiling:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _HopperProblem:
   R: int
   H: int
   V: int
@@ -251,7 +250,7 @@ def _tile_logits(ring: _Ring, wg, t, bv: int):
   return pl.run_scoped(products, plgpu.ACC((_BLOCK_ROWS, bv), jnp.float32))
 
 
-def _kernel(x_ref, w_ref, *refs, plan: _Plan, per: int):
+def _kernel(x_ref, w_ref, *refs, plan: _HopperProblem, per: int):
   refs = list(refs)
   pad_ref = refs.pop(0) if plan.pad_columns else None
   m_ref, l_ref = refs.pop(0), refs.pop(0)
@@ -294,9 +293,9 @@ def _kernel(x_ref, w_ref, *refs, plan: _Plan, per: int):
       # gives l = +inf and lse = +inf, as jax.nn.logsumexp does; the empty state's
       # l = 0 stays 0 however far the shift moves.
       m_new = jnp.maximum(m, s.max(axis=1))
-      shift = _safe(m_new) * _LOG2E
-      p = jnp.exp2(s * _LOG2E - lax.broadcast_in_dim(shift, shape, [0]))
-      l = jnp.where(l > 0, l * jnp.exp2(_safe(m) * _LOG2E - shift), l) + p.sum(axis=1)
+      shift = _safe(m_new) * LOG2E
+      p = jnp.exp2(s * LOG2E - lax.broadcast_in_dim(shift, shape, [0]))
+      l = jnp.where(l > 0, l * jnp.exp2(_safe(m) * LOG2E - shift), l) + p.sum(axis=1)
       return m_new, l, total
 
     def row(x):
@@ -334,7 +333,7 @@ def forward(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float |
   H64, V64 = -(-H // 64) * 64, -(-V // 64) * 64
   x = pad_to(pad_to(x, 0, -(-R // 8) * 8), 1, H64)
   w = pad_to(pad_to(w, 0, H64), 1, V64)
-  plan = _Plan(R, H, V, tiling, softcap, b is not None, with_total)
+  plan = _HopperProblem(R, H, V, tiling, softcap, b is not None, with_total)
   splits, per = plan.splits()
   bv = tiling.block_vocab
   V_pad = plan.vocab_tiles * bv
@@ -359,7 +358,7 @@ def forward(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float |
   return m[:, :R], l[:, :R], total[0][:, :R] if total else None
 
 
-def supported(dtype, tiling: LinearCrossEntropyHopperTiling) -> str | None:
+def unsupported(dtype, tiling: LinearCrossEntropyHopperTiling) -> str | None:
   """Why the Hopper forward cannot take these inputs, or None."""
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
     return f"its tensor-core products take bfloat16 or float16, not {jnp.dtype(dtype)}"
@@ -401,7 +400,7 @@ def _dlogits_kernel(x_ref, w_ref, rowvals_ref, labels_ref, ds_ref, x_smem, w_sme
       per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
       s = z if softcap is None else softcap * jnp.tanh(z / softcap)
       # s - m first: exact where s is near m, which an lse rounded to float32 is not.
-      p = jnp.exp2((s - per_row(m)) * _LOG2E - per_row(log2_l))
+      p = jnp.exp2((s - per_row(m)) * LOG2E - per_row(log2_l))
       cols = tile * bv + plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                 layout=plgpu.Layout.WGMMA)
       ds = (per_row(p_coef) * p
@@ -441,7 +440,7 @@ def dlogits_inputs(x, labels, m, log_l, g, p_coefficient, *, V: int,
   a = label_smoothing
   # The rows of the kernel's (_ROWVALS, R_pad) float32 operand, in the order it
   # unpacks them.
-  rowvals = jnp.stack([m, log_l * _LOG2E, p_coefficient, g * (1 - a),
+  rowvals = jnp.stack([m, log_l * LOG2E, p_coefficient, g * (1 - a),
                        g * (a / V)]).astype(jnp.float32)
   return DlogitsInputs(pad_to(pad_to(x, 0, R_pad), 1, -(-H // 64) * 64),
                        pad_to(rowvals, 1, R_pad), pad_to(labels.astype(jnp.int32), 0, R_pad))

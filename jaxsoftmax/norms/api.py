@@ -77,83 +77,95 @@ class _Norm:
   interpret: bool
   param_parts: int = 1  # kernel column inputs per parameter (`_columns`)
 
+  def part_names(self, param: str) -> tuple[str, ...]:
+    """The kernels' column inputs that carry ``param`` ("scale" or "bias")."""
+    if self.param_parts == 1:
+      return (param,)
+    return tuple(f"{param}_{i}" for i in range(self.param_parts))
+
+  def col_names(self, *, bias: bool) -> tuple[str, ...]:
+    """The kernels' column inputs, in `_columns`' order."""
+    return ((self.part_names("scale") if self.has_scale else ())
+            + (self.part_names("bias") if bias and self.has_bias else ()))
+
   def gamma(self, colvals):
     """The effective scale scale_offset + scale, (1, block_cols), from the kernel's
     column values; only with a scale."""
-    return _joined(colvals[:self.param_parts]) + self.scale_offset
+    return _joined([getattr(colvals, n) for n in self.part_names("scale")]) + self.scale_offset
 
   def beta(self, colvals):
     """The bias, (1, block_cols), from the kernel's column values; only with a bias."""
-    return _joined(colvals[-self.param_parts:])
+    return _joined([getattr(colvals, n) for n in self.part_names("bias")])
 
   def h(self, tile):
     """h as the kernels normalize it: x (+ residual, added in float32 and rounded to x's
     dtype, as it is returned)."""
     if not self.has_residual:
-      return tile.x[0]
-    return (tile.x[0] + tile.x[1]).astype(self.dtype).astype(jnp.float32)
+      return tile.x.x
+    return (tile.x.x + tile.x.residual).astype(self.dtype).astype(jnp.float32)
 
   def rstd(self, stats):
     """rstd per row, (rows, 1) or (rows,), from the forward statistics."""
     if self.rms:
-      (sum_squares,) = stats
-      return lax.rsqrt(sum_squares / self.n_cols + self.epsilon)
-    n, _, m2 = stats
-    return lax.rsqrt(m2 / n + self.epsilon)
+      return lax.rsqrt(stats.squares / self.n_cols + self.epsilon)
+    return lax.rsqrt(stats.m2 / stats.n + self.epsilon)
 
 
 def _forward_op(norm: _Norm) -> RowOp:
   def apply(tile, stats):
     h = norm.h(tile)
-    y = h * norm.rstd(stats) if norm.rms else (h - stats[1]) * norm.rstd(stats)
+    y = h * norm.rstd(stats) if norm.rms else (h - stats.mean) * norm.rstd(stats)
     if norm.has_scale:
       y = y * norm.gamma(tile.colvals)
     if norm.has_bias:
       y = y + norm.beta(tile.colvals)
     return (y, h) if norm.has_residual else y
 
-  name = "rms_norm" if norm.rms else "layer_norm"
+  names = dict(inputs=("x", "residual") if norm.has_residual else ("x",),
+               col_inputs=norm.col_names(bias=True), apply=apply,
+               outputs=1 + norm.has_residual)
   if norm.rms:
-    return RowOp(name, sums=(lambda t: jnp.square(norm.h(t)),), apply=apply,
-                 outputs=1 + norm.has_residual)
-  return RowOp(name, moments_of=norm.h, apply=apply, outputs=1 + norm.has_residual)
+    return RowOp("rms_norm", sums={"squares": lambda t: jnp.square(norm.h(t))}, **names)
+  return RowOp("layer_norm", moments_of=norm.h, **names)
 
 
 def _backward_op(norm: _Norm) -> RowOp:
-  """dh from inputs (h, dy[, dh of the returned h]) and row inputs (mean, rstd)."""
+  """dh from inputs (h, dy[, dh_out: the cotangent of the returned h]) and row inputs
+  (mean, rstd)."""
 
   def xhat(t):
-    mean, rstd = t.rows
-    return (t.x[0] - mean) * rstd
+    return (t.x.h - t.rows.mean) * t.rows.rstd
 
   def g(t):
-    return t.x[1] if not norm.has_scale else t.x[1] * norm.gamma(t.colvals)
+    return t.x.dy if not norm.has_scale else t.x.dy * norm.gamma(t.colvals)
 
   def apply(t, stats):
-    _, rstd = t.rows
     if norm.rms:
-      (sum_gx,) = stats
-      dh = rstd * (g(t) - xhat(t) * sum_gx / norm.n_cols)
+      dh = t.rows.rstd * (g(t) - xhat(t) * stats.gx / norm.n_cols)
     else:
-      sum_g, sum_gx = stats
-      dh = rstd * (g(t) - (sum_g + xhat(t) * sum_gx) / norm.n_cols)
-    return dh + t.x[2] if norm.has_residual else dh
+      dh = t.rows.rstd * (g(t) - (stats.g + xhat(t) * stats.gx) / norm.n_cols)
+    return dh + t.x.dh_out if norm.has_residual else dh
 
-  sums = (lambda t: g(t) * xhat(t),)
+  sums = {"gx": lambda t: g(t) * xhat(t)}
   if not norm.rms:
-    sums = (g,) + sums
+    sums = {"g": g, **sums}
   # dscale and dbias: column sums of dy · x̂ and dy, in the same pass where the engine can.
-  col_sums = (((lambda t: t.x[1] * xhat(t)),) if norm.has_scale else ()) + (
-      ((lambda t: t.x[1]),) if norm.has_bias else ())
-  return RowOp(("rms_norm" if norm.rms else "layer_norm") + "_bwd", sums=sums, apply=apply,
-               col_sums=col_sums)
+  col_sums = {}
+  if norm.has_scale:
+    col_sums["dscale"] = lambda t: t.x.dy * xhat(t)
+  if norm.has_bias:
+    col_sums["dbias"] = lambda t: t.x.dy
+  return RowOp(("rms_norm" if norm.rms else "layer_norm") + "_bwd",
+               inputs=("h", "dy", "dh_out") if norm.has_residual else ("h", "dy"),
+               row_inputs=("mean", "rstd"), col_inputs=norm.col_names(bias=False),
+               sums=sums, apply=apply, col_sums=col_sums)
 
 
 def _stats(norm: _Norm, stats):
   """(mean, rstd) per row, float32, from the forward kernel's statistics."""
   if norm.rms:
-    return jnp.zeros_like(stats[0]), norm.rstd(stats)
-  return stats[1], norm.rstd(stats)
+    return jnp.zeros_like(stats.squares), norm.rstd(stats)
+  return stats.mean, norm.rstd(stats)
 
 
 # float32 parameters beside 16-bit activations (Flax's default param_dtype in a
@@ -240,10 +252,10 @@ def _forward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
 
 def _normalize_fwd(x, residual, scale, bias, norm: _Norm):
   inputs = (x,) if residual is None else (x, residual)
-  outs, stats = row_call(_forward_op(norm), inputs,
-                         col_inputs=_columns(norm, scale, bias),
-                         tiling=norm.tiling or _forward_tiling(norm, x.shape[0]),
-                         interpret=norm.interpret)
+  outs, stats, _ = row_call(_forward_op(norm), inputs,
+                            col_inputs=_columns(norm, scale, bias),
+                            tiling=norm.tiling or _forward_tiling(norm, x.shape[0]),
+                            interpret=norm.interpret)
   y, h = outs if norm.has_residual else (outs, x)
   mean, rstd = _stats(norm, stats)
   return (y, h if norm.has_residual else None), (h, scale, bias, mean, rstd)
@@ -266,20 +278,23 @@ def _normalize_bwd(norm: _Norm, saved, cotangents):
   h, scale, bias, mean, rstd = saved
   dy, dh_out = cotangents
   inputs = (h, dy) + ((dh_out,) if norm.has_residual else ())
-  dh, _, *col_sums = row_call(_backward_op(norm), inputs, (mean, rstd),
-                              col_inputs=_columns(norm, scale, None),
-                              tiling=norm.tiling or _backward_tiling(norm, h.shape[0]),
-                              interpret=norm.interpret)
-  # (dscale, dbias) of those present, from the kernel; None where the rows were too
-  # long for one program (the online and split variants): then XLA's column sums.
-  col_sums = list(col_sums[0]) if col_sums else []
-  if any(total is None for total in col_sums):
+  dh, _, col_sums = row_call(_backward_op(norm), inputs, (mean, rstd),
+                             col_inputs=_columns(norm, scale, None),
+                             tiling=norm.tiling or _backward_tiling(norm, h.shape[0]),
+                             interpret=norm.interpret)
+  # dscale and dbias, those present, from the kernel; None where the rows were too long
+  # for one program (the online and split variants): then XLA's column sums.
+  col_sums = {} if col_sums is None else col_sums._asdict()
+  if any(total is None for total in col_sums.values()):
     dy32 = dy.astype(jnp.float32)
     xhat = (h.astype(jnp.float32) - mean[:, None]) * rstd[:, None]
-    col_sums = ([jnp.sum(dy32 * xhat, axis=0)] if norm.has_scale else []) + (
-        [jnp.sum(dy32, axis=0)] if norm.has_bias else [])
-  dscale = col_sums.pop(0).astype(scale.dtype) if norm.has_scale else None
-  dbias = col_sums.pop(0).astype(bias.dtype) if norm.has_bias else None
+    col_sums = {}
+    if norm.has_scale:
+      col_sums["dscale"] = jnp.sum(dy32 * xhat, axis=0)
+    if norm.has_bias:
+      col_sums["dbias"] = jnp.sum(dy32, axis=0)
+  dscale = col_sums["dscale"].astype(scale.dtype) if norm.has_scale else None
+  dbias = col_sums["dbias"].astype(bias.dtype) if norm.has_bias else None
   return dh, dh if norm.has_residual else None, dscale, dbias
 
 

@@ -37,10 +37,11 @@ get ``op.fill``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,10 +50,11 @@ from jax.custom_batching import custom_vmap
 
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
-from jaxsoftmax._core.state import merge_moments, reduce_moments, reduce_states, safe_shift
+from jaxsoftmax._core.state import (LOG2E, merge_moments, reduce_moments, reduce_states,
+                                    safe_shift)
 from jaxsoftmax.rows.tiling import RowTiling, default_tiling
 
-__all__ = ["RowOp", "Tile", "exp_for", "row_call"]
+__all__ = ["RowOp", "RowResult", "Tile", "exp_for", "row_call"]
 
 # Column sums in the resident kernel: each program walks its share of the row blocks, one
 # block in flight at a time, and writes one row of partial sums. Programs per SM: enough
@@ -72,6 +74,9 @@ MAX_COL_SUM_VALUES_PER_THREAD = 32
 
 class Tile(NamedTuple):
   """What a RowOp's functions see of one (block_rows, block_cols) tile.
+
+  ``x``, ``rows`` and ``colvals`` are named tuples, their fields the names the op gives
+  (`RowOp.inputs`, ``row_inputs``, ``col_inputs``): ``t.x.h``, ``t.rows.rstd``.
 
   Attributes:
     x: the op's (R, C) inputs, upcast to float32.
@@ -101,40 +106,88 @@ class RowOp:
 
   Attributes:
     name: prefix of the kernels' names in profiles.
-    state_of: values whose online-softmax state (m, l) over the row gives the first two
-      statistics, or None.
-    moments_of: values whose Welford state (n, mean, M2) over the row gives the next
-      three statistics, or None.
-    sums: values whose sums over the row are the next statistics.
+    inputs, row_inputs, col_inputs: the names of the (R, C) inputs, the per-row inputs
+      and the per-column inputs, in `row_call`'s order: the fields of ``tile.x``,
+      ``tile.rows`` and ``tile.colvals``.
+    state_of: values whose online-softmax state (m, l) over the row gives the
+      statistics ``m`` and ``l``, or None.
+    moments_of: values whose Welford state over the row gives ``n``, ``mean`` and
+      ``m2``, or None.
+    sums: name -> values whose sum over the row is the statistic of that name.
     apply: ``apply(tile, stats)``: the output tile, or a tuple of ``outputs`` tiles,
-      with ``stats`` the row statistics, each of shape (block_rows, 1): m (made finite:
-      0 for a row without finite values, so that exp(x - m) / l is NaN-free where it
-      should be), l, then n, mean, M2, then the sums. None for no output.
+      with ``stats`` the row statistics by name (`stat_names`), each of shape
+      (block_rows, 1); m is made finite (0 for a row without finite values, so that
+      exp(x - m) / l is NaN-free where it should be). None for no output.
     outputs: how many (R, C) outputs ``apply`` gives.
-    col_sums: values whose sums over the rows (one per column) the op also returns
-      (a normalization's dscale and dbias); the resident variant only, where each program
-      walks several row blocks and writes float32 partial sums per column, which XLA then
-      adds up (deterministic, no atomics). Other variants return None for them.
+    col_sums: name -> values whose sums over the rows (one per column) the op also
+      returns (a normalization's dscale and dbias); the resident variant only, where
+      each program walks several row blocks and writes float32 partial sums per column,
+      which XLA then adds up (deterministic, no atomics). Other variants return None for
+      them.
     fill: output value where ``where`` masks an element.
   """
 
   name: str
+  inputs: tuple[str, ...] = ("x",)
+  row_inputs: tuple[str, ...] = ()
+  col_inputs: tuple[str, ...] = ()
   state_of: Callable[[Tile], jax.Array] | None = None
   moments_of: Callable[[Tile], jax.Array] | None = None
-  sums: tuple[Callable[[Tile], jax.Array], ...] = ()
-  apply: Callable[[Tile, tuple[jax.Array, ...]], jax.Array | tuple] | None = None
+  sums: Mapping[str, Callable[[Tile], jax.Array]] = dataclasses.field(
+      default_factory=dict, hash=False)
+  apply: Callable[[Tile, Any], jax.Array | tuple] | None = None
   outputs: int = 1
-  col_sums: tuple[Callable[[Tile], jax.Array], ...] = ()
+  col_sums: Mapping[str, Callable[[Tile], jax.Array]] = dataclasses.field(
+      default_factory=dict, hash=False)
   fill: float = 0.0
 
   @property
+  def stat_names(self) -> tuple[str, ...]:
+    """The row statistics in order: m, l (a state); n, mean, m2 (moments); the sums."""
+    return ((("m", "l") if self.state_of is not None else ())
+            + (("n", "mean", "m2") if self.moments_of is not None else ())
+            + tuple(self.sums))
+
+  @property
   def n_stats(self) -> int:
-    return (2 * (self.state_of is not None) + 3 * (self.moments_of is not None)
-            + len(self.sums))
+    return len(self.stat_names)
+
+  def named(self, tile: Tile) -> Tile:
+    """``tile`` with its inputs, row inputs and column values as named tuples."""
+    return tile._replace(x=_named(self.inputs, tile.x),
+                         rows=_named(self.row_inputs, tile.rows),
+                         colvals=_named(self.col_inputs, tile.colvals))
 
   @property
   def n_out(self) -> int:
     return 0 if self.apply is None else self.outputs
+
+
+@functools.cache
+def _tuple_type(names: tuple[str, ...]):
+  return collections.namedtuple("Named", names)
+
+
+def _named(names: tuple[str, ...], values):
+  """``values`` as a named tuple with fields ``names``."""
+  return _tuple_type(tuple(names))(*values)
+
+
+class RowResult(NamedTuple):
+  """What `row_call` returns.
+
+  Attributes:
+    out: the (R, C) output, a tuple of them for an op with several, or None for an op
+      without ``apply``.
+    stats: the row statistics by name (`RowOp.stat_names`), each (R,) float32: m is the
+      row maximum (-inf for an empty row; `state.state_lse` gives the lse).
+    col_sums: the column sums by name (`RowOp.col_sums`), each (C,) float32, or None
+      where the tiling's variant does not form them; None for an op without them.
+  """
+
+  out: Any
+  stats: Any
+  col_sums: Any = None
 
 
 class _Refs(NamedTuple):
@@ -168,8 +221,6 @@ class _Layout:
 
 # --- kernel building blocks ------------------------------------------------------------
 
-_LOG2E = 1.4426950408889634
-
 
 def exp_for(interpret: bool, dtype) -> Callable[[jax.Array], jax.Array]:
   """exp on the float32 tiles of an op whose inputs are ``dtype``.
@@ -186,7 +237,7 @@ def exp_for(interpret: bool, dtype) -> Callable[[jax.Array], jax.Array]:
   if jnp.dtype(dtype) == jnp.float32:
     return jnp.exp
   exp2 = pallas.exp2(interpret)
-  return lambda x: exp2(x * _LOG2E)
+  return lambda x: exp2(x * LOG2E)
 
 
 def _masked(valid, x, fill):
@@ -316,6 +367,7 @@ def _accumulate(op: RowOp, state, tile: Tile):
   """Merges one tile into the running (m, l, moments, sums) of its rows (`_core/state.py`).
   Returns the new state and the tile's exp(v - m_new)."""
   m, l, moments, sums = state
+  tile = op.named(tile)
   e = None
   if op.state_of is not None:
     v = _masked(tile.valid, op.state_of(tile), -jnp.inf)
@@ -327,7 +379,7 @@ def _accumulate(op: RowOp, state, tile: Tile):
   if op.moments_of is not None:
     moments = merge_moments(*moments, *_tile_moments(op.moments_of(tile), tile.valid))
   sums = tuple(s + jnp.sum(_masked(tile.valid, f(tile), 0.0), axis=1)
-               for s, f in zip(sums, op.sums))
+               for s, f in zip(sums, op.sums.values()))
   return (m, l, moments, sums), e
 
 
@@ -340,12 +392,13 @@ def _finish(op: RowOp, state) -> tuple[jax.Array, ...]:
 def _store_map(op: RowOp, out_refs, tile: Tile, in_bounds, stats, *, start,
                block_cols: int, row_slice=None):
   stats = tuple(s[:, None] for s in stats)
+  tile = op.named(tile)
   if op.state_of is not None:
     shift = safe_shift(stats[0])
     stats = (shift,) + stats[1:]
     if tile.e is None:  # unused values are dropped by the compiler
       tile = tile._replace(e=tile.exp(_masked(tile.valid, op.state_of(tile), -jnp.inf) - shift))
-  ys = op.apply(tile, stats)
+  ys = op.apply(tile, _named(op.stat_names, stats))
   for out_ref, y in zip(out_refs, ys if op.outputs > 1 else (ys,)):
     pallas.store(out_ref.at[slice(None) if row_slice is None else row_slice,
                               pl.ds(start, block_cols)],
@@ -425,8 +478,9 @@ def _resident_col_sums_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds
     tile, stats = _resident_rows(op, refs, bounds, rows_ok, exp, row_slice)
     for ref, stat in zip(stat_refs, stats):
       pallas.store(ref.at[row_slice], stat, mask=rows_ok)
+    tile = op.named(tile)
     return tuple(total + jnp.sum(_masked(tile.valid, f(tile), 0.0), axis=0)
-                 for total, f in zip(sums, op.col_sums))
+                 for total, f in zip(sums, op.col_sums.values()))
 
   sums = lax.fori_loop(0, row_blocks, row_block,
                        tuple(jnp.zeros((bc,), jnp.float32) for _ in op.col_sums))
@@ -621,20 +675,21 @@ def row_call(op: RowOp, inputs: Sequence[jax.Array], row_inputs: Sequence[jax.Ar
     interpret: run the kernels in Pallas interpret mode.
 
   Returns:
-    ``(out, stats)``: the (R, C) output (a tuple of them for ops with several), or None
-    for ops without ``apply``, and the row statistics, each (R,) float32: the state
-    (m, l) first if the op has one (m as the row maximum, -inf for an empty row;
-    `state.state_lse` gives the lse), then the Welford state (n, mean, M2) if it has
-    one, then the sums. Ops with ``col_sums`` get a third element: those sums, each (C,)
-    float32, or None where the tiling's variant does not form them.
+    a `RowResult`: the output, the row statistics by name, the column sums by name.
 
   Under ``jax.vmap`` the mapped axes are folded into the rows, so any number of nested
   vmaps runs the same 1-D or 2-D grid (column inputs must then be the same for every
   batch element); ops with column sums instead run once per batch element (`lax.map`),
   since their sums are per element.
   """
-  inputs, col_inputs = tuple(inputs), tuple(col_inputs)
-  arrays = (inputs + tuple(row_inputs) + col_inputs
+  inputs, row_inputs, col_inputs = tuple(inputs), tuple(row_inputs), tuple(col_inputs)
+  for kind, names, given in (("inputs", op.inputs, inputs),
+                             ("row_inputs", op.row_inputs, row_inputs),
+                             ("col_inputs", op.col_inputs, col_inputs)):
+    if len(names) != len(given):
+      raise ValueError(f"{op.name}: row_call got {len(given)} {kind}; the op names "
+                       f"{len(names)}: {names}")
+  arrays = (inputs + row_inputs + col_inputs
             + ((where,) if where is not None else ()))
   out_dtype = inputs[0].dtype if out_dtype is None else out_dtype
   layout = _Layout(len(inputs), len(row_inputs), len(col_inputs), where is not None, 0, 0)
@@ -664,7 +719,8 @@ def row_call(op: RowOp, inputs: Sequence[jax.Array], row_inputs: Sequence[jax.Ar
     return result, jax.tree.map(lambda _: True, result)
 
   out, stats, col_sums = run(*arrays)
-  return (out, stats, col_sums) if op.col_sums else (out, stats)
+  return RowResult(out, _named(op.stat_names, stats),
+                   _named(tuple(op.col_sums), col_sums) if op.col_sums else None)
 
 
 def _map_over_batch(run, in_batched, batched_arrays):

@@ -47,21 +47,23 @@ from jaxsoftmax._core.state import nan_for_inf, probabilities, safe_shift, state
 __all__ = ["softmax", "log_softmax", "logsumexp"]
 
 # A row holding +inf gives NaN throughout (`state.nan_for_inf`), as jax.nn.
-_SOFTMAX = RowOp("softmax", state_of=lambda t: t.x[0],
-                 apply=lambda t, s: t.e * (1 / nan_for_inf(s[1])))
-_LOG_SOFTMAX = RowOp("log_softmax", state_of=lambda t: t.x[0],
-                     apply=lambda t, s: (t.x[0] - s[0]) - jnp.log(nan_for_inf(s[1])),
+_SOFTMAX = RowOp("softmax", state_of=lambda t: t.x.x,
+                 apply=lambda t, s: t.e * (1 / nan_for_inf(s.l)))
+_LOG_SOFTMAX = RowOp("log_softmax", state_of=lambda t: t.x.x,
+                     apply=lambda t, s: (t.x.x - s.m) - jnp.log(nan_for_inf(s.l)),
                      fill=-jnp.inf)
-_LOGSUMEXP = RowOp("logsumexp", state_of=lambda t: t.x[0])
-# Backward ops. softmax: inputs (y, dy). log_softmax: inputs (x, dy), rows (m, l).
-# logsumexp: input x, rows (g, m, l). m is the finite shift the forward used.
-_SOFTMAX_BWD = RowOp("softmax_bwd", sums=(lambda t: t.x[0] * t.x[1],),
-                     apply=lambda t, s: t.x[0] * (t.x[1] - s[0]))
+_LOGSUMEXP = RowOp("logsumexp", state_of=lambda t: t.x.x)
+# Backward ops; m is the finite shift the forward used.
+_SOFTMAX_BWD = RowOp("softmax_bwd", inputs=("y", "dy"),
+                     sums={"y_dy": lambda t: t.x.y * t.x.dy},
+                     apply=lambda t, s: t.x.y * (t.x.dy - s.y_dy))
 _LOG_SOFTMAX_BWD = RowOp(
-    "log_softmax_bwd", sums=(lambda t: t.x[1],),
-    apply=lambda t, s: t.x[1] - t.exp(t.x[0] - t.rows[0]) * (s[0] / t.rows[1]))
+    "log_softmax_bwd", inputs=("x", "dy"), row_inputs=("m", "l"),
+    sums={"dy": lambda t: t.x.dy},
+    apply=lambda t, s: t.x.dy - t.exp(t.x.x - t.rows.m) * (s.dy / t.rows.l))
 _LOGSUMEXP_BWD = RowOp(
-    "logsumexp_bwd", apply=lambda t, s: t.exp(t.x[0] - t.rows[1]) * (t.rows[0] / t.rows[2]))
+    "logsumexp_bwd", row_inputs=("g", "m", "l"),
+    apply=lambda t, s: t.exp(t.x.x - t.rows.m) * (t.rows.g / t.rows.l))
 
 
 def _xla_path(x, interpret, tiling) -> bool:
@@ -87,9 +89,9 @@ def _row_dot(p, t):
 
 def _softmax_tangent_kernel(res, t, *, tiling, interpret):
   y, where = res
-  dy, _ = row_call(_SOFTMAX_BWD, (y, t[0]), where=where, tiling=tiling,
-                   interpret=interpret)
-  return (dy,)
+  result = row_call(_SOFTMAX_BWD, (y, t[0]), where=where, tiling=tiling,
+                    interpret=interpret)
+  return (result.out,)
 
 
 def _softmax_tangent_twin(res, t, *, tiling, interpret):
@@ -105,8 +107,7 @@ _SOFTMAX_TANGENT.pair(_SOFTMAX_TANGENT)
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def _softmax_rows(x, where, tiling, interpret):
-  y, _ = row_call(_SOFTMAX, (x,), where=where, tiling=tiling, interpret=interpret)
-  return y
+  return row_call(_SOFTMAX, (x,), where=where, tiling=tiling, interpret=interpret).out
 
 
 @_softmax_rows.defjvp
@@ -168,8 +169,8 @@ def _log_softmax_tangent_twin(res, t, *, interpret):
 
 def _log_softmax_transpose_kernel(res, t, *, interpret):
   x, m, l, where = res
-  dx, _ = row_call(_LOG_SOFTMAX_BWD, (x, t[0]), (m, l), where=where, interpret=interpret)
-  return (dx,)
+  return (row_call(_LOG_SOFTMAX_BWD, (x, t[0]), (m, l), where=where,
+                   interpret=interpret).out,)
 
 
 def _log_softmax_transpose_twin(res, t, *, interpret):
@@ -227,9 +228,10 @@ def _with_state(name: str, forward, tangent: LinearMap):
 
 
 def _log_softmax_forward(x, where, tiling, interpret):
-  y, (m, l) = row_call(_LOG_SOFTMAX, (x,), where=where, tiling=tiling, interpret=interpret)
+  y, stats, _ = row_call(_LOG_SOFTMAX, (x,), where=where, tiling=tiling,
+                         interpret=interpret)
   # A row holding +inf: NaN gradients too, from l = NaN.
-  return y, safe_shift(m), nan_for_inf(l)
+  return y, safe_shift(stats.m), nan_for_inf(stats.l)
 
 
 _log_softmax_rows = _with_state("log_softmax", _log_softmax_forward, _LOG_SOFTMAX_TANGENT)
@@ -272,8 +274,8 @@ def _logsumexp_tangent_twin(res, t, *, interpret):
 
 def _logsumexp_transpose_kernel(res, t, *, interpret):
   x, m, l, where = res
-  dx, _ = row_call(_LOGSUMEXP_BWD, (x,), (t[0], m, l), where=where, interpret=interpret)
-  return (dx,)
+  return (row_call(_LOGSUMEXP_BWD, (x,), (t[0], m, l), where=where,
+                   interpret=interpret).out,)
 
 
 def _logsumexp_transpose_twin(res, t, *, interpret):
@@ -290,8 +292,8 @@ _LOGSUMEXP_TANGENT = LinearMap("logsumexp_tangent", kernel=_logsumexp_tangent_tw
 
 
 def _logsumexp_forward(x, where, tiling, interpret):
-  _, (m, l) = row_call(_LOGSUMEXP, (x,), where=where, tiling=tiling, interpret=interpret)
-  return state_lse(m, l), safe_shift(m), l
+  stats = row_call(_LOGSUMEXP, (x,), where=where, tiling=tiling, interpret=interpret).stats
+  return state_lse(stats.m, stats.l), safe_shift(stats.m), stats.l
 
 
 _logsumexp_rows = _with_state("logsumexp", _logsumexp_forward, _LOGSUMEXP_TANGENT)

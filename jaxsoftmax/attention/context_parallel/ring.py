@@ -81,7 +81,8 @@ def _band(T: int, S: int, offset: int, is_causal: bool, window, has_segments: bo
     right = None
   if left is not None and left >= T - 1:
     left = None
-  return MaskSpec(T, S, False, left, right, has_segments)
+  return MaskSpec(q_len=T, kv_len=S, window_left=left, window_right=right,
+                  has_segments=has_segments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +98,7 @@ class _Piece:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _RingPlan:
   """Everything static about one context-parallel call."""
 
   axis_name: Any
@@ -122,9 +123,10 @@ class _Plan:
   dtype: str
 
   def call(self, piece: _Piece) -> Call:
-    return Call(self.B, piece.T, piece.S, self.N, self.K, self.H, self.dtype, piece.spec,
-                self.scale, self.softcap, self.block_sizes, self.interpret,
-                self.deterministic)
+    return Call(B=self.B, T=piece.T, S=piece.S, N=self.N, K=self.K, H=self.H,
+                dtype=self.dtype, spec=piece.spec, scale=self.scale, softcap=self.softcap,
+                block_sizes=self.block_sizes, interpret=self.interpret,
+                deterministic=self.deterministic)
 
   def _whole(self, S: int, offset: int) -> list[_Piece]:
     spec = _band(self.T, S, offset, self.is_causal, self.window, self.has_segments)
@@ -159,7 +161,7 @@ class _Plan:
              for q0, chunk in ((0, d), (c, 2 * P - 1 - d))] for d in range(P)]
 
 
-def _block_forward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg):
+def _block_forward(plan: _RingPlan, piece: _Piece, q, k, v, q_seg, kv_seg):
   """(o in float32 (B, T, N, H), lse (B, T, N)) of one kernel call."""
   call = plan.call(piece)
   if plan.implementation == "xla":  # the reference, in float32
@@ -174,7 +176,7 @@ def _block_forward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg):
   return o, jnp.transpose(lse, (0, 2, 1))
 
 
-def _block_backward(plan: _Plan, piece: _Piece, q, k, v, q_seg, kv_seg, delta, lse, do):
+def _block_backward(plan: _RingPlan, piece: _Piece, q, k, v, q_seg, kv_seg, delta, lse, do):
   """float32 (dq, dk, dv) of one kernel call, from the global lse and
   delta = rowsum(dO ∘ O) of the global output, both (B, T, N)."""
   call = plan.call(piece)
@@ -223,7 +225,7 @@ def _xla_block_backward(call: Call, q, k, v, q_seg, kv_seg, delta, lse, do):
   return dq.reshape(B, T, N, H), dk, dv
 
 
-def _rows(x, piece: _Piece):
+def _query_rows(x, piece: _Piece):
   return x if x is None else x[:, piece.q0:piece.q0 + piece.T]
 
 
@@ -240,29 +242,30 @@ def _padded(x, start: int, length: int, fill=0.0):
   return jnp.pad(x, widths, constant_values=fill)
 
 
-def _forward_pieces(plan: _Plan, pieces, q, q_seg, k, v, kv_seg):
+def _forward_pieces(plan: _RingPlan, pieces, q, q_seg, k, v, kv_seg):
   """The local queries' (o, lse) against one key/value block: the pieces cover disjoint
   query rows; rows no piece covers have o = 0 and lse = -inf."""
   B, T, N, H = q.shape
   o = jnp.zeros((B, T, N, H), jnp.float32)
   lse = jnp.full((B, T, N), -jnp.inf, jnp.float32)
   for piece in pieces:
-    o_p, lse_p = _block_forward(plan, piece, _rows(q, piece), _keys(k, piece),
-                                _keys(v, piece), _rows(q_seg, piece), _keys(kv_seg, piece))
+    o_p, lse_p = _block_forward(plan, piece, _query_rows(q, piece), _keys(k, piece),
+                                _keys(v, piece), _query_rows(q_seg, piece), _keys(kv_seg, piece))
     o = o + _padded(o_p, piece.q0, T)
     lse = jnp.maximum(lse, _padded(lse_p, piece.q0, T, -jnp.inf))
   return o, lse
 
 
-def _backward_pieces(plan: _Plan, pieces, q, q_seg, k, v, kv_seg, delta, lse, do):
+def _backward_pieces(plan: _RingPlan, pieces, q, q_seg, k, v, kv_seg, delta, lse, do):
   """float32 (dq, dk, dv) of the local queries against one key/value block."""
   dq = jnp.zeros(q.shape, jnp.float32)
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
   for piece in pieces:
     dq_p, dk_p, dv_p = _block_backward(
-        plan, piece, _rows(q, piece), _keys(k, piece), _keys(v, piece), _rows(q_seg, piece),
-        _keys(kv_seg, piece), _rows(delta, piece), _rows(lse, piece), _rows(do, piece))
+        plan, piece, _query_rows(q, piece), _keys(k, piece), _keys(v, piece),
+        _query_rows(q_seg, piece), _keys(kv_seg, piece), _query_rows(delta, piece),
+        _query_rows(lse, piece), _query_rows(do, piece))
     dq = dq + _padded(dq_p, piece.q0, q.shape[1])
     dk = dk + _padded(dk_p, piece.k0, k.shape[1])
     dv = dv + _padded(dv_p, piece.k0, v.shape[1])
@@ -280,7 +283,7 @@ def _choose(index, variants: tuple, run, *operands):
   return lax.switch(index, [branch(v) for v in variants], *operands)
 
 
-def _zigzag_tiles(plan: _Plan, later):
+def _zigzag_tiles(plan: _RingPlan, later):
   """(the tiles' `_Piece`, their (query chunk start, key chunk start) pairs): the two
   tiles of a causal zigzag ring step s > 0, of chunk length c = T/2, all unmasked. The
   local chunks are (d, 2P-1-d), the block's (e, 2P-1-e) with e = d - s mod P; ``later``
@@ -303,7 +306,7 @@ def _add_chunk(acc, x, start, axis: int = 1):
   return lax.dynamic_update_slice_in_dim(acc, rows + x, start, axis=axis)
 
 
-def _zigzag_forward_step(plan: _Plan, later, q, q_seg, k, v, kv_seg, o, lse):
+def _zigzag_forward_step(plan: _RingPlan, later, q, q_seg, k, v, kv_seg, o, lse):
   """(o, lse) of the local queries, the step's two tiles merged in."""
   piece, tiles = _zigzag_tiles(plan, later)
   c = piece.T
@@ -318,7 +321,7 @@ def _zigzag_forward_step(plan: _Plan, later, q, q_seg, k, v, kv_seg, o, lse):
   return o, lse
 
 
-def _zigzag_backward_step(plan: _Plan, later, q, q_seg, k, v, kv_seg, delta, lse, do,
+def _zigzag_backward_step(plan: _RingPlan, later, q, q_seg, k, v, kv_seg, delta, lse, do,
                           dq, dkv):
   """(dq, dkv) with the step's two tiles' gradients added (dkv: the visiting block's
   accumulators, dK and dV stacked)."""
@@ -334,13 +337,13 @@ def _zigzag_backward_step(plan: _Plan, later, q, q_seg, k, v, kv_seg, delta, lse
   return dq, dkv
 
 
-def _next_device(plan: _Plan, x):
+def _next_device(plan: _RingPlan, x):
   """x sent one step around the ring (device d to d + 1)."""
   P = plan.shards
   return lax.ppermute(x, plan.axis_name, [(i, (i + 1) % P) for i in range(P)])
 
 
-def _gather(plan: _Plan, x, axis: int = 1):
+def _gather(plan: _RingPlan, x, axis: int = 1):
   """x's shards of every device along the sequence (``axis``), in natural order."""
   x = lax.all_gather(x, plan.axis_name, axis=axis, tiled=True)
   return x if plan.layout == "contiguous" else zigzag_unpermute(x, plan.shards, axis)
@@ -351,7 +354,7 @@ def _gather(plan: _Plan, x, axis: int = 1):
 # under no kernel, on two GPUs (a 488 us NCCL kernel on the compute stream before the
 # first attention kernel: benchmarks/results/tuning/
 # ring_attention_switchfree_T65536_causal_fwd_timeline.json).
-def _forward(plan: _Plan, q, k, v, q_seg, kv_seg):
+def _forward(plan: _RingPlan, q, k, v, q_seg, kv_seg):
   """(o, lse) of the local queries in float32, o (B, T, N, H) and lse (B, T, N)."""
   d = lax.axis_index(plan.axis_name)
   if plan.strategy == "all_gather":
@@ -378,7 +381,7 @@ def _forward(plan: _Plan, q, k, v, q_seg, kv_seg):
   return o, lse
 
 
-def _backward(plan: _Plan, q, k, v, q_seg, kv_seg, o, lse, do):
+def _backward(plan: _RingPlan, q, k, v, q_seg, kv_seg, o, lse, do):
   """(dq, dk, dv) of the local shards: dq in float32, dk and dv in float32 when gathered
   and in k's dtype from the ring (their last hop carries the finished sums)."""
   d = lax.axis_index(plan.axis_name)
@@ -430,22 +433,22 @@ _REVERSE_ONLY = (
     "dot_product_attention, which supports every mode")
 
 
-def _tangent_kernel(res, t, *, plan: _Plan):
+def _tangent_kernel(res, t, *, plan: _RingPlan):
   raise NotImplementedError(_REVERSE_ONLY)
 
 
-def _tangent_types(res, t, *, plan: _Plan):
+def _tangent_types(res, t, *, plan: _RingPlan):
   del t, plan
   return res[:1]  # q's type
 
 
-def _transpose_kernel(res, cts, *, plan: _Plan):
+def _transpose_kernel(res, cts, *, plan: _RingPlan):
   q, k, v, q_seg, kv_seg, o, lse = res
   dq, dk, dv = _backward(plan, q, k, v, q_seg, kv_seg, o, lse, cts[0])
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _transpose_types(res, cts, *, plan: _Plan):
+def _transpose_types(res, cts, *, plan: _RingPlan):
   del cts, plan
   return res[:3]
 
@@ -457,7 +460,7 @@ _TANGENT = LinearMap("ring_attention_tangent", kernel=_tangent_kernel, twin=None
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _state(plan: _Plan, q, k, v, q_seg, kv_seg):
+def _state(plan: _RingPlan, q, k, v, q_seg, kv_seg):
   """(o in q's dtype, o and lse in float32): the output and the backward's residuals.
   Differentiated only at second order (`_context_parallel` differentiates the output):
   an error."""
@@ -466,17 +469,17 @@ def _state(plan: _Plan, q, k, v, q_seg, kv_seg):
 
 
 @_state.defjvp
-def _state_jvp(plan: _Plan, primals, tangents):
+def _state_jvp(plan: _RingPlan, primals, tangents):
   raise NotImplementedError(_REVERSE_ONLY)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _context_parallel(plan: _Plan, q, k, v, q_seg, kv_seg):
+def _context_parallel(plan: _RingPlan, q, k, v, q_seg, kv_seg):
   return _state(plan, q, k, v, q_seg, kv_seg)[0]
 
 
 @_context_parallel.defjvp
-def _context_parallel_jvp(plan: _Plan, primals, tangents):
+def _context_parallel_jvp(plan: _RingPlan, primals, tangents):
   q, k, v, q_seg, kv_seg = primals
   out, o, lse = _state(plan, q, k, v, q_seg, kv_seg)
   do, = _TANGENT((q, k, v, q_seg, kv_seg, o, lse), tuple(tangents[:3]), plan=plan)
@@ -558,7 +561,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
     if window is not None:
       raise ValueError(f"{op}: local_window_size needs layout='contiguous'")
   q_seg, kv_seg = api._segments(segment_ids, B, T, S, op)
-  plan = _Plan(axis_name, _shards(axis_name, op), layout, strategy, bool(is_causal), window,
+  plan = _RingPlan(axis_name, _shards(axis_name, op), layout, strategy, bool(is_causal), window,
                q_seg is not None, float(1 / np.sqrt(H) if scale is None else scale),
                logits_soft_cap, implementation, block_sizes,
                pallas.resolve_interpret(interpret),

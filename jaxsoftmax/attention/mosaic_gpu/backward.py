@@ -62,7 +62,7 @@ from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
                                         query_block_ranges, walk_block_ranges)
-from jaxsoftmax.attention.mosaic_gpu.forward import pad_head_dim, split_aux_refs
+from jaxsoftmax.attention.mosaic_gpu.forward import split_aux_refs, wgmma_head_dim
 
 # One value per row, and per column, of a wgmma tile: the dK/dV kernel works on
 # Sᵀ = K Qᵀ (a row per key, a column per query), the dQ kernel on S = Q Kᵀ.
@@ -121,12 +121,12 @@ def ds_buffers(head_dim: int, terms: int) -> int:
 
 def unsupported(head_dim: int, dtype, deterministic: bool = False) -> str | None:
   """Why the Hopper backward cannot run this head dim and dtype, or None."""
-  if pad_head_dim(head_dim) > MAX_HEAD_DIM:
+  if wgmma_head_dim(head_dim) > MAX_HEAD_DIM:
     return f"the Hopper backward takes head dims up to {MAX_HEAD_DIM}, got {head_dim}"
-  if deterministic and pad_head_dim(head_dim) > SPLIT_KEYS_HEAD_DIM:
+  if deterministic and wgmma_head_dim(head_dim) > SPLIT_KEYS_HEAD_DIM:
     return (f"the deterministic Hopper backward takes head dims up to "
             f"{SPLIT_KEYS_HEAD_DIM} (its dQ kernel's K/V ring), got {head_dim}")
-  needed = BLOCKS.smem_bytes(pad_head_dim(head_dim), jnp.dtype(dtype).itemsize,
+  needed = BLOCKS.smem_bytes(wgmma_head_dim(head_dim), jnp.dtype(dtype).itemsize,
                              score_grad_term_count(dtype))
   if needed > SMEM_BYTES:
     return f"it needs {needed} bytes of shared memory, more than {SMEM_BYTES}"
@@ -443,7 +443,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     lax.fori_loop(0, group, head, 0)
 
 
-def _rows(x, shape):
+def _per_row(x, shape):
   """A per-query vector broadcast along the keys (columns) of an S tile."""
   return lax.broadcast_in_dim(x, shape, [0])
 
@@ -477,12 +477,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
     q_tile, do_tile = q_tiles.at[wg], do_tiles.at[wg]
     shape = (bq, bkv)
     rows = pl.ds(row0, bq)
-    lse2 = _rows(plgpu.load(lse2_ref.at[b, n, rows], layout=_ROW, optimized=False), shape)
-    delta = _rows(plgpu.load(delta_ref.at[b, n, rows], layout=_ROW, optimized=False),
+    lse2 = _per_row(plgpu.load(lse2_ref.at[b, n, rows], layout=_ROW, optimized=False), shape)
+    delta = _per_row(plgpu.load(delta_ref.at[b, n, rows], layout=_ROW, optimized=False),
                   shape)
     q_seg = None
     if q_seg_ref is not None:
-      q_seg = _rows(plgpu.load(q_seg_ref.at[b, rows], layout=_ROW, optimized=False), shape)
+      q_seg = _per_row(plgpu.load(q_seg_ref.at[b, rows], layout=_ROW, optimized=False), shape)
     plgpu.barrier_wait(q_loaded.at[wg])
 
     def compute(dq_acc):
@@ -565,7 +565,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     raise ValueError(f"grad_dtype must be float32 or the inputs' {q.dtype}, got {grad_dtype}")
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
-  H_pad = pad_head_dim(H)
+  H_pad = wgmma_head_dim(H)
   why = unsupported(H, q.dtype, deterministic)
   if why is not None:
     raise ValueError(why)

@@ -97,8 +97,8 @@ class HopperBlockSizes:
     balances uneven items and absorbs the SMs' differing speeds, a static assignment
     cannot)."""
     if head_dim <= 64 and not is_causal:
-      return cls(64, 128, 3, persistent=True)
-    return cls(64, 128 if head_dim <= 128 else 64, 2)
+      return cls(block_q=64, block_kv=128, num_stages=3, persistent=True)
+    return cls(block_q=64, block_kv=128 if head_dim <= 128 else 64, num_stages=2)
 
   def smem_bytes(self, head_dim: int, itemsize: int, *, output_tiles: bool = False) -> int:
     """Shared memory the forward needs at this head dim (padded to 64): the two query
@@ -109,8 +109,9 @@ class HopperBlockSizes:
     return tiles * itemsize + 2 * _CONSUMERS * self.block_q * 4 + 1024
 
 
-def pad_head_dim(head_dim: int) -> int:
-  """wgmma takes 64-element (128-byte swizzled) slices of the head dim."""
+def wgmma_head_dim(head_dim: int) -> int:
+  """The head dim padded to a multiple of 64: wgmma takes 64-element (128-byte swizzled)
+  slices of it."""
   return -(-head_dim // 64) * 64
 
 
@@ -118,7 +119,7 @@ def _iota(shape, dimension: int):
   return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
 
 
-def _rows(x, shape):
+def _per_row(x, shape):
   """A per-row vector broadcast along the columns of a (rows, columns) tile."""
   return lax.broadcast_in_dim(x, shape, [0])
 
@@ -249,7 +250,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
                              optimized=False)
           k_seg = lax.broadcast_in_dim(k_seg, shape, [1])
         allowed = element_mask(spec, row0 + _iota(shape, 0), j * bkv + _iota(shape, 1),
-                               kv_length, None if q_seg is None else _rows(q_seg, shape),
+                               kv_length, None if q_seg is None else _per_row(q_seg, shape),
                                k_seg)
         return jnp.where(allowed, x, -jnp.inf)
 
@@ -260,7 +261,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
         # and alpha at exp2(-inf) = 0 instead of NaN. Unmasked blocks always hold one.
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(logits.exponent(m, shift))
-        p = jnp.exp2(logits.exponent(x, shift, functools.partial(_rows, shape=x.shape)))
+        p = jnp.exp2(logits.exponent(x, shift, functools.partial(_per_row, shape=x.shape)))
         return m_new, l * alpha + p.sum(axis=1), p.astype(v_smem.dtype), alpha
 
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), _ROW)
@@ -289,7 +290,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
           pl.when(j + 1 == hi)(lambda: plgpu.barrier_arrive(q_free.at[wg]))
         x = masked_logits(x, j, masked)
         m_new, l, p16, alpha = softmax(x, m, l, masked)
-        acc = acc * _rows(alpha, acc.shape)
+        acc = acc * _per_row(alpha, acc.shape)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_loaded.at[s])
@@ -320,7 +321,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
         some = some & (row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=_ROW)
                        < q_length)
       inv_l = jnp.where(some, 1.0 / jnp.where(some, l, 1.0), 0.0)
-      o = acc * _rows(inv_l, acc.shape)
+      o = acc * _per_row(inv_l, acc.shape)
       if o_smem is not None:  # the previous item's output has left shared memory
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       # With no output tiles, the query tile takes the output: all products are done.
@@ -381,7 +382,7 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   key lengths, query segment ids, key segment ids), each None or an int32 array."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
-  H_pad = pad_head_dim(H)
+  H_pad = wgmma_head_dim(H)
   # TMA moves the (8, 64) tiles of the shared-memory layout: sequences are padded to a
   # multiple of 8 rows (a copy only for such lengths), the head dim to one of 64; the
   # zeros change no product, and the padding keys are masked.

@@ -76,13 +76,15 @@ class BlockSizes:
     tune_attention_h256.md); float32 tiles are halved, as their operands
     take twice the registers and shared memory.
     """
-    h = pad_head_dim(head_dim)
+    h = pow2_head_dim(head_dim)
     if jnp.dtype(dtype).itemsize == 4:
       warps = 4 if h <= 64 else 8
-      blocks = cls(64, 64, 32, 64, 64, 32, num_warps=warps, num_stages=2,
-                   num_warps_bwd=warps, num_stages_bwd=2)
+      blocks = cls(block_q=64, block_k=64, block_q_dkv=32, block_k_dkv=64, block_q_dq=64,
+                   block_k_dq=32, num_warps=warps, num_stages=2, num_warps_bwd=warps,
+                   num_stages_bwd=2)
     elif h <= 64:
-      blocks = cls(64, 64, 32, 128, 128, 32, num_warps=4, num_stages=3, num_warps_bwd=4,
+      blocks = cls(block_q=64, block_k=64, block_q_dkv=32, block_k_dkv=128, block_q_dq=128,
+                   block_k_dq=32, num_warps=4, num_stages=3, num_warps_bwd=4,
                    num_stages_bwd=3)
     elif h <= 128:
       # Long sequences amortize bigger forward tiles (a causal one keeps block_k 64, so
@@ -91,15 +93,16 @@ class BlockSizes:
       # per query: 491 against 477 TFLOP/s at T = 32768, but 436 against 476 at 16384
       # (benchmarks/results/tuning/tune_attention_long.md).
       if T < LONG:
-        fwd = (64, 64, 4)
+        forward = dict(block_q=64, block_k=64, num_warps=4)
       elif is_causal and T >= 2 * LONG:
-        fwd = (256, 64, 16)
+        forward = dict(block_q=256, block_k=64, num_warps=16)
       else:
-        fwd = (128, 64 if is_causal else 128, 8)
-      blocks = cls(fwd[0], fwd[1], 64, 128, 128, 64, num_warps=fwd[2], num_stages=3,
-                   num_warps_bwd=8, num_stages_bwd=3)
+        forward = dict(block_q=128, block_k=64 if is_causal else 128, num_warps=8)
+      blocks = cls(**forward, block_q_dkv=64, block_k_dkv=128, block_q_dq=128, block_k_dq=64,
+                   num_stages=3, num_warps_bwd=8, num_stages_bwd=3)
     else:
-      blocks = cls(128, 64, 64, 64, 64, 64, num_warps=8, num_stages=2, num_warps_bwd=8,
+      blocks = cls(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=64, block_q_dq=64,
+                   block_k_dq=64, num_warps=8, num_stages=2, num_warps_bwd=8,
                    num_stages_bwd=2)
     fit_q = max(MIN_BLOCK, pl.next_power_of_2(T))
     fit_k = max(MIN_BLOCK, pl.next_power_of_2(S))
@@ -112,8 +115,9 @@ class BlockSizes:
 LONG = 16384
 
 
-def pad_head_dim(head_dim: int) -> int:
-  """Head dims are padded to a power of two (at least 16) inside the kernels."""
+def pow2_head_dim(head_dim: int) -> int:
+  """The head dim padded to a power of two (at least 16), as the Triton kernels' tiles
+  hold it."""
   return max(MIN_BLOCK, pl.next_power_of_2(head_dim))
 
 
@@ -132,7 +136,7 @@ class Dims:
   @classmethod
   def of(cls, q, k) -> "Dims":
     B, T, N, H = q.shape
-    return cls(B, T, k.shape[1], N, k.shape[2], H, pad_head_dim(H))
+    return cls(B, T, k.shape[1], N, k.shape[2], H, pow2_head_dim(H))
 
   def head_ok(self):
     """Which of the padded head dims are real (None when none is padding)."""
