@@ -21,11 +21,16 @@ def _run(*args, cwd=ROOT):
                         capture_output=True, text=True, timeout=600)
 
 
-def test_bench_attention_smoke_and_merge(tmp_path):
+def _smoke_rows(tmp_path, script: str, name: str, *args) -> list:
+  """The rows a benchmark script's --smoke run writes to tmp_path/name.json."""
   pytest.importorskip("matplotlib")  # the reports' plots; in the "test" extra
-  _run("benchmarks/bench_attention.py", "--smoke", "--out", str(tmp_path))
-  with open(tmp_path / "attention.json") as f:
-    rows = json.load(f)["rows"]
+  _run(f"benchmarks/{script}.py", "--smoke", *args, "--out", str(tmp_path))
+  with open(tmp_path / f"{name}.json") as f:
+    return json.load(f)["rows"]
+
+
+def test_bench_attention_smoke_and_merge(tmp_path):
+  rows = _smoke_rows(tmp_path, "bench_attention", "attention")
   ours = [r for r in rows if r["impl"] == "jaxsoftmax triton"]
   assert {r["mode"] for r in ours} == {"fwd", "fwd+bwd"}
   assert all(r["median_us"] > 0 and r["max_rel_err"] < 0.05 for r in ours)
@@ -43,10 +48,7 @@ def test_bench_attention_smoke_and_merge(tmp_path):
 
 
 def test_bench_ring_attention_smoke(tmp_path):
-  pytest.importorskip("matplotlib")
-  _run("benchmarks/bench_ring_attention.py", "--smoke", "--lhs", "--out", str(tmp_path))
-  with open(tmp_path / "ring_attention.json") as f:
-    rows = json.load(f)["rows"]
+  rows = _smoke_rows(tmp_path, "bench_ring_attention", "ring_attention", "--lhs")
   # Per case: one device, then the ring (with --lhs also under XLA's latency-hiding
   # scheduler: an option every backend parses) and all-gather strategies on the 8 CPU
   # devices.
@@ -88,21 +90,14 @@ def test_transformer_example_learns_on_a_cpu(monkeypatch):
 
 
 def test_bench_linear_cross_entropy_smoke(tmp_path):
-  pytest.importorskip("matplotlib")
-  _run("benchmarks/bench_linear_cross_entropy.py", "--smoke", "--out", str(tmp_path))
-  with open(tmp_path / "linear_cross_entropy.json") as f:
-    rows = json.load(f)["rows"]
+  rows = _smoke_rows(tmp_path, "bench_linear_cross_entropy", "linear_cross_entropy")
   # Every row ran, the Triton forward's named among them (the default off a Hopper GPU).
   assert len(rows) == 16 and sum("Triton fwd" in r["impl"] for r in rows) == 2
   assert all(r["median_us"] > 0 and r["max_rel_err"] < 1e-5 for r in rows)
 
 
 def test_bench_norms_smoke(tmp_path):
-  pytest.importorskip("matplotlib")
-  _run("benchmarks/bench_norms.py", "--smoke", "--out", str(tmp_path), "--modes",
-       "fwd,step")
-  with open(tmp_path / "norms.json") as f:
-    rows = json.load(f)["rows"]
+  rows = _smoke_rows(tmp_path, "bench_norms", "norms", "--modes", "fwd,step")
   ours = [r for r in rows if r["impl"] == "jaxsoftmax"]
   # layer_norm and rms_norm, plain and with the residual, forward and the backward
   # through y @ w; in float32, and in bfloat16 with bfloat16 and with float32 parameters.
@@ -115,10 +110,7 @@ def test_bench_norms_smoke(tmp_path):
 
 
 def test_bench_attention_backward_smoke(tmp_path):
-  pytest.importorskip("matplotlib")
-  _run("benchmarks/bench_attention_backward.py", "--smoke", "--out", str(tmp_path))
-  with open(tmp_path / "attention_backward.json") as f:
-    rows = json.load(f)["rows"]
+  rows = _smoke_rows(tmp_path, "bench_attention_backward", "attention_backward")
   # The backward alone, timed from the forward's residuals: ours on Triton runs here.
   [triton] = [r for r in rows if r["impl"] == "jaxsoftmax triton (Triton backward)"]
   assert triton["mode"] == "bwd" and triton["median_us"] > 0
@@ -127,10 +119,7 @@ def test_bench_attention_backward_smoke(tmp_path):
 
 
 def test_tune_norms_smoke(tmp_path):
-  pytest.importorskip("matplotlib")
-  _run("benchmarks/tune_norms.py", "--smoke", "--out", str(tmp_path))
-  with open(tmp_path / "tune_norms.json") as f:
-    rows = json.load(f)["rows"]
+  rows = _smoke_rows(tmp_path, "tune_norms", "tune_norms")
   # Both ops, plain and with the residual, the forward and the backward alone, each on
   # several warp counts and on the default.
   for op in ("layer_norm", "layer_norm +res", "rms_norm", "rms_norm +res"):
@@ -217,10 +206,7 @@ def test_kernel_timeline_helpers():
 
 
 def test_tune_linear_cross_entropy_smoke(tmp_path):
-  pytest.importorskip("matplotlib")
-  _run("benchmarks/tune_linear_cross_entropy.py", "--smoke", "--out", str(tmp_path))
-  with open(tmp_path / "tune_linear_cross_entropy.json") as f:
-    rows = json.load(f)["rows"]
+  rows = _smoke_rows(tmp_path, "tune_linear_cross_entropy", "tune_linear_cross_entropy")
   # XLA's product alone, then each tiling of the forward, right against float64.
   assert rows[0]["impl"] == "x @ w (product alone)"
   tiles = rows[1:]

@@ -377,8 +377,11 @@ gpu_dtypes = pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
 @pytest.mark.gpu
 @gpu_dtypes
 @pytest.mark.parametrize("name", OPS)
-def test_nan_is_never_hidden_gpu(key, name, dtype):
-  test_nan_is_never_hidden(key, name, interpret=False, dtype=dtype)
+@pytest.mark.parametrize("check", [test_nan_is_never_hidden, test_x64_mode],
+                         ids=["nan_is_never_hidden", "x64_mode"])
+def test_every_op_gpu(key, check, name, dtype):
+  # The CPU tests above of every op, on the compiled kernels.
+  check(key, name, interpret=False, dtype=dtype)
 
 
 @pytest.mark.gpu
@@ -386,13 +389,6 @@ def test_nan_is_never_hidden_gpu(key, name, dtype):
 @pytest.mark.parametrize("where", ["query", "key", "value", "bias"])
 def test_attention_nan_in_every_input_gpu(key, where, dtype):
   test_attention_nan_in_every_input(key, where, None, interpret=False, dtype=dtype)
-
-
-@pytest.mark.gpu
-@gpu_dtypes
-@pytest.mark.parametrize("name", OPS)
-def test_x64_mode_gpu(key, name, dtype):
-  test_x64_mode(key, name, interpret=False, dtype=dtype)
 
 
 @pytest.mark.gpu

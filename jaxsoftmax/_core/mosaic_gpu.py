@@ -21,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxsoftmax._core.pallas import vary_over, varying_axes, varying_like
 
 __all__ = ["pl", "plgpu", "hopper_device", "device_description", "pad_to", "compiler_params",
-           "gpu_kernel", "rem32", "div32", "SMEM_BYTES"]
+           "gpu_kernel", "warp_specialized_kernel", "rem32", "div32", "SMEM_BYTES"]
 
 # Shared memory an H100/H200 block may use, in bytes.
 SMEM_BYTES = 227 * 1024
@@ -69,6 +69,17 @@ def gpu_kernel(body, *, out_type, **options):
     # JAX 0.11's plgpu.kernel returns invariant outputs whatever out_type says.
     return vary_over(outs, varying_axes(args))
   return call
+
+
+def warp_specialized_kernel(body, *, out_type, consumers: int, name: str, softcap=None,
+                            interpret: bool = False, **options):
+  """`gpu_kernel` for the schedule every Hopper kernel here shares: ``consumers``
+  consumer warpgroups and one producer (the thread axis "wg"), the shared
+  `compiler_params`, and with ``interpret`` Pallas' Mosaic GPU interpreter. ``options``:
+  the scratch, grid and grid names."""
+  return gpu_kernel(body, out_type=out_type, num_threads=consumers + 1, thread_name="wg",
+                    compiler_params=compiler_params(softcap), kernel_name=name,
+                    interpret=plgpu.InterpretGPUParams() if interpret else None, **options)
 
 
 @functools.cache

@@ -121,32 +121,6 @@ def _backward(x, w, b, rows: Rows, dims: Dims, options: Options):
   return triton.backward(x, w, b, rows, dims, options, atomic=backward == "atomic")
 
 
-def _forward_hopper(x, w, b, labels, dims: Dims, options: Options):
-  """`_forward` by the Hopper kernel (`mosaic_gpu`): the state from its ranges' states;
-  the label's logit, and Σ_j s without a soft cap, from XLA's products beside it."""
-  with_total = options.softcap is not None and options.label_smoothing > 0
-  m, l, total = mosaic_gpu.forward(x, w, b, tiling=dims.tiling.hopper_tiling,
-                                   softcap=options.softcap, with_total=with_total,
-                                   interpret=options.interpret)
-  m, log_l = merged_state(m, l)
-  # s_y = cap(x_r · W[:, y_r] + b_y); an out-of-range label's row is NaN in `_loss`.
-  y = jnp.clip(labels, 0, dims.V - 1)
-  z_y = jnp.einsum("rh,hr->r", x, jnp.take(w, y, axis=1),
-                   preferred_element_type=jnp.float32)
-  if b is not None:
-    z_y = z_y + b[y].astype(jnp.float32)
-  s_y = capped(z_y, options)[0]
-  if with_total:
-    total = total.sum(axis=0)
-  elif options.label_smoothing > 0:  # Σ_j z_j = x · (W 1) + Σ_j b_j
-    total = jnp.dot(x, jnp.sum(w, axis=1, dtype=jnp.float32).astype(x.dtype),
-                    preferred_element_type=jnp.float32)
-    if b is not None:
-      total = total + jnp.sum(b, dtype=jnp.float32)
-  else:
-    total = jnp.zeros_like(m)
-  return m, log_l, s_y, total
-
 def _hopper_unsupported(dtype, tiling: LinearCrossEntropyTiling, interpret: bool):
   """Why the Hopper forward cannot run, or None. An explicit ``forward="mosaic_gpu"``
   runs interpreted off a GPU; the default is interpreted only as Triton (the interpreter

@@ -49,8 +49,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax._core import pallas
-from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
-                                        pad_to, pl, plgpu, rem32)
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, pl, plgpu, rem32,
+                                        warp_specialized_kernel)
 from jaxsoftmax._core.inputs import check_optional_positive_int
 from jaxsoftmax._core.state import LOG2E
 
@@ -173,25 +173,6 @@ def _ring_scratch(stages: int, bv: int, dtype) -> list:
       plgpu.Barrier(num_arrivals=_CONSUMERS + 1, num_barriers=stages),  # slot loaded
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # slot free
   ]
-
-
-def _launch(kernel, *, out_type, scratch: list, grid, grid_names, softcap, name: str,
-            interpret: bool):
-  """``kernel`` on the grid with two consumer warpgroups and the producer; ``scratch``:
-  the ring's (`_ring_scratch`), then the kernel's own."""
-  return gpu_kernel(
-      kernel,
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=_CONSUMERS + 1,
-      thread_name="wg",
-      # The outputs' tiles are waited for explicitly (`compiler_params`).
-      compiler_params=compiler_params(softcap),
-      kernel_name=name,
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )
 
 
 def _produce(ring: _Ring, x_ref, w_ref, tiles, origin, bv: int):
@@ -346,10 +327,12 @@ def forward(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float |
         b.astype(jnp.float32), 0, V_pad)
     args.append(jnp.stack([pad, bias]))
   stat = jax.ShapeDtypeStruct((splits, R_pad), jnp.float32)
-  outputs = _launch(
-      functools.partial(_kernel, plan=plan, per=per),
+  # The outputs' tiles are waited for explicitly (`compiler_params`). Scratch: the ring's
+  # (`_ring_scratch`), then the kernel's own.
+  outputs = warp_specialized_kernel(
+      functools.partial(_kernel, plan=plan, per=per), consumers=_CONSUMERS,
       out_type=[stat] * (3 if with_total else 2),
-      scratch=_ring_scratch(tiling.num_stages, bv, x.dtype)
+      scratch_types=_ring_scratch(tiling.num_stages, bv, x.dtype)
       + [plgpu.SMEM((3, _CONSUMERS, _BLOCK_ROWS), jnp.float32)],  # statistics going out
       grid=(splits, plan.row_blocks), grid_names=("splits", "rows"), softcap=softcap,
       name="linear_cross_entropy_forward_mosaic_gpu", interpret=interpret,
@@ -463,11 +446,11 @@ def dlogits(inputs: DlogitsInputs, w_chunk, start, *, tiling: LinearCrossEntropy
   # time): the chunk's tiles times groups of row blocks, each CTA walking its group.
   row_blocks = R_pad // (_CONSUMERS * _BLOCK_ROWS)
   groups, per = pallas.even_groups(row_blocks, pl.cdiv(pallas.num_cores(), chunk // bv))
-  return _launch(
+  return warp_specialized_kernel(
       functools.partial(_dlogits_kernel, chunks=H64 // _BLOCK_HIDDEN, stages=stages,
-                        per=per, row_blocks=row_blocks, softcap=softcap),
+                        per=per, row_blocks=row_blocks, softcap=softcap), consumers=_CONSUMERS,
       out_type=jax.ShapeDtypeStruct((R_pad, chunk), x.dtype),
-      scratch=_ring_scratch(stages, bv, x.dtype)
+      scratch_types=_ring_scratch(stages, bv, x.dtype)
       + [plgpu.SMEM((_CONSUMERS, _BLOCK_ROWS, bv), x.dtype, transforms=_TILED)],  # ds out
       grid=(chunk // bv, groups), grid_names=("tiles", "rows"), softcap=softcap,
       name="linear_cross_entropy_dlogits_mosaic_gpu", interpret=interpret,

@@ -73,6 +73,19 @@ def _xla_path(x, interpret, tiling) -> bool:
           or pallas.xla_by_default(interpret, kernel_asked=tiling is not None))
 
 
+def _normalized(name: str, on_xla, on_kernels, x, axis, where, tiling, interpret):
+  """softmax and log_softmax as the public functions run them: the checks, then the XLA
+  path (``on_xla``, jnp in float32 at least) or the kernels (``on_kernels``)."""
+  x = check_floating(x, "x", name)
+  view = RowView.of(x.shape, axis, fn=name)
+  where = check_where(where, x.shape, name)
+  if _xla_path(x, interpret, tiling):
+    return reference.accumulated(on_xla, x, view.axes, where)
+  x, where = pallas.vary_together(x, where)
+  return on_kernels(x, where, view=view, tiling=tiling,
+                    interpret=pallas.resolve_interpret(interpret))
+
+
 def _rows_or_none(view: RowView, a):
   return None if a is None else view.to_rows(a)
 
@@ -142,14 +155,8 @@ def softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
     An array like ``x``. A row whose elements are all -inf gives NaN, as in jax.nn; a
     row that ``where`` masks entirely gives 0.
   """
-  x = check_floating(x, "x", "softmax")
-  view = RowView.of(x.shape, axis, fn="softmax")
-  where = check_where(where, x.shape, "softmax")
-  if _xla_path(x, interpret, tiling):
-    return reference.accumulated(reference.softmax, x, view.axes, where)
-  x, where = pallas.vary_together(x, where)
-  return _softmax(x, where, view=view, tiling=tiling,
-                  interpret=pallas.resolve_interpret(interpret))
+  return _normalized("softmax", reference.softmax, _softmax, x, axis, where, tiling,
+                     interpret)
 
 
 # --- log_softmax -----------------------------------------------------------------------
@@ -249,14 +256,8 @@ def log_softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
 
   Arguments as `softmax`. Masked elements get -inf; a row of -inf gives NaN, as jax.nn.
   """
-  x = check_floating(x, "x", "log_softmax")
-  view = RowView.of(x.shape, axis, fn="log_softmax")
-  where = check_where(where, x.shape, "log_softmax")
-  if _xla_path(x, interpret, tiling):
-    return reference.accumulated(reference.log_softmax, x, view.axes, where)
-  x, where = pallas.vary_together(x, where)
-  return _log_softmax(x, where, view=view, tiling=tiling,
-                      interpret=pallas.resolve_interpret(interpret))
+  return _normalized("log_softmax", reference.log_softmax, _log_softmax, x, axis, where,
+                     tiling, interpret)
 
 
 # --- logsumexp -------------------------------------------------------------------------

@@ -55,8 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
-                                        pad_to, pl, plgpu, rem32)
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, pl, plgpu, rem32,
+                                        warp_specialized_kernel)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
@@ -600,7 +600,6 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   stages = blocks.num_stages
   statics = dict(aux_present=tuple(a is not None for a in aux), spec=spec, blocks=blocks,
                  logits=logits, group=N // K, float32_grads=float32_grads)
-  params = compiler_params(softcap)
   scratch = dict(
       k_smem=plgpu.SMEM((key_blocks, bkv, H_pad), k.dtype, transforms=tiled),  # then dK
       v_smem=plgpu.SMEM((key_blocks, bkv, H_pad), v.dtype, transforms=tiled),  # then dV
@@ -632,22 +631,17 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
   kv_type = (jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K, H_pad), jnp.float32)
              if float32_grads else jax.ShapeDtypeStruct((B, S8, K, H_pad), q.dtype))
-  dkdv_kernel = gpu_kernel(
+  dkdv_kernel = warp_specialized_kernel(
       functools.partial(_dkdv_kernel, atomic_dq=not deterministic, **statics),
-      out_type=(kv_type, kv_type),
-      scratch_types=scratch,
-      grid=(K, n_kv_tiles, B),
-      grid_names=("heads", "kv_tiles", "batch"),
-      num_threads=_CONSUMERS + 1,
-      thread_name="wg",
-      compiler_params=params,
-      kernel_name="attention_backward_mosaic_gpu",
-  )
+      out_type=(kv_type, kv_type), consumers=_CONSUMERS,
+      name="attention_backward_mosaic_gpu", softcap=softcap, scratch_types=scratch,
+      grid=(K, n_kv_tiles, B), grid_names=("heads", "kv_tiles", "batch"))
   inputs = (q, k, v, do, lse2, delta, *aux_inputs)
   if deterministic:
     dk, dv = dkdv_kernel(*inputs)
-    dq = gpu_kernel(
+    dq = warp_specialized_kernel(
         functools.partial(_dq_kernel, **statics),
+        consumers=_CONSUMERS, name="attention_backward_dq_mosaic_gpu", softcap=softcap,
         out_type=jax.ShapeDtypeStruct((B, T_pad, N, H_pad), jnp.float32) if float32_grads
         else jax.ShapeDtypeStruct((B, T8, N, H_pad), q.dtype),
         scratch_types=dict(
@@ -663,10 +657,6 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
         ),
         grid=(N, T_pad // (_CONSUMERS * bq), B),
         grid_names=("heads", "q_tiles", "batch"),
-        num_threads=_CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=params,
-        kernel_name="attention_backward_dq_mosaic_gpu",
     )(*inputs)
   else:
     # dQ is summed in place by every key tile's CTA: a zeroed float32 array it aliases.

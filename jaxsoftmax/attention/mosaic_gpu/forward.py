@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax._core import pallas
-from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, compiler_params, div32, gpu_kernel,
-                                        pad_to, pl, plgpu, rem32)
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, pl, plgpu, rem32,
+                                        warp_specialized_kernel)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
@@ -432,17 +432,10 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
       logits=Logits(scale, softcap, fused=softcap is None), group=N // K, work=work,
       output_tiles=output_tiles, float32_output=float32_output)
   grid, grid_names = work.grid()
-  outputs = gpu_kernel(
-      kernel,
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=_CONSUMERS + 1,
-      thread_name="wg",
-      # The query tile is written only once the products that read it are done.
-      compiler_params=compiler_params(softcap),
-      kernel_name="attention_forward_mosaic_gpu",
+  # The query tile is written only once the products that read it are done.
+  outputs = warp_specialized_kernel(
+      kernel, out_type=out_type, consumers=_CONSUMERS, name="attention_forward_mosaic_gpu",
+      softcap=softcap, scratch_types=scratch, grid=grid, grid_names=grid_names,
   )(q, k, v, *(a for a in aux if a is not None))
   o, m, log2_l, *o32 = outputs
   o, m, log2_l = o[:, :T, :, :H], m[..., :T], log2_l[..., :T]
