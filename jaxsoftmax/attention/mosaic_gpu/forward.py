@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -193,14 +194,36 @@ def split_aux_refs(refs, aux_present):
   return AuxArrays(*(next(given) if here else None for here in aux_present)), refs[n_aux:]
 
 
+class _Scratch(NamedTuple):
+  """The forward's shared memory and barriers, by name (`forward` allocates them in the
+  order it lists them)."""
+
+  q_smem: Any  # the consumers' query tiles (and their outputs, without output tiles)
+  k_smem: Any  # the K ring
+  v_smem: Any  # the V ring
+  stat_smem: Any  # m and log2(l) on their way out
+  q_loaded: Any  # query tile loaded
+  q_free: Any  # query tile free
+  k_loaded: Any  # K slot loaded
+  v_loaded: Any  # V slot loaded
+  k_free: Any  # K slot free
+  v_free: Any  # V slot free
+  schedule: Any  # the consumers' turns on the tensor cores
+  o_smem: Any = None  # the consumers' output tiles, where a persistent CTA has room
+
+
 def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, logits: Logits,
-            group: int, work: _Work, output_tiles: bool, float32_output: bool):
+            group: int, work: _Work, scratch_names: tuple[str, ...], float32_output: bool):
   (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), refs = split_aux_refs(refs, aux_present)
   o_ref, m_ref, log2_l_ref, *refs = refs
   o32_ref = refs.pop(0) if float32_output else None
-  o_smem = refs.pop(1) if output_tiles else None
-  (q_smem, k_smem, v_smem, stat_smem, q_loaded, q_free, k_loaded, v_loaded, k_free, v_free,
-   schedule) = refs
+  scratch = _Scratch(**dict(zip(scratch_names, refs, strict=True)))
+  q_smem, k_smem, v_smem, stat_smem = (scratch.q_smem, scratch.k_smem, scratch.v_smem,
+                                       scratch.stat_smem)
+  q_loaded, q_free, k_loaded, v_loaded = (scratch.q_loaded, scratch.q_free,
+                                          scratch.k_loaded, scratch.v_loaded)
+  k_free, v_free, schedule, o_smem = (scratch.k_free, scratch.v_free, scratch.schedule,
+                                      scratch.o_smem)
 
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
   wg = lax.axis_index("wg")
@@ -409,20 +432,21 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   output_tiles = blocks.persistent and blocks.smem_bytes(
       H_pad, q.dtype.itemsize, output_tiles=True) <= SMEM_BYTES
   tile = plgpu.SMEM((_CONSUMERS, bq, H_pad), q.dtype, transforms=tiled)
-  scratch = [
-      tile,  # the consumers' query tiles (and their outputs, without output tiles)
-      *([tile] if output_tiles else []),
-      plgpu.SMEM((stages, bkv, H_pad), k.dtype, transforms=tiled),
-      plgpu.SMEM((stages, bkv, H_pad), v.dtype, transforms=tiled),
-      plgpu.SMEM((2, _CONSUMERS, bq), jnp.float32),  # m and log2(l) on their way out
-      plgpu.Barrier(num_barriers=_CONSUMERS),  # query tile loaded
-      plgpu.Barrier(num_barriers=_CONSUMERS),  # query tile free
-      plgpu.Barrier(num_barriers=stages),  # K slot loaded
-      plgpu.Barrier(num_barriers=stages),  # V slot loaded
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # K slot free
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # V slot free
-      plgpu.Barrier(num_arrivals=_CONSUMERS),  # the consumers' turns on the tensor cores
-  ]
+  # In allocation order (what `_Scratch` says each holds).
+  scratch = dict(
+      q_smem=tile,
+      **(dict(o_smem=tile) if output_tiles else {}),
+      k_smem=plgpu.SMEM((stages, bkv, H_pad), k.dtype, transforms=tiled),
+      v_smem=plgpu.SMEM((stages, bkv, H_pad), v.dtype, transforms=tiled),
+      stat_smem=plgpu.SMEM((2, _CONSUMERS, bq), jnp.float32),
+      q_loaded=plgpu.Barrier(num_barriers=_CONSUMERS),
+      q_free=plgpu.Barrier(num_barriers=_CONSUMERS),
+      k_loaded=plgpu.Barrier(num_barriers=stages),
+      v_loaded=plgpu.Barrier(num_barriers=stages),
+      k_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+      v_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
+      schedule=plgpu.Barrier(num_arrivals=_CONSUMERS),
+  )
   stat = jax.ShapeDtypeStruct((B, N, T_pad), jnp.float32)
   out_type = [jax.ShapeDtypeStruct((B, T8, N, H_pad), q.dtype), stat, stat]
   if float32_output:
@@ -430,12 +454,12 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   kernel = functools.partial(
       _kernel, aux_present=tuple(a is not None for a in aux), spec=spec, blocks=blocks,
       logits=Logits(scale, softcap, fused=softcap is None), group=N // K, work=work,
-      output_tiles=output_tiles, float32_output=float32_output)
+      scratch_names=tuple(scratch), float32_output=float32_output)
   grid, grid_names = work.grid()
   # The query tile is written only once the products that read it are done.
   outputs = warp_specialized_kernel(
       kernel, out_type=out_type, consumers=_CONSUMERS, name="attention_forward_mosaic_gpu",
-      softcap=softcap, scratch_types=scratch, grid=grid, grid_names=grid_names,
+      softcap=softcap, scratch_types=list(scratch.values()), grid=grid, grid_names=grid_names,
   )(q, k, v, *(a for a in aux if a is not None))
   o, m, log2_l, *o32 = outputs
   o, m, log2_l = o[:, :T, :, :H], m[..., :T], log2_l[..., :T]
