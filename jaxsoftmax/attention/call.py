@@ -51,13 +51,27 @@ class Call:
 
 class AuxArrays(NamedTuple):
   """The optional arrays of one attention call, each None when not given: query and key
-  lengths (B,) and query and key segment ids (B, T) and (B, S), all int32. The backends
-  take them in this order, and the Triton kernels' refs come in it too (`Aux`)."""
+  lengths (B,) and query and key segment ids (B, T) and (B, S), all int32. The one form
+  both backends use: the arrays, and in every kernel its refs (`split_refs`); the kernels
+  take the present ones as inputs in this order."""
 
   q_lengths: Any = None
   kv_lengths: Any = None
   q_segments: Any = None
   kv_segments: Any = None
+
+  @property
+  def present(self) -> tuple[bool, bool, bool, bool]:
+    """Which are given: the static part, what a kernel needs to split its refs."""
+    return tuple(a is not None for a in self)
+
+  @classmethod
+  def split_refs(cls, refs, present) -> tuple["AuxArrays", tuple]:
+    """(the kernel's aux refs by name, None where absent; the refs after them), for a
+    kernel whose next inputs are the present ones, in this order."""
+    refs = tuple(refs)
+    given = iter(refs[:sum(present)])
+    return cls(*(next(given) if here else None for here in present)), refs[sum(present):]
 
 
 @runtime_checkable

@@ -62,7 +62,7 @@ from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
                                         query_block_ranges, walk_block_ranges)
-from jaxsoftmax.attention.mosaic_gpu.forward import split_aux_refs, wgmma_head_dim
+from jaxsoftmax.attention.mosaic_gpu.forward import wgmma_head_dim
 
 # One value per row, and per column, of a wgmma tile: the dK/dV kernel works on
 # Sᵀ = K Qᵀ (a row per key, a column per query), the dQ kernel on S = Q Kᵀ.
@@ -204,7 +204,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   from registers (their arrays padded to whole key tiles), instead of through K and V's
   shared memory in the inputs' dtype. Head dims above `SPLIT_KEYS_HEAD_DIM` take the
   wide design (`ds_free` given; k_smem and v_smem hold one block of keys)."""
-  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), refs = split_aux_refs(refs, aux_present)
+  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), refs = AuxArrays.split_refs(refs,
+                                                                               aux_present)
   dq_ref, dk_ref, dv_ref = refs if atomic_dq else (None, *refs)
 
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
@@ -456,7 +457,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
   layout (a producer streaming K/V blocks, two consumers of block_q rows each), with
   S = Q Kᵀ, P, dP = dO Vᵀ, dS and dQ += dS K per key block. ``float32_grads`` as
   `_dkdv_kernel`."""
-  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), (dq_ref,) = split_aux_refs(
+  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), (dq_ref,) = AuxArrays.split_refs(
       refs, aux_present)
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
   wg = lax.axis_index("wg")

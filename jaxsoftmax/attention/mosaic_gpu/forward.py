@@ -185,15 +185,6 @@ class _Work:
     return div32(rest, self.q_tiles), n, rem32(rest, self.q_tiles)
 
 
-def split_aux_refs(refs, aux_present):
-  """(the aux refs as `AuxArrays`, None where absent; the refs after them), for a
-  kernel whose inputs include the present ones of (query lengths, key lengths, query
-  segment ids, key segment ids), in that order."""
-  n_aux = sum(aux_present)
-  given = iter(refs[:n_aux])
-  return AuxArrays(*(next(given) if here else None for here in aux_present)), refs[n_aux:]
-
-
 class _Scratch(NamedTuple):
   """The forward's shared memory and barriers, by name (`forward` allocates them in the
   order it lists them)."""
@@ -214,7 +205,8 @@ class _Scratch(NamedTuple):
 
 def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, logits: Logits,
             group: int, work: _Work, scratch_names: tuple[str, ...], float32_output: bool):
-  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), refs = split_aux_refs(refs, aux_present)
+  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), refs = AuxArrays.split_refs(refs,
+                                                                               aux_present)
   o_ref, m_ref, log2_l_ref, *refs = refs
   o32_ref = refs.pop(0) if float32_output else None
   scratch = _Scratch(**dict(zip(scratch_names, refs, strict=True)))

@@ -31,6 +31,7 @@ from jax import lax
 
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
+from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, row_delta, score_grad, score_grad_terms
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
                                         query_block_ranges, walk_block_ranges)
@@ -46,8 +47,8 @@ def _max_or_inf(m):
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
                  spec: MaskSpec, blocks: BlockSizes, aux: Aux, logits: Logits, exp2):
-  aux_refs, (dk_ref, dv_ref) = refs[:aux.count], refs[aux.count:]
-  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux.unpack(aux_refs)
+  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), (dk_ref, dv_ref) = AuxArrays.split_refs(
+      refs, aux.present)
   bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
   group = dims.N // dims.K
   k0 = pl.program_id(0) * bk
@@ -112,8 +113,7 @@ def _score_grad_dot(ds, x):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
                spec: MaskSpec, blocks: BlockSizes, aux: Aux, logits: Logits, q_block, exp2):
-  aux_refs, (dq_ref,) = refs[:aux.count], refs[aux.count:]
-  aux_refs = aux.unpack(aux_refs)
+  aux_refs, (dq_ref,) = AuxArrays.split_refs(refs, aux.present)
   kv_seg_ref = aux_refs.kv_segments
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   q0 = q_block(pl.program_id(0)) * bq

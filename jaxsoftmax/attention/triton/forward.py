@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
+from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, key_block,
@@ -35,9 +36,8 @@ from jaxsoftmax._core.state import safe_shift
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
                     blocks: BlockSizes, aux: Aux, logits: Logits, q_block, exp2):
-  aux_refs, out_refs = refs[:aux.count], refs[aux.count:]
+  aux_refs, out_refs = AuxArrays.split_refs(refs, aux.present)
   o_ref, m_ref, log2_l_ref, *o32_ref = out_refs
-  aux_refs = aux.unpack(aux_refs)
   kv_seg_ref = aux_refs.kv_segments
   bq, bk = blocks.block_q, blocks.block_k
   q0 = q_block(pl.program_id(0)) * bq

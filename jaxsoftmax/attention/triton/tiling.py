@@ -169,15 +169,6 @@ class Aux:
     """The static description of the 4 optional arrays, and the ones that are given."""
     return cls(tuple(a is not None for a in arrays)), [a for a in arrays if a is not None]
 
-  @property
-  def count(self) -> int:
-    return sum(self.present)
-
-  def unpack(self, refs) -> AuxArrays:
-    """The kernel's aux refs by name (None where not given)."""
-    refs = iter(refs)
-    return AuxArrays(*(next(refs) if here else None for here in self.present))
-
   def specs(self, *, q_rows: int, q_index, kv_rows: int, kv_index, batch_index):
     """BlockSpecs: lengths as one (1,) element per batch row; segment ids as tiles of
     ``q_rows`` / ``kv_rows`` placed by the index maps (grid -> (batch row, block))."""
