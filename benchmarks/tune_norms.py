@@ -87,7 +87,7 @@ def param_tilings(cols: int, most_per_thread: int) -> list[RowTiling]:
 
 
 def _norm(rms: bool, residual: bool, C: int, dtype, tiling) -> norms._Norm:
-  params = (jnp.zeros((), PARAMS or dtype),)
+  params = (jax.ShapeDtypeStruct((), PARAMS or dtype),)
   return norms._Norm(rms, EPS, 0.0, C, jnp.dtype(dtype).name, residual, True, not rms,
                      tiling, pallas.resolve_interpret(None), norms._param_parts(dtype, params))
 

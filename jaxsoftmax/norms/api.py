@@ -287,7 +287,7 @@ def _normalize_bwd(norm: _Norm, saved, cotangents):
   col_sums = {} if col_sums is None else col_sums._asdict()
   if any(total is None for total in col_sums.values()):
     dy32 = dy.astype(jnp.float32)
-    xhat = (h.astype(jnp.float32) - mean[:, None]) * rstd[:, None]
+    xhat = _xhat(h, mean, rstd)
     col_sums = {}
     if norm.has_scale:
       col_sums["dscale"] = jnp.sum(dy32 * xhat, axis=0)

@@ -599,7 +599,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   terms = score_grad_term_count(q.dtype)
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages
-  statics = dict(aux_present=tuple(a is not None for a in aux), spec=spec, blocks=blocks,
+  statics = dict(aux_present=AuxArrays(*aux).present, spec=spec, blocks=blocks,
                  logits=logits, group=N // K, float32_grads=float32_grads)
   scratch = dict(
       k_smem=plgpu.SMEM((key_blocks, bkv, H_pad), k.dtype, transforms=tiled),  # then dK

@@ -444,7 +444,7 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   if float32_output:
     out_type.append(jax.ShapeDtypeStruct((B, T_pad, N, H_pad), jnp.float32))
   kernel = functools.partial(
-      _kernel, aux_present=tuple(a is not None for a in aux), spec=spec, blocks=blocks,
+      _kernel, aux_present=AuxArrays(*aux).present, spec=spec, blocks=blocks,
       logits=Logits(scale, softcap, fused=softcap is None), group=N // K, work=work,
       scratch_names=tuple(scratch), float32_output=float32_output)
   grid, grid_names = work.grid()

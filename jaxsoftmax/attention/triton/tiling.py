@@ -167,7 +167,7 @@ class Aux:
   @classmethod
   def of(cls, arrays) -> tuple["Aux", list[jax.Array]]:
     """The static description of the 4 optional arrays, and the ones that are given."""
-    return cls(tuple(a is not None for a in arrays)), [a for a in arrays if a is not None]
+    return cls(AuxArrays(*arrays).present), [a for a in arrays if a is not None]
 
   def specs(self, *, q_rows: int, q_index, kv_rows: int, kv_index, batch_index):
     """BlockSpecs: lengths as one (1,) element per batch row; segment ids as tiles of
