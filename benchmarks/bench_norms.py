@@ -38,7 +38,8 @@ import harness
 import jaxsoftmax as js
 
 SHAPES = [((4096, 4096), jnp.float32), ((16384, 8192), jnp.bfloat16),
-          ((8192, 16384), jnp.float32), ((65536, 1024), jnp.bfloat16)]
+          ((8192, 16384), jnp.float32), ((65536, 1024), jnp.bfloat16),
+          ((32768, 4096), jnp.bfloat16)]
 SMOKE_SHAPES = [((16, 300), jnp.float32)]  # also tune_norms' and profile_rows'
 # This script's smoke run adds a 16-bit shape, for the float32-parameter rows.
 BENCH_SMOKE_SHAPES = SMOKE_SHAPES + [((16, 300), jnp.bfloat16)]

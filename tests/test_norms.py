@@ -111,6 +111,15 @@ def test_float32_parameters(key, rms, dtype, tiling, residual):
          rms=rms, tiling=tiling, baseline_dtype=None if residual else jnp.float32)
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("n_cols", [3000, 8000])
+def test_float32_parameters_two_row_tiles(key, rms, n_cols):
+  # The default forward tiles for float32 parameters beside 16-bit rows of 4096 and 8192
+  # columns: two rows a program (norms.api._forward_tiling), an odd row count.
+  _check(*_inputs(key, (5, n_cols), jnp.bfloat16, residual=False, param_dtype=jnp.float32),
+         rms=rms, baseline_dtype=jnp.float32)
+
+
 @pytest.mark.parametrize("tiling", TILINGS)
 def test_large_mean_keeps_the_variance(key, tiling):
   # A mean of 1e4 with unit variance: Σx² - n·mean² would lose the variance in float32;
@@ -236,7 +245,8 @@ def test_forward_tilings_gpu(key, rms, residual, shape, dtype):
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("shape, dtype", [
     ((2001, 8000), jnp.bfloat16), ((4099, 1100), jnp.float16), ((3, 1_000_003), jnp.bfloat16),
-], ids=["8000-bfloat16", "1100-float16", "split-bfloat16"])
+    ((3001, 4000), jnp.bfloat16),
+], ids=["8000-bfloat16", "1100-float16", "split-bfloat16", "4000-bfloat16"])
 def test_float32_parameters_gpu(key, rms, shape, dtype):
   # The compiled kernels reading float32 parameters in bfloat16 parts, on the default
   # tilings, against XLA's float32 path.
@@ -273,10 +283,16 @@ def test_forward_tiling_choice():
   for n_rows, n_cols in ((37, 300), (300, 40001)):  # many rows a program; online
     assert tiling(n_rows, n_cols, jnp.float32) == default_tiling(n_rows, n_cols,
                                                                  jnp.float32, reduces=True)
-  # float32 parameters (in bfloat16 parts) beside 16-bit rows of 8192: two rows a program,
-  # without a residual only.
+  # float32 parameters (in bfloat16 parts) beside 16-bit rows of 4096 or 8192: two rows a
+  # program, without a residual only.
   assert tiling(16384, 8192, jnp.bfloat16, param_parts=3) == RowTiling("online", 2, 4096,
                                                                        1, 8)
+  assert tiling(32768, 4096, jnp.bfloat16, param_parts=3) == RowTiling("online", 2, 2048,
+                                                                       1, 4)
+  assert tiling(32768, 3000, jnp.bfloat16, rms=True, param_parts=3) == RowTiling(
+      "resident", 2, 4096, 1, 16)
+  assert tiling(32768, 4096, jnp.bfloat16, residual=True, param_parts=3) == tiling(
+      32768, 4096, jnp.bfloat16, residual=True)
   assert tiling(16384, 5000, jnp.float16, rms=True, param_parts=3) == RowTiling(
       "resident", 2, 8192, 1, 16)
   assert tiling(16384, 8192, jnp.bfloat16, residual=True, param_parts=3) == tiling(

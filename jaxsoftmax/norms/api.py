@@ -222,24 +222,28 @@ def _forward_tiling(norm: _Norm, n_rows: int) -> RowTiling:
   397 -> 339 us, 16384x8192 bfloat16 162 -> 156 us and with a residual 306 -> 291 us;
   8192x16384 float32 with a residual tied (705 / 707 us).
 
-  float32 parameters beside 16-bit rows of 8192 columns (`_param_parts`), without a
-  residual: two rows a program, which read the parameters once for both. Their parts
-  took the one-row programs to 116 registers a thread against 64 with bfloat16
-  parameters, and to half the occupancy (Nsight Compute, layer_norm 16384x8192 bfloat16:
-  242 against 148 us). On the H200, each kernel alone at 16384x8192 bfloat16
-  (benchmarks/results/tuning/tune_norms_params.md): layer_norm 2x4096 online on 8 warps 3208
-  GB/s against 2327 on one row; rms_norm 2x8192 on 16 warps 3604 against 3358. With a
-  residual the fastest tiles held one row (layer_norm: the default, 3322 GB/s; rms_norm
-  3733 on 32 warps against the default's 3458, already ahead of XLA's)."""
+  float32 parameters beside 16-bit rows of 4096 or 8192 columns (`_param_parts`),
+  without a residual: two rows a program, which read the parameters once for both
+  (layer_norm online in halves, 32 values a thread; rms_norm resident on 16 warps).
+  Their parts took the one-row programs to 116 registers a thread against 64 with
+  bfloat16 parameters, and to half the occupancy (Nsight Compute, layer_norm 16384x8192
+  bfloat16: 242 against 148 us). On the H200, each kernel alone
+  (benchmarks/results/tuning/tune_norms_params.md, tune_norms_params_4096.md):
+  at 16384x8192 bfloat16 layer_norm 2x4096 online on 8 warps 3208 GB/s against 2327 on
+  one row, rms_norm 2x8192 on 16 warps 3604 against 3358; at 32768x4096 layer_norm 2x2048
+  online on 4 warps 156.5 against 205.6 us, rms_norm 2x4096 on 16 warps 141.9 against
+  148.4. With a residual the fastest tiles at 8192 columns held one row (layer_norm: the
+  default, 3322 GB/s; rms_norm 3733 on 32 warps against the default's 3458, already
+  ahead of XLA's)."""
   tiling = default_tiling(n_rows, norm.n_cols, norm.dtype, reduces=True)
   if (tiling.variant != "resident" or tiling.block_rows != 1
       or not 1024 <= tiling.block_cols <= RESIDENT_MAX_COLS):
     return tiling
-  if (norm.param_parts > 1 and not norm.has_residual and tiling.block_cols == 8192
+  if (norm.param_parts > 1 and not norm.has_residual and tiling.block_cols in (4096, 8192)
       and n_rows > 1):
     if norm.rms:
-      return RowTiling("resident", 2, 8192, 1, 16)
-    return RowTiling("online", 2, 4096, 1, 8)
+      return RowTiling("resident", 2, tiling.block_cols, 1, 16)
+    return RowTiling("online", 2, tiling.block_cols // 2, 1, tiling.block_cols // 1024)
   if not norm.rms and tiling.block_cols >= 8192:
     return RowTiling("online", 1, tiling.block_cols // 2, 1, 8)
   kind = "residual" if norm.has_residual else "rms_norm" if norm.rms else "layer_norm"
