@@ -5,8 +5,9 @@ error of the logits' products, against the float64 truth, on the GPU.
 
 For rows x H in {70, 2048} x {4096, 8192} (V = 3001, bfloat16, the GPU tests' inputs and
 loss terms, no bias): XLA's bfloat16 product with float32 logits (largest error, mean
-error toward zero, rms), then the per-row loss of our two forward kernels ("mosaic_gpu",
-"triton") beside the pure-jnp reference on XLA's product (largest and mean error). Both
+error toward zero, rms), then the per-row loss of our two kernel backends' forwards
+(`implementation="mosaic_gpu"`, `"triton"`) beside the pure-jnp reference on XLA's
+product (largest and mean error). Both
 our kernels run one float32 accumulation chain of H over the tensor cores, which round
 their sums toward zero; at few rows XLA's product splits H (split-K) and its error falls
 several times below any unsplit product's, XLA's own at 2048 rows included. Writes
@@ -60,12 +61,12 @@ def measure(rows: int, H: int) -> list[str]:
                                   jnp.asarray(np.asarray(w, np.float64)), y))
   ours_ref = np.asarray(jax.jit(_reference)(x, w, y), np.float64)
   ref_err = ours_ref - exact
-  for forward in ("mosaic_gpu", "triton"):
-    tiling = js.LinearCrossEntropyTiling(forward=forward)
+  for implementation in ("mosaic_gpu", "triton"):
     got = np.asarray(jax.jit(lambda x, w: js.linear_cross_entropy(
-        x, w, y, reduction="none", tiling=tiling, **OPTIONS))(x, w), np.float64)
+        x, w, y, reduction="none", implementation=implementation, **OPTIONS))(x, w),
+        np.float64)
     err = got - exact
-    lines.append(f"   {forward:10s} per-row loss max|err| {np.abs(err).max():.2e} "
+    lines.append(f"   {implementation:10s} per-row loss max|err| {np.abs(err).max():.2e} "
                  f"mean err {np.mean(err):+.2e}   xla ref max|err| {np.abs(ref_err).max():.2e} "
                  f"mean {np.mean(ref_err):+.2e}")
   return lines

@@ -2,20 +2,21 @@
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_linear_cross_entropy.py --out DIR
 
-bfloat16 rows x hidden x vocabulary at T = 8192, H = 4096, V = 131072 and at Gemma 2 2B's
-T = 8192, H = 2304, V = 256000: the loss (fwd) and `jax.value_and_grad` of the mean loss
-with respect to hidden and weight (fwd+bwd), for
-`linear_cross_entropy` (its default: on a Hopper GPU the Mosaic GPU forward, and the
-chunked backward, whose ds comes from the Hopper dlogits kernel in bfloat16; the Triton
-forward; chunks of 1024 columns; and "two_kernels": the Pallas dhidden and dweight
-kernels; the atomic backward, whose per-tile float32 updates in global memory dominate
-its time as theirs do (`linear_cross_entropy.api`), is left out; for bfloat16, forward
-+ backward, ds from XLA's float32 logits instead of the dlogits kernel, and chunks of
-4096 columns),
-for `x @ w` then optax's loss (XLA's own bfloat16 logits: the program a user writes),
-for `jnp.dot` with `preferred_element_type=float32` rounded to bfloat16 logits then our
-`cross_entropy` or optax's (XLA keeps the float32 product: 2x the logits' memory), and
-for `jnp.dot` with float32 logits then optax's. Peak MiB
+Rows x hidden x vocabulary at T = 8192, H = 4096, V = 131072 and at Gemma 2 2B's
+T = 8192, H = 2304, V = 256000 in bfloat16, and at T = 4096, H = 2048, V = 32768 in
+float32: the loss (fwd) and `jax.value_and_grad` of the mean loss with respect to hidden
+and weight (fwd+bwd), for
+`linear_cross_entropy` (its default: on a Hopper GPU, for bfloat16, the "mosaic_gpu"
+backend: the Mosaic GPU forward and the chunked backward, whose ds comes from the Hopper
+dlogits kernel; for float32 the "triton" backend; `implementation="triton"`: the Triton
+forward and the chunked backward with ds from XLA's float32 logits, in float32 the same
+as the default; chunks of 1024 columns; for bfloat16, forward + backward, chunks of 4096
+columns),
+for `x @ w` then optax's loss (XLA's own logits in the inputs' dtype: the program a user
+writes), for `jnp.dot` with `preferred_element_type=float32` rounded to the inputs' dtype
+then our `cross_entropy` or optax's (XLA keeps the float32 product: 2x the logits'
+memory in bfloat16), and for `jnp.dot` with float32 logits then optax's (in float32 the
+same as `dot + optax`). Peak MiB
 is XLA's temporaries + outputs of the compiled call: the memory beyond the inputs that
 the target bounds by 1.1x the gradients' size. Errors: the loss and both gradients
 against the float64 truth, the largest over them.
@@ -31,7 +32,11 @@ import harness
 import jaxsoftmax as js
 from jaxsoftmax.cross_entropy import reference
 
-SHAPES = [((8192, 4096, 131072), jnp.bfloat16), ((8192, 2304, 256000), jnp.bfloat16)]
+# New shapes go at the end: run_gpu.sh's LCE_ONLY (--only) picks shapes by index. The
+# float32 shape measures the "triton" backend, float32's default (the Hopper kernels take
+# bfloat16 and float16 only), beside the unfused loss.
+SHAPES = [((8192, 4096, 131072), jnp.bfloat16), ((8192, 2304, 256000), jnp.bfloat16),
+          ((4096, 2048, 32768), jnp.float32)]
 SMOKE_SHAPES = [((37, 40, 301), jnp.float32)]
 
 
@@ -39,23 +44,22 @@ def _logits(x, w, dtype):
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
 
 
-_TWO_KERNELS = js.LinearCrossEntropyTiling(backward="two_kernels")
-# The portable forward, which the default replaces on Hopper GPUs.
-_TRITON = js.LinearCrossEntropyTiling(forward="triton")
+# The portable backend: the Triton forward, and the chunked backward with each chunk's ds
+# formed by XLA (float32 logits, then an elementwise pass) instead of the Hopper dlogits
+# kernel. On a Hopper GPU the default replaces it for bfloat16; for float32 it is the
+# default, and both rows run the same call.
+TRITON = "jaxsoftmax fused, Triton fwd + XLA ds"
 # Half the default chunk at T = 8192 (2**23 logits): the memory / time trade of the
 # chunked backward, whose peak is the gradients + a float32 dhidden + one chunk.
 _CHUNK_1024 = js.LinearCrossEntropyTiling(chunk_vocab=1024)
 IMPLS = {
     "jaxsoftmax fused": lambda x, w, y: js.linear_cross_entropy(x, w, y),
-    "jaxsoftmax fused, Triton fwd": lambda x, w, y: js.linear_cross_entropy(
-        x, w, y, tiling=_TRITON),
+    TRITON: lambda x, w, y: js.linear_cross_entropy(x, w, y, implementation="triton"),
     "jaxsoftmax fused chunk 1024": lambda x, w, y: js.linear_cross_entropy(
         x, w, y, tiling=_CHUNK_1024),
-    "jaxsoftmax fused two_kernels": lambda x, w, y: js.linear_cross_entropy(
-        x, w, y, tiling=_TWO_KERNELS),
     "dot + jaxsoftmax ce": lambda x, w, y: js.cross_entropy(_logits(x, w, x.dtype), y),
     # The plain program a user writes (the issue's XLA baseline): XLA's matmul gives
-    # bfloat16 logits directly.
+    # logits in the inputs' dtype directly.
     "x @ w + optax": lambda x, w, y: optax.softmax_cross_entropy_with_integer_labels(
         x @ w, y).mean(),
     "dot + optax": lambda x, w, y: optax.softmax_cross_entropy_with_integer_labels(
@@ -63,14 +67,10 @@ IMPLS = {
     "dot f32 + optax": lambda x, w, y: optax.softmax_cross_entropy_with_integer_labels(
         _logits(x, w, jnp.float32), y).mean(),
 }
-# bfloat16, forward + backward: the default's chunked backward with each chunk's ds
-# formed by XLA (float32 logits, then an elementwise pass) instead of the Hopper dlogits
-# kernel, and the default at chunks of 4096 columns (without a float32 chunk of logits,
-# twice the chunk costs only its bfloat16 ds, and the chunk's products grow toward
-# cuBLAS's whole-matrix speed).
+# bfloat16, forward + backward: the default at chunks of 4096 columns (without a float32
+# chunk of logits, twice the chunk costs only its bfloat16 ds, and the chunk's products
+# grow toward cuBLAS's whole-matrix speed).
 BACKWARD_IMPLS = {
-    "jaxsoftmax fused, XLA dlogits": lambda x, w, y: js.linear_cross_entropy(
-        x, w, y, tiling=js.LinearCrossEntropyTiling(dlogits="xla")),
     "jaxsoftmax fused chunk 4096": lambda x, w, y: js.linear_cross_entropy(
         x, w, y, tiling=js.LinearCrossEntropyTiling(chunk_vocab=4096)),
 }
@@ -114,4 +114,5 @@ if __name__ == "__main__":
               unit="TFLOP/s",
               flops_doc="2·T·H·V for the loss and 6·T·H·V for loss and gradients (the "
                         "products an unfused step needs; the fused backward recomputes "
-                        "the logits, a fourth product it does not count)")
+                        "the logits, a fourth product it does not count, and in float32 "
+                        "a fifth, for each row's softmax state)")

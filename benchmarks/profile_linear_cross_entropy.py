@@ -4,11 +4,13 @@
 
 `jax.value_and_grad` of the mean loss with respect to hidden and weight, at
 bench_linear_cross_entropy.py's shapes (``--only`` picks them), for our default, for XLA's
-`x @ w` + optax and, in bfloat16, for ours with ds from XLA's float32 logits: a
+`x @ w` + optax and, in bfloat16, for ours with `implementation="triton"` (the Triton
+forward, ds from XLA's float32 logits; in float32 that is the default): a
 `jax.profiler` trace of CALLS back-to-back steps, GPU 0's kernels grouped by name
 (launches and microseconds per step, share of the step's kernel time), and XLA's memory
 analysis of the compiled step. The fused step's time beyond
-XLA's is the recomputed logits (a fourth T·H·V product) and whatever the grouping shows
+XLA's is the recomputed logits (a fourth T·H·V product; in float32 a fifth, for each
+row's softmax state) and whatever the grouping shows
 besides: the chunked backward's elementwise passes (the float32 dhidden accumulation,
 and without the Hopper dlogits kernel ds from float32 logits) and its products' speed
 against cuBLAS's best. Writes DIR/profile_linear_cross_entropy.md and prints it.
@@ -24,7 +26,8 @@ import optax
 
 import harness
 import jaxsoftmax as js
-from bench_linear_cross_entropy import BACKWARD_IMPLS, SHAPES, SMOKE_SHAPES, shape_inputs
+from bench_linear_cross_entropy import (IMPLS as BENCH_IMPLS, SHAPES, SMOKE_SHAPES, TRITON,
+                                        shape_inputs)
 
 CALLS = 3
 IMPLS = {
@@ -40,8 +43,7 @@ def profile_shape(shape, dtype) -> list[str]:
   lines = []
   impls = dict(IMPLS)
   if dtype == jnp.bfloat16:  # where the default's ds comes from the Hopper dlogits kernel
-    name = "jaxsoftmax fused, XLA dlogits"
-    impls[name] = BACKWARD_IMPLS[name]
+    impls[TRITON] = BENCH_IMPLS[TRITON]
   for impl, fn in impls.items():
     step = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
     memory = step.lower(x, w, y).compile().memory_analysis()

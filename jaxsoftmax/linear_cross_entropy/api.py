@@ -21,150 +21,69 @@ Backward: the gradient with respect to the logits is
 (times 1 - (s/c)² under a soft cap), then dhidden = ds · Wᵀ, dweight = xᵀ · ds and
 dbias = Σ_rows ds. p is formed as exp((s - m) - log l) from the forward's merged state,
 not from lse = m + log l, whose float32 rounding would cost p up to half an ulp of lse
-(the forward saves both). Three ways, ``LinearCrossEntropyTiling.backward``:
+(the forward saves both).
 
-- "chunked" (the default): the vocabulary in chunks of ``chunk_vocab`` columns; per
-  chunk, XLA's matrix products (cuBLAS on a GPU) recompute its logits in float32 and
-  form its dweight columns (complete: every row contributes) and its share of a float32
-  dhidden, with ds formed in between and rounded to the inputs' dtype. A T x chunk
-  block of logits and of ds is the only buffer beyond the gradients and the float32
-  dhidden. Deterministic. For bfloat16 without a bias on a Hopper GPU (by default, or
-  ``dlogits="mosaic_gpu"``) one Pallas Mosaic GPU kernel forms each chunk's ds instead:
-  the forward's products, ds in their epilogue, written in bfloat16
-  (`mosaic_gpu.dlogits`), with no float32 logits between them.
-- "atomic": one Pallas kernel per (block of rows, vocabulary tile) recomputes its logit
-  tile and forms ds in registers, then adds ds · Wᵀ, xᵀ · ds and Σ_rows ds into float32
-  accumulators with atomic adds (Cut Cross-Entropy's scheme, Wijmans et al. 2024).
-- "two_kernels": a dhidden kernel over blocks of rows and a dweight kernel over
-  vocabulary tiles, each recomputing the logit tiles and owning what it writes.
+The backward (`chunked`) walks the vocabulary in chunks of ``chunk_vocab`` columns; per
+chunk, XLA's matrix products (cuBLAS on a GPU) recompute its logits in float32 and form
+its dweight columns (complete: every row contributes) and its share of a float32
+dhidden, with ds formed in between and rounded to the inputs' dtype (in float16 scaled
+and as two terms, `logits.operand_terms`). A T x chunk block of logits and of ds is the
+only buffer beyond the gradients and the float32 dhidden. Deterministic. For float32
+inputs it first recomputes each row's softmax state from its own products (one more
+product), so that p sums to 1 over the logits it differentiates. A backend may form each
+chunk's ds in its own kernel instead: the Hopper one for bfloat16 without a bias (the
+forward's products with ds in their epilogue, written in bfloat16, no float32 logits
+between them).
 
-On the H200 the two kernel variants measured 6-8x slower than XLA's unfused loss (their
-updates of the float32 accumulators in global memory, per tile, dominate); "chunked"
-spends its time in the vendor's matrix products instead. ds enters every product in the
-inputs' dtype (in float16 scaled and as two terms, `_operand_terms`).
+Backends (`REGISTRY`, the rule of `jaxsoftmax._core.backends`; each a module with
+`call.LinearCrossEntropyBackend`'s entry points), fastest first:
 
-The forward has two kernels, ``LinearCrossEntropyTiling.forward``: the Triton one above
-(the default off Hopper GPUs and for float32, and the one interpret mode runs by
-default) and a Hopper one in Pallas Mosaic GPU (`mosaic_gpu`: wgmma products fed by TMA
-from a warp-specialized producer, the online-softmax update as their epilogue; the
-label's logit and, without a soft cap, Σ_j s come from XLA beside it). On a Hopper GPU
-it is the default for bfloat16 and float16: on the H200, each on its default tiles, it
-ran at 1.04x-1.07x the time of cuBLAS's bfloat16 product alone, 1.44x-1.50x faster than the
-Triton kernel (`benchmarks/results/tuning/tune_linear_cross_entropy_hopper.md`,
-`tune_linear_cross_entropy_hopper_gemma.md`).
+- "mosaic_gpu": a Hopper GPU's tensor cores through Pallas Mosaic GPU, bfloat16 and
+  float16 (wgmma products fed by TMA from a warp-specialized producer, the
+  online-softmax update as their epilogue; the label's logit and, without a soft cap,
+  Σ_j s come from XLA beside it), and its ds kernel. On the H200, each on its default
+  tiles, the forward ran at 1.04x-1.07x the time of cuBLAS's bfloat16 product alone,
+  1.44x-1.50x faster than the Triton kernel
+  (`benchmarks/results/tuning/tune_linear_cross_entropy_hopper.md`,
+  `tune_linear_cross_entropy_hopper_gemma.md`). Interpreted only when named.
+- "triton": the Triton forward above, any floating dtype, interpret mode's default.
+- ``implementation="xla"`` is the reference (`reference`): XLA's logits and
+  `jaxsoftmax.cross_entropy`.
 
-FLOPs: forward 2·R·H·V; backward 6·R·H·V (logits again, dhidden, dweight), 8·R·H·V with
-two kernels.
+Two Pallas backwards that recomputed the logit tiles in the kernels (float32 atomic
+adds; or a dhidden and a dweight kernel) measured 5.4x-8x slower than XLA's unfused loss
+on the H200 (their updates of float32 accumulators in global memory, per tile,
+dominated) and were removed (docs/kernels.md).
+
+FLOPs: forward 2·R·H·V; backward 6·R·H·V (logits again, dhidden, dweight), 8·R·H·V for
+float32 (its own softmax state first).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from jaxsoftmax._core import mosaic_gpu as mosaic_device
 from jaxsoftmax._core import pallas
+from jaxsoftmax._core.backends import Registry
 from jaxsoftmax._core.inputs import check_floating
 from jaxsoftmax._core.linear_map import LinearMap
 from jaxsoftmax.cross_entropy.api import REDUCTIONS, check_labels, reduce_losses
 from jaxsoftmax.linear_cross_entropy import chunked, mosaic_gpu, reference, triton
-from jaxsoftmax.linear_cross_entropy.logits import Options, Rows, capped, merged_state
+from jaxsoftmax.linear_cross_entropy.call import Call, LinearCrossEntropyBackend
+from jaxsoftmax.linear_cross_entropy.logits import Options, Rows
 from jaxsoftmax.linear_cross_entropy.tiling import Dims, LinearCrossEntropyTiling
 
-__all__ = ["linear_cross_entropy"]
+__all__ = ["linear_cross_entropy", "REGISTRY", "IMPLEMENTATIONS"]
 
+# Kernel backends in order of preference (fastest first, where each can run a call).
+REGISTRY: Registry[LinearCrossEntropyBackend] = Registry(
+    "linear_cross_entropy", (mosaic_gpu, triton),
+    otherwise="implementation='xla' takes the reference path")
+IMPLEMENTATIONS = (None, *REGISTRY.names, "xla")
 
-def _forward(x, w, b, labels, dims: Dims, options: Options):
-  """Per row, float32 (R,): the softmax state as its shift m and log l (`Rows`; lse =
-  m + log l), the label's logit s_y and Σ_j s_j, from the forward kernel ``dims``
-  names."""
-  if dims.tiling.forward == "mosaic_gpu":
-    return _forward_hopper(x, w, b, labels, dims, options)
-  return triton.forward(x, w, b, labels, dims, options)
-
-
-def _forward_hopper(x, w, b, labels, dims: Dims, options: Options):
-  """`_forward` by the Hopper kernel (`mosaic_gpu`): the state from its ranges' states;
-  the label's logit, and Σ_j s without a soft cap, from XLA's products beside it."""
-  with_total = options.softcap is not None and options.label_smoothing > 0
-  m, l, total = mosaic_gpu.forward(x, w, b, tiling=dims.tiling.hopper_tiling,
-                                   softcap=options.softcap, with_total=with_total,
-                                   interpret=options.interpret)
-  m, log_l = merged_state(m, l)
-  # s_y = cap(x_r · W[:, y_r] + b_y); an out-of-range label's row is NaN in `_loss`.
-  y = jnp.clip(labels, 0, dims.V - 1)
-  z_y = jnp.einsum("rh,hr->r", x, jnp.take(w, y, axis=1),
-                   preferred_element_type=jnp.float32)
-  if b is not None:
-    z_y = z_y + b[y].astype(jnp.float32)
-  s_y = capped(z_y, options)[0]
-  if with_total:
-    total = total.sum(axis=0)
-  elif options.label_smoothing > 0:  # Σ_j z_j = x · (W 1) + Σ_j b_j
-    total = jnp.dot(x, jnp.sum(w, axis=1, dtype=jnp.float32).astype(x.dtype),
-                    preferred_element_type=jnp.float32)
-    if b is not None:
-      total = total + jnp.sum(b, dtype=jnp.float32)
-  else:
-    total = jnp.zeros_like(m)
-  return m, log_l, s_y, total
-
-
-def _backward(x, w, b, rows: Rows, dims: Dims, options: Options):
-  """float32 (dx, dw, db or None)."""
-  backward = dims.tiling.backward or ("two_kernels" if x.dtype == jnp.float32 else "chunked")
-  if backward == "chunked":
-    return chunked.backward(x, w, b, rows, dims, options)
-  return triton.backward(x, w, b, rows, dims, options, atomic=backward == "atomic")
-
-
-def _hopper_unsupported(dtype, tiling: LinearCrossEntropyTiling, interpret: bool):
-  """Why the Hopper forward cannot run, or None. An explicit ``forward="mosaic_gpu"``
-  runs interpreted off a GPU; the default is interpreted only as Triton (the interpreter
-  that every kernel of this op has)."""
-  why = mosaic_gpu.unsupported(dtype, tiling.hopper_tiling)
-  if why is None and interpret and tiling.forward is None:
-    why = "interpret mode runs the Triton forward unless forward='mosaic_gpu' is asked for"
-  if why is None and not interpret and not mosaic_device.hopper_device():
-    why = f"it needs a Hopper GPU, and the device is {mosaic_device.device_description()}"
-  return why
-
-def _dlogits_unsupported(dtype, dims: Dims, has_bias: bool, interpret: bool):
-  """Why the Hopper dlogits kernel cannot serve the chunked backward, or None."""
-  t = dims.tiling
-  if jnp.dtype(dtype) != jnp.bfloat16:
-    return f"it writes ds in bfloat16 for bfloat16 inputs, not {jnp.dtype(dtype)}"
-  if has_bias:
-    return "dbias needs ds in float32; with a bias the chunked backward forms it in XLA"
-  if t.backward not in (None, "chunked"):
-    return f"it serves the chunked backward, not backward={t.backward!r}"
-  if dims.chunk % t.hopper_tiling.block_vocab:
-    return (f"the chunk ({dims.chunk} columns) must be a multiple of block_vocab "
-            f"({t.hopper_tiling.block_vocab})")
-  needed = mosaic_gpu.dlogits_smem_bytes(t.hopper_tiling, jnp.dtype(dtype).itemsize)
-  if needed > mosaic_device.SMEM_BYTES:
-    return f"it needs {needed} bytes of shared memory, more than {mosaic_device.SMEM_BYTES}"
-  if interpret and t.dlogits is None:
-    return "interpret mode forms ds in XLA unless dlogits='mosaic_gpu' is asked for"
-  if not interpret and not mosaic_device.hopper_device():
-    return f"it needs a Hopper GPU, and the device is {mosaic_device.device_description()}"
-  return None
-
-def _with_hopper_kernel(tiling: LinearCrossEntropyTiling, field: str, portable: str,
-                        why: str | None, op: str) -> LinearCrossEntropyTiling:
-  """``tiling`` with its ``field`` ("forward" or "dlogits") decided: "mosaic_gpu" where
-  asked for, or left to the default and ``why`` (the reason the Hopper kernel cannot
-  run) is None, else ``portable``. Asking for "mosaic_gpu" where it cannot run is an
-  error."""
-  value = getattr(tiling, field)
-  if value == "mosaic_gpu" and why is not None:
-    raise ValueError(f"{op}: tiling.{field}='mosaic_gpu' cannot run: {why}")
-  if value is None:
-    return dataclasses.replace(tiling, **{field: portable if why else "mosaic_gpu"})
-  return tiling
 
 def _loss(lse, label_logit, total, labels, dims: Dims, options: Options):
   a = options.label_smoothing
@@ -180,7 +99,7 @@ def _loss(lse, label_logit, total, labels, dims: Dims, options: Options):
 
 # --- derivatives: reverse mode on the kernels, a clear error otherwise ------------------
 # The (loss, lse) tangent is a linear map of (dhidden, dweight[, dbias]) whose transpose
-# is the backward (`_backward`); reverse mode only transposes it. Evaluating it (forward
+# is the backward (`chunked.backward`); reverse mode only transposes it. Evaluating it (forward
 # mode) or differentiating it again (second order) would need the logits' own
 # derivatives, which these kernels never form: both raise this.
 _REVERSE_ONLY = (
@@ -190,32 +109,32 @@ _REVERSE_ONLY = (
     "the logits and use cross_entropy, which supports every mode: "
     "cross_entropy(jnp.dot(hidden, weight, preferred_element_type=jnp.float32), labels)")
 
-def _tangent_kernel(res, t, *, sizes: Dims, options: Options):
+def _tangent_kernel(res, t, *, call: Call, backend: str):
   raise NotImplementedError(_REVERSE_ONLY)
 
-def _tangent_types(res, t, *, sizes: Dims, options: Options):
-  del t, sizes, options
+def _tangent_types(res, t, *, call: Call, backend: str):
+  del t, call, backend
   m = res[4]  # (R,) float32, varying over the mesh axes the inputs vary over
   return m, m
 
-def _transpose_kernel(res, cts, *, sizes: Dims, options: Options):
+def _transpose_kernel(res, cts, *, call: Call, backend: str):
   x, w, b, labels, m, log_l = res
   g, g_lse = cts
   # Rows with a label out of range (possible only inside jit) give NaN gradients.
-  in_range = (labels >= 0) & (labels < sizes.V)
+  in_range = (labels >= 0) & (labels < call.dims.V)
   g = jnp.where(in_range | (g == 0), g.astype(jnp.float32), jnp.nan)
   rows = Rows(labels, m, log_l, g, g_lse.astype(jnp.float32))
-  dx, dw, db = _backward(x, w, b, rows, sizes, options)
+  dx, dw, db = chunked.backward(x, w, b, rows, call.dims, call.options,
+                                chunk_ds=REGISTRY[backend].chunk_ds(x, rows, call))
   return (dx.astype(x.dtype), dw.astype(w.dtype)) + (() if b is None else
                                                      (db.astype(b.dtype),))
 
-def _transpose_types(res, cts, *, sizes: Dims, options: Options):
-  del cts, sizes, options
+def _transpose_types(res, cts, *, call: Call, backend: str):
+  del cts, call, backend
   x, w, b = res[:3]
   return (x, w) + (() if b is None else (b,))
 
-# The weight is no row's own: under vmap the maps run once per batch element. (The
-# problem's sizes go as "sizes": JAX's batching rules take an argument named dims.)
+# The weight is no row's own: under vmap the maps run once per batch element.
 _TANGENT = LinearMap("linear_cross_entropy_tangent", kernel=_tangent_kernel, twin=None,
                      out_types=_tangent_types, no_twin=_REVERSE_ONLY,
                      fold_rows=lambda **_: False).pair(
@@ -223,32 +142,33 @@ _TANGENT = LinearMap("linear_cross_entropy_tangent", kernel=_tangent_kernel, twi
               out_types=_transpose_types, no_twin=_REVERSE_ONLY, fold_rows=lambda **_: False))
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
-def _state(x, w, b, labels, dims: Dims, options: Options):
-  """(loss, lse, m, log l) of each row: the losses and the residuals of the backward.
-  Differentiated only at second order (`_losses_and_lse` differentiates the losses): an error."""
-  m, log_l, label_logit, total = _forward(x, w, b, labels, dims, options)
+def _state(x, w, b, labels, call: Call, backend: str):
+  """(loss, lse, m, log l) of each row: the losses and the residuals of the backward, from
+  the forward of the backend named ``backend``. Differentiated only at second order
+  (`_losses_and_lse` differentiates the losses): an error."""
+  m, log_l, label_logit, total = REGISTRY[backend].forward(x, w, b, labels, call)
   lse = m + log_l
-  return _loss(lse, label_logit, total, labels, dims, options), lse, m, log_l
+  return _loss(lse, label_logit, total, labels, call.dims, call.options), lse, m, log_l
 
 @_state.defjvp
-def _state_jvp(dims: Dims, options: Options, primals, tangents):
+def _state_jvp(call: Call, backend: str, primals, tangents):
   raise NotImplementedError(_REVERSE_ONLY)
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
-def _losses_and_lse(x, w, b, labels, dims: Dims, options: Options):
-  return _state(x, w, b, labels, dims, options)[:2]
+def _losses_and_lse(x, w, b, labels, call: Call, backend: str):
+  return _state(x, w, b, labels, call, backend)[:2]
 
 @_losses_and_lse.defjvp
-def _losses_and_lse_jvp(dims: Dims, options: Options, primals, tangents):
+def _losses_and_lse_jvp(call: Call, backend: str, primals, tangents):
   x, w, b, labels = primals
-  loss, lse, m, log_l = _state(x, w, b, labels, dims, options)
+  loss, lse, m, log_l = _state(x, w, b, labels, call, backend)
   t = tuple(tangents[:2]) + (() if b is None else (tangents[2],))
-  return (loss, lse), _TANGENT((x, w, b, labels, m, log_l), t, sizes=dims, options=options)
+  return (loss, lse), _TANGENT((x, w, b, labels, m, log_l), t, call=call, backend=backend)
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int = -100,
                          label_smoothing: float = 0.0, z_loss: float = 0.0,
                          logit_soft_cap: float | None = None, reduction: str = "mean",
-                         return_lse: bool = False,
+                         return_lse: bool = False, implementation: str | None = None,
                          tiling: LinearCrossEntropyTiling | None = None,
                          interpret: bool | None = None):
   """Softmax cross-entropy of the logits ``hidden @ weight (+ bias)`` and integer
@@ -266,7 +186,12 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
     ignore_index, label_smoothing, z_loss, reduction, return_lse: as
       `jaxsoftmax.cross_entropy`.
     logit_soft_cap: c > 0: the logits become c·tanh(logits / c) first (Gemma 2).
-    tiling: optional `LinearCrossEntropyTiling`.
+    implementation: None (the first backend of `REGISTRY` that can run the call:
+      "mosaic_gpu" for 16-bit inputs on a Hopper GPU, else "triton"; off a GPU the XLA
+      path unless kernels are asked for), "mosaic_gpu", "triton", or "xla" (the
+      reference: XLA's logits and `jaxsoftmax.cross_entropy`). A named backend that
+      cannot run the call raises a ValueError saying why.
+    tiling: optional `LinearCrossEntropyTiling`, the kernels' tiles.
     interpret: run the kernels in Pallas interpret mode; see `jaxsoftmax.softmax`.
 
   Returns:
@@ -306,34 +231,28 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
     raise ValueError(f"{op}: logit_soft_cap must be > 0, got {logit_soft_cap!r}")
   if tiling is not None and not isinstance(tiling, LinearCrossEntropyTiling):
     raise TypeError(f"{op}: tiling must be a LinearCrossEntropyTiling, got {tiling!r}")
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, got "
+                     f"{implementation!r}")
   check_labels(labels, V, ignore_index, op)
-  if (hidden.dtype == jnp.float64 or hidden.size == 0 or labels.size == 0
-      or pallas.xla_by_default(interpret, kernel_asked=tiling is not None)):
+  kernel_asked = tiling is not None or implementation in REGISTRY.names
+  if (implementation == "xla" or hidden.dtype == jnp.float64 or hidden.size == 0
+      or labels.size == 0 or pallas.xla_by_default(interpret, kernel_asked=kernel_asked)):
     return reference.linear_cross_entropy(
         hidden, weight, labels, bias=bias, ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, logit_soft_cap=logit_soft_cap,
         reduction=reduction, return_lse=return_lse)
 
-  interpret = pallas.resolve_interpret(interpret)
-  tiling = tiling or LinearCrossEntropyTiling()
-  if tiling.forward != "triton":
-    tiling = _with_hopper_kernel(tiling, "forward", "triton",
-                                 _hopper_unsupported(hidden.dtype, tiling, interpret), op)
   flat_labels = labels.reshape(-1).astype(jnp.int32)
-  dims = Dims(flat_labels.size, H, V, tiling)
-  if tiling.dlogits != "xla":
-    # By default the Hopper kernel where it runs: it saves XLA's float32 logits and their
-    # elementwise pass, forward + backward 56.9 against 60.3 ms at H = 4096 on the H200
-    # (benchmarks/results/linear_cross_entropy.md, "fused, XLA dlogits").
-    tiling = _with_hopper_kernel(
-        tiling, "dlogits", "xla",
-        _dlogits_unsupported(hidden.dtype, dims, bias is not None, interpret), op)
-    dims = dataclasses.replace(dims, tiling=tiling)
+  dims = Dims(flat_labels.size, H, V, tiling or LinearCrossEntropyTiling())
   options = Options(float(label_smoothing), float(z_loss),
-                     None if logit_soft_cap is None else float(logit_soft_cap),
-                     bias is not None, interpret)
+                    None if logit_soft_cap is None else float(logit_soft_cap),
+                    bias is not None, pallas.resolve_interpret(interpret))
+  call = Call(hidden.dtype.name, dims, options, named=implementation is not None)
+  backend = REGISTRY.select(implementation, call).NAME
   hidden, weight, bias, flat_labels = pallas.vary_together(hidden, weight, bias, flat_labels)
-  loss, lse = _losses_and_lse(hidden.reshape(-1, H), weight, bias, flat_labels, dims, options)
+  loss, lse = _losses_and_lse(hidden.reshape(-1, H), weight, bias, flat_labels, call,
+                              backend)
   loss = reduce_losses(jnp.where(flat_labels != ignore_index, loss, 0.0), labels, None,
                        ignore_index, reduction)
   return (loss, lse.reshape(labels.shape)) if return_lse else loss

@@ -1,6 +1,7 @@
-"""The default backward of the linear cross-entropy: the vocabulary in chunks, each
-chunk's logits recomputed by XLA's products (cuBLAS on a GPU) or, for bfloat16 on a
-Hopper GPU, its ds formed by one Mosaic GPU kernel (`mosaic_gpu.dlogits`)."""
+"""The linear cross-entropy's backward, for every backend: the vocabulary in chunks, each
+chunk's logits recomputed by XLA's products (cuBLAS on a GPU) or its ds formed by the
+backend's own kernel (`call.LinearCrossEntropyBackend.chunk_ds`: the Hopper one for
+bfloat16)."""
 
 from __future__ import annotations
 
@@ -12,60 +13,97 @@ from jax import lax
 
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
-from jaxsoftmax.linear_cross_entropy import mosaic_gpu
+from jaxsoftmax._core.state import merge_states, safe_shift
+from jaxsoftmax.linear_cross_entropy.call import ChunkDs
 from jaxsoftmax.linear_cross_entropy.logits import (Options, Rows, capped, logit_gradient,
-                                                    p_coefficient, probabilities,
-                                                    scaled_terms, sum_products)
+                                                    probabilities, scaled_terms,
+                                                    sum_products)
 from jaxsoftmax.linear_cross_entropy.tiling import Dims
 
 __all__ = ["backward"]
 
 
-def _logit_grad_chunk(z, start, rows, dims: Dims, options: Options):
+def _logit_grad_chunk(z, start, rows: Rows, p_rows: Rows, dims: Dims, options: Options):
   """ds (rows, chunk) in float32 for the logits z = x W + b of the columns
-  [start, start + chunk); `triton._logit_grad` for a whole chunk, in XLA."""
+  [start, start + chunk), with p from the state of ``p_rows`` (`_own_state`) and the
+  rest from ``rows``."""
   s, dsdz = capped(z, options)
   cols = start + jnp.arange(z.shape[1], dtype=jnp.int32)
-  return logit_gradient(probabilities(s, rows, jnp.exp), dsdz, cols, None, rows, dims, options)
+  return logit_gradient(probabilities(s, p_rows, jnp.exp), dsdz, cols, None, rows, dims,
+                        options)
 
 
-def backward(x, w, b, rows: Rows, dims: Dims, options: Options):
-  """(dx float32, dw in w's dtype, db float32 or None) over vocabulary chunks. The last
-  chunk ends at V; where V is not a multiple of the chunk it overlaps the one before,
-  whose columns it leaves out of dx and rewrites, with the same values, in dw and db.
+def _starts(c, dims: Dims):
+  """The first column of chunk c: the last chunk ends at V, overlapping the one before
+  where V is not a multiple of the chunk."""
+  return jnp.minimum(c * dims.chunk, dims.V - dims.chunk)
 
-  Its logits are XLA's product, not the forward kernel's: the two round their float32
-  sums differently, so p of a row sums to 1 only up to that difference.
-  For 16-bit inputs that is far below their own rounding; for float32 inputs it put
-  dhidden at 2-3x a float32 reference's error (whose softmax is normalized by its own
-  sum), so float32 defaults to the "two_kernels" backward, whose logit tiles are the
-  forward's."""
+
+def _chunk_logits(x, w_c, b, start, dims: Dims, dot):
+  """z = x W + b (float32) of the columns [start, start + chunk), W's being ``w_c``."""
+  z = dot(x, w_c)
+  if b is not None:
+    z = z + lax.dynamic_slice_in_dim(b, start, dims.chunk).astype(jnp.float32)[None, :]
+  return z
+
+
+def _own_state(x, w, b, rows: Rows, dims: Dims, options: Options, dot) -> Rows:
+  """``rows`` with the softmax state (m, log l) of the logits the backward's products
+  give, one more pass over the chunks. XLA's float32 products round otherwise than the
+  forward kernel's, so p from the forward's state would sum to 1 over the backward's
+  logits only up to that difference, which cost float32 dhidden 2-4x a float32
+  reference's error (whose softmax is normalized by its own sum; docs/numerics.md).
+  16-bit inputs do not need it: the difference is far below their ds's rounding."""
+  n_chunks = pl.cdiv(dims.V, dims.chunk)
+
+  def step(state, c):
+    start = _starts(c, dims)
+    w_c = lax.dynamic_slice_in_dim(w, start, dims.chunk, axis=1)
+    s = capped(_chunk_logits(x, w_c, b, start, dims, dot), options)[0]
+    new = (start + jnp.arange(dims.chunk, dtype=jnp.int32) >= c * dims.chunk)[None, :]
+    s = jnp.where(new, s, -jnp.inf)  # the overlapped columns count once
+    m_c = jnp.max(s, axis=1)
+    l_c = jnp.sum(jnp.exp(s - safe_shift(m_c)[:, None]), axis=1)
+    return merge_states(*state, m_c, l_c), None
+
+  init = (jnp.full((dims.R,), -jnp.inf, jnp.float32), jnp.zeros((dims.R,), jnp.float32))
+  init = pallas.vary_over(init, pallas.varying_axes(x, w, b, rows))
+  (m, l), _ = lax.scan(step, init, jnp.arange(n_chunks, dtype=jnp.int32))
+  return rows._replace(m=safe_shift(m), log_l=jnp.log(l))
+
+
+def backward(x, w, b, rows: Rows, dims: Dims, options: Options, *,
+             chunk_ds: ChunkDs | None = None):
+  """(dx float32, dw in w's dtype, db float32 or None) over vocabulary chunks, each
+  chunk's ds from ``chunk_ds`` (already in the products' dtype) or, with None, from
+  XLA's float32 logits. The last chunk ends at V; where V is not a multiple of the chunk
+  it overlaps the one before, whose columns it leaves out of dx and rewrites, with the
+  same values, in dw and db.
+
+  Its logits are XLA's products, not the forward kernel's: for float32 inputs the
+  probabilities come from their own softmax state (`_own_state`); their lse, in ds's
+  coefficients, stays the forward's."""
   chunk = dims.chunk
   n_chunks = pl.cdiv(dims.V, chunk)
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
-  hopper = dims.tiling.dlogits == "mosaic_gpu"
-  if hopper:
-    shared = mosaic_gpu.dlogits_inputs(
-        x, rows.labels, rows.m, rows.log_l, rows.g,
-        p_coefficient(rows.g, rows.g_lse, rows.lse, options.z_loss), V=dims.V,
-        label_smoothing=options.label_smoothing)
-    operands = lambda ds: ((ds,), 1.0)  # already bfloat16, the products' operand
+  p_rows = rows
+  if chunk_ds is None and x.dtype == jnp.float32:
+    p_rows = _own_state(x, w, b, rows, dims, options, dot)
+  if chunk_ds is not None:
+    operands = lambda ds: ((ds,), 1.0)  # already the products' operand
   else:
     operands = lambda ds: scaled_terms(ds, x.dtype)
 
   def step(carry, c):
     dx, dw, db = carry
-    start = jnp.minimum(c * chunk, dims.V - chunk)
+    start = _starts(c, dims)
     w_c = lax.dynamic_slice_in_dim(w, start, chunk, axis=1)
-    if hopper:  # ds in bfloat16 from one kernel; no float32 logits in memory
-      ds = mosaic_gpu.dlogits(shared, w_c, start, tiling=dims.tiling.hopper_tiling,
-                              softcap=options.softcap, interpret=options.interpret)[:dims.R]
+    if chunk_ds is not None:  # ds from the backend's kernel; no float32 logits in memory
+      ds = chunk_ds(w_c, start)
     else:
-      z = dot(x, w_c)
-      if b is not None:
-        z = z + lax.dynamic_slice_in_dim(b, start, chunk).astype(jnp.float32)[None, :]
-      ds = _logit_grad_chunk(z, start, rows, dims, options)
+      ds = _logit_grad_chunk(_chunk_logits(x, w_c, b, start, dims, dot), start, rows,
+                             p_rows, dims, options)
     terms, unscale = operands(ds)
     dw_c = sum_products(terms, lambda d: dot(x.T, d)) * unscale
     dw = lax.dynamic_update_slice_in_dim(dw, dw_c.astype(dw.dtype), start, axis=1)

@@ -2,9 +2,9 @@
 matrix products whose epilogue keeps the online-softmax state instead of storing logits
 (the forward), or forms the logits' gradient ds (`dlogits`, for the chunked backward).
 
-`linear_cross_entropy` runs it by default for 16-bit inputs on a Hopper GPU, and with
-``LinearCrossEntropyTiling(forward="mosaic_gpu")`` (see there), its tiles from
-`LinearCrossEntropyHopperTiling`. For rows x (R, H), weight W (H, V) and an optional
+The "mosaic_gpu" backend of `linear_cross_entropy` (``implementation="mosaic_gpu"``, the
+default for 16-bit inputs on a Hopper GPU; `unsupported`, `forward`, `chunk_ds` below),
+its tiles from `LinearCrossEntropyHopperTiling`. For rows x (R, H), weight W (H, V) and an optional
 bias, one CTA per (vocabulary range, block of 2·64 rows), the ranges fastest so that
 the CTAs running at once share their row blocks in L2; three warpgroups:
 
@@ -48,66 +48,33 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsoftmax._core import mosaic_gpu as device
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, pl, plgpu, rem32,
                                         warp_specialized_kernel)
-from jaxsoftmax._core.inputs import check_optional_positive_int
 from jaxsoftmax._core.state import LOG2E
+from jaxsoftmax.linear_cross_entropy.call import Call, ChunkDs
+from jaxsoftmax.linear_cross_entropy.logits import Rows, capped, merged_state, p_coefficient
+from jaxsoftmax.linear_cross_entropy.tiling import (HOPPER_BLOCK_HIDDEN, HOPPER_BLOCK_ROWS,
+                                                    HOPPER_CONSUMERS,
+                                                    LinearCrossEntropyHopperTiling)
 
-__all__ = ["DlogitsInputs", "dlogits", "dlogits_inputs", "dlogits_smem_bytes", "forward",
-           "LinearCrossEntropyHopperTiling", "unsupported"]
+__all__ = ["NAME", "unsupported", "forward", "chunk_ds", "DlogitsInputs", "dlogits",
+           "dlogits_inputs", "range_states"]
+
+NAME = "mosaic_gpu"
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a consumer's tile
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per vocabulary column of a tile
-_CONSUMERS = 2
-_BLOCK_ROWS = 64  # rows per consumer: one wgmma row block
-_BLOCK_HIDDEN = 64  # hidden-dim chunk: one 128-byte swizzled row of 16-bit values
+_CONSUMERS = HOPPER_CONSUMERS
+_BLOCK_ROWS = HOPPER_BLOCK_ROWS  # rows per consumer: one wgmma row block
+_BLOCK_HIDDEN = HOPPER_BLOCK_HIDDEN  # hidden-dim chunk
 # Registers per thread, as in the attention forward: 2 · 128 · 232 + 128 · 40 = 64512.
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
 # Row values of the dlogits kernel: m, log2 l, and the coefficients of p, of the label
 # and of the smoothing (`dlogits_inputs`).
 _ROWVALS = 5
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearCrossEntropyHopperTiling:
-  """Tiles of the Hopper forward.
-
-  Attributes:
-    block_vocab: vocabulary columns per tile (the wgmma's N): the consumers' float32
-      accumulators hold 64 x block_vocab, 128 registers a thread at 256.
-    num_stages: hidden chunks in flight (slots of the shared-memory ring).
-    vocab_splits: vocabulary ranges (CTAs per block of rows); None gives each range
-      about 32 tiles.
-  """
-
-  # From the H200 sweep at both benchmark shapes: 3 stages beat 4 (14.1 against 14.5 ms,
-  # 15.4 against 15.6), 256 columns beat 192 and 128
-  # (benchmarks/results/tuning/tune_linear_cross_entropy_hopper.md, ..._gemma.md).
-  block_vocab: int = 256
-  num_stages: int = 3
-  vocab_splits: int | None = None
-
-  def __post_init__(self):
-    if self.block_vocab not in (64, 128, 192, 256):
-      raise ValueError("LinearCrossEntropyHopperTiling.block_vocab must be 64, 128, 192 "
-                       f"or 256, got {self.block_vocab!r}")
-    if not (isinstance(self.num_stages, int) and self.num_stages >= 2):
-      raise ValueError("LinearCrossEntropyHopperTiling.num_stages must be an int >= 2, "
-                       f"got {self.num_stages!r}")
-    check_optional_positive_int(self.vocab_splits, "LinearCrossEntropyHopperTiling.vocab_splits")
-
-  def ring_bytes(self, itemsize: int) -> int:
-    """The ring's bytes (x chunks of both consumers and a W chunk per slot) and 1 KiB for
-    the barriers and alignment: the shared memory both kernels take besides their
-    outputs on the way out."""
-    slot = (_CONSUMERS * _BLOCK_ROWS + self.block_vocab) * _BLOCK_HIDDEN * itemsize
-    return self.num_stages * slot + 1024
-
-  def smem_bytes(self, itemsize: int) -> int:
-    """The forward's shared memory: the ring and the row statistics on their way out."""
-    return self.ring_bytes(itemsize) + 3 * _CONSUMERS * _BLOCK_ROWS * 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,8 +267,8 @@ def _kernel(x_ref, w_ref, *refs, plan: _HopperProblem, per: int):
     _produce(ring, x_ref, w_ref, tiles, lambda t: (r0, first + t), bv)
 
 
-def forward(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float | None,
-            with_total: bool, interpret: bool = False):
+def range_states(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float | None,
+                 with_total: bool, interpret: bool = False):
   """(m, l, Σ_j s or None), float32 (splits, R_pad), of rows x (R, H) against w (H, V)
   and the optional bias b (V,), bfloat16 or float16: each range's online-softmax state
   of the logits s = cap(x w + b). ``interpret``: run in Pallas' Mosaic GPU interpreter
@@ -341,7 +308,7 @@ def forward(x, w, b, *, tiling: LinearCrossEntropyHopperTiling, softcap: float |
   return m[:, :R], l[:, :R], total[0][:, :R] if total else None
 
 
-def unsupported(dtype, tiling: LinearCrossEntropyHopperTiling) -> str | None:
+def _kernel_unsupported(dtype, tiling: LinearCrossEntropyHopperTiling) -> str | None:
   """Why the Hopper forward cannot take these inputs, or None."""
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
     return f"its tensor-core products take bfloat16 or float16, not {jnp.dtype(dtype)}"
@@ -457,6 +424,77 @@ def dlogits(inputs: DlogitsInputs, w_chunk, start, *, tiling: LinearCrossEntropy
   )(x, pad_to(w_chunk, 0, H64), rowvals, labels - start)
 
 
-def dlogits_smem_bytes(tiling: LinearCrossEntropyHopperTiling, itemsize: int) -> int:
-  """The dlogits kernel's shared memory: the ring and a ds tile per consumer."""
-  return tiling.ring_bytes(itemsize) + _CONSUMERS * _BLOCK_ROWS * tiling.block_vocab * itemsize
+# --- the backend: what `linear_cross_entropy`'s registry calls (`call.LinearCrossEntropyBackend`)
+
+
+def unsupported(call: Call) -> str | None:
+  """Why the Hopper kernels cannot run ``call``, or None. Named, they also run in Pallas'
+  Mosaic GPU interpreter off a GPU; by default interpret mode runs the Triton forward
+  (the cheaper one to interpret)."""
+  why = _kernel_unsupported(call.dtype, call.dims.tiling.hopper_tiling)
+  if why is None and call.interpret and not call.named:
+    why = ("interpret mode runs the Triton forward unless implementation='mosaic_gpu' is "
+           "asked for")
+  if why is None and not call.interpret and not device.hopper_device():
+    why = f"it needs a Hopper GPU, and the device is {device.device_description()}"
+  return why
+
+
+def forward(x, w, b, labels, call: Call):
+  """Per row: the softmax state from the ranges' states of `range_states`; the label's
+  logit, and Σ_j s without a soft cap, from XLA's products beside it."""
+  options, V = call.options, call.dims.V
+  with_total = options.softcap is not None and options.label_smoothing > 0
+  m, l, total = range_states(x, w, b, tiling=call.dims.tiling.hopper_tiling,
+                             softcap=options.softcap, with_total=with_total,
+                             interpret=options.interpret)
+  m, log_l = merged_state(m, l)
+  # s_y = cap(x_r · W[:, y_r] + b_y); an out-of-range label's row is NaN in the loss.
+  y = jnp.clip(labels, 0, V - 1)
+  z_y = jnp.einsum("rh,hr->r", x, jnp.take(w, y, axis=1),
+                   preferred_element_type=jnp.float32)
+  if b is not None:
+    z_y = z_y + b[y].astype(jnp.float32)
+  s_y = capped(z_y, options)[0]
+  if with_total:
+    total = total.sum(axis=0)
+  elif options.label_smoothing > 0:  # Σ_j z_j = x · (W 1) + Σ_j b_j
+    total = jnp.dot(x, jnp.sum(w, axis=1, dtype=jnp.float32).astype(x.dtype),
+                    preferred_element_type=jnp.float32)
+    if b is not None:
+      total = total + jnp.sum(b, dtype=jnp.float32)
+  else:
+    total = jnp.zeros_like(m)
+  return m, log_l, s_y, total
+
+
+def _dlogits_unsupported(call: Call) -> str | None:
+  """Why the ds kernel cannot serve the chunked backward of ``call``, or None."""
+  dims, tiling = call.dims, call.dims.tiling.hopper_tiling
+  if jnp.dtype(call.dtype) != jnp.bfloat16:
+    return f"it writes ds in bfloat16 for bfloat16 inputs, not {call.dtype}"
+  if call.options.has_bias:
+    return "dbias needs ds in float32; with a bias the chunked backward forms it in XLA"
+  if dims.chunk % tiling.block_vocab:
+    return (f"the chunk ({dims.chunk} columns) must be a multiple of block_vocab "
+            f"({tiling.block_vocab})")
+  needed = tiling.dlogits_smem_bytes(jnp.dtype(call.dtype).itemsize)
+  if needed > SMEM_BYTES:
+    return f"it needs {needed} bytes of shared memory, more than {SMEM_BYTES}"
+  return None
+
+
+def chunk_ds(x, rows: Rows, call: Call) -> ChunkDs | None:
+  """`dlogits` for each chunk of the chunked backward where it can run (bfloat16 without
+  a bias; else None: XLA's product and an elementwise pass). It saves XLA's float32
+  logits and their pass: forward + backward 56.9 against 60.3 ms at H = 4096 on the H200
+  (docs/kernels.md, "Linear cross-entropy")."""
+  if _dlogits_unsupported(call) is not None:
+    return None
+  options = call.options
+  shared = dlogits_inputs(x, rows.labels, rows.m, rows.log_l, rows.g,
+                          p_coefficient(rows.g, rows.g_lse, rows.lse, options.z_loss),
+                          V=call.dims.V, label_smoothing=options.label_smoothing)
+  return lambda w_c, start: dlogits(shared, w_c, start, tiling=call.dims.tiling.hopper_tiling,
+                                    softcap=options.softcap,
+                                    interpret=options.interpret)[:call.dims.R]
