@@ -1,13 +1,19 @@
-"""`_core.backends`: the registry's dispatch rule, and every op's backends meeting their
-protocol."""
+"""`_core.backends`: the registry's dispatch rule, every op's backends meeting their
+protocol, and the row ops' ``implementation=``."""
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import jaxsoftmax as js
 from jaxsoftmax._core.backends import Backend, Registry
 from jaxsoftmax.attention import api
 from jaxsoftmax.attention.call import AttentionBackend
+from jaxsoftmax.linear_cross_entropy import api as lce_api
+from jaxsoftmax.rows import backends as rows_backends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,3 +60,44 @@ def test_attention_backends_meet_the_protocol():
   for backend in api.REGISTRY.backends:
     assert isinstance(backend, Backend) and isinstance(backend, AttentionBackend), backend
   assert api.IMPLEMENTATIONS == (None, "mosaic_gpu", "triton", "xla")
+
+
+def test_linear_cross_entropy_backends_meet_the_protocol():
+  for backend in lce_api.REGISTRY.backends:
+    assert isinstance(backend, Backend), backend
+    assert callable(backend.forward) and callable(backend.chunk_ds), backend
+  assert lce_api.IMPLEMENTATIONS == (None, "mosaic_gpu", "triton", "xla")
+
+
+ROW_OPS = {
+    "softmax": lambda x, **kw: js.softmax(x, **kw),
+    "log_softmax": lambda x, **kw: js.log_softmax(x, **kw),
+    "logsumexp": lambda x, **kw: js.logsumexp(x, axis=-1, **kw),
+    "cross_entropy": lambda x, **kw: js.cross_entropy(x, jnp.zeros(x.shape[:-1], jnp.int32),
+                                                      **kw),
+    "layer_norm": lambda x, **kw: js.layer_norm(x, jnp.ones(x.shape[-1]), **kw),
+    "rms_norm": lambda x, **kw: js.rms_norm(x, jnp.ones(x.shape[-1]), **kw),
+}
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the defaults off a GPU")
+@pytest.mark.parametrize("op", ROW_OPS)
+def test_row_ops_implementation(op, monkeypatch):
+  # The row ops' seam (rows.backends.xla_path): "triton" runs the row engine's kernels
+  # (interpreted off a GPU), "xla" and, off a GPU, the default the XLA path; anything
+  # else is an error that names the argument.
+  monkeypatch.delenv("JAXSOFTMAX_INTERPRET", raising=False)
+  fn, x = ROW_OPS[op], jnp.linspace(-2.0, 2.0, 3 * 40).reshape(3, 40)
+  kernels = lambda **kw: "pallas_call" in str(jax.make_jaxpr(lambda x: fn(x, **kw))(x))
+  assert kernels(implementation="triton")
+  assert not kernels(implementation="xla") and not kernels()
+  np.testing.assert_allclose(fn(x, implementation="triton"), fn(x, implementation="xla"),
+                             rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match=f"{op}: implementation must be one of"):
+    fn(x, implementation="cuda")
+
+
+def test_row_ops_backends_meet_the_protocol():
+  for backend in rows_backends.REGISTRY.backends:
+    assert isinstance(backend, Backend), backend
+  assert rows_backends.IMPLEMENTATIONS == (None, "triton", "xla")

@@ -37,6 +37,7 @@ from jaxsoftmax.softmax import reference as softmax_reference
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.inputs import check_floating
 from jaxsoftmax.rows import RowOp, RowTiling, row_call
+from jaxsoftmax.rows.backends import xla_path
 from jaxsoftmax._core.linear_map import LinearMap
 from jaxsoftmax._core.state import probabilities, safe_shift, state_lse
 
@@ -281,7 +282,8 @@ def _classes_last(logits, labels, axis, where):
 def cross_entropy(logits, labels, axis=-1, where=None, *, ignore_index: int = -100,
                   label_smoothing: float = 0.0, z_loss: float = 0.0,
                   reduction: str = "mean", return_lse: bool = False,
-                  tiling: RowTiling | None = None, interpret: bool | None = None):
+                  tiling: RowTiling | None = None, implementation: str | None = None,
+                  interpret: bool | None = None):
   """Softmax cross-entropy between ``logits`` and integer ``labels``.
 
   Args:
@@ -302,6 +304,7 @@ def cross_entropy(logits, labels, axis=-1, where=None, *, ignore_index: int = -1
       ``"none"`` for per-row losses of shape ``labels.shape``.
     return_lse: also return the float32 log-sum-exp of each row (differentiable).
     tiling: optional `RowTiling` for the forward kernel.
+    implementation: None, "triton" or "xla"; see `jaxsoftmax.softmax`.
     interpret: run the kernels in Pallas interpret mode; see `jaxsoftmax.softmax`.
 
   Returns:
@@ -336,8 +339,8 @@ def cross_entropy(logits, labels, axis=-1, where=None, *, ignore_index: int = -1
   check_labels(labels, logits.shape[-1], ignore_index)
   options = dict(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
                  z_loss=float(z_loss), reduction=reduction)
-  if (logits.dtype == jnp.float64 or logits.size == 0
-      or pallas.xla_by_default(interpret, kernel_asked=tiling is not None)):
+  if xla_path("cross_entropy", logits, implementation=implementation, interpret=interpret,
+              tiling=tiling):
     # The XLA path: the reference on float32 logits at least (float32 losses, as ours).
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     loss = reference.cross_entropy(logits, labels, where=where, **options)

@@ -42,6 +42,7 @@ from jaxsoftmax._core.inputs import RowView, check_floating
 from jaxsoftmax._core.linear_map import LinearMap
 from jaxsoftmax.norms import reference
 from jaxsoftmax.rows import RowOp, RowTiling, default_tiling, row_call
+from jaxsoftmax.rows.backends import xla_path
 from jaxsoftmax.rows.tiling import RESIDENT_MAX_COLS
 
 __all__ = ["layer_norm", "rms_norm"]
@@ -432,7 +433,7 @@ def _normalize_jvp(norm: _Norm, primals, tangents):
 
 
 def _norm(op: str, x, residual, scale, bias, *, epsilon, axis, scale_offset, rms: bool,
-          tiling, interpret):
+          tiling, implementation, interpret):
   x = check_floating(x, "x", op)
   view = RowView.of(x.shape, axis, fn=op)
   features = tuple(x.shape[a] for a in view.axes)
@@ -453,8 +454,7 @@ def _norm(op: str, x, residual, scale, bias, *, epsilon, axis, scale_offset, rms
     raise TypeError(f"{op}: tiling must be a RowTiling, got {tiling!r}")
   scale = None if scale is None else jnp.asarray(scale)
   bias = None if bias is None else jnp.asarray(bias)
-  if (x.dtype == jnp.float64 or x.size == 0
-      or pallas.xla_by_default(interpret, kernel_asked=tiling is not None)):
+  if xla_path(op, x, implementation=implementation, interpret=interpret, tiling=tiling):
     return reference.normalize(x, residual, scale, bias, rms=rms, epsilon=float(epsilon),
                       scale_offset=float(scale_offset), view=view)
   norm = _Norm(rms, float(epsilon), float(scale_offset), view.n_cols, jnp.dtype(x.dtype).name,
@@ -469,7 +469,8 @@ def _norm(op: str, x, residual, scale, bias, *, epsilon, axis, scale_offset, rms
 
 
 def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, axis=-1, residual=None,
-               tiling: RowTiling | None = None, interpret: bool | None = None):
+               tiling: RowTiling | None = None, implementation: str | None = None,
+               interpret: bool | None = None):
   """Layer normalization over ``axis``: (h - mean) / sqrt(var + epsilon) · scale + bias.
 
   Args:
@@ -480,21 +481,24 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-6, axis=-1, resi
     residual: optional, x's shape and dtype: the kernel normalizes h = x + residual
       (added in float32, rounded to x's dtype) and returns ``(y, h)``.
     tiling: optional `RowTiling` (see `jaxsoftmax.softmax`).
+    implementation: None, "triton" or "xla"; see `jaxsoftmax.softmax`.
     interpret: run the kernels in Pallas interpret mode; see `jaxsoftmax.softmax`.
 
   Returns:
     y in x's dtype, or ``(y, h)`` with a residual.
   """
   return _norm("layer_norm", x, residual, scale, bias, epsilon=epsilon, axis=axis,
-               scale_offset=0.0, rms=False, tiling=tiling, interpret=interpret)
+               scale_offset=0.0, rms=False, tiling=tiling, implementation=implementation,
+               interpret=interpret)
 
 
 def rms_norm(x, scale=None, *, epsilon: float = 1e-6, axis=-1, residual=None,
              scale_offset: float = 0.0, tiling: RowTiling | None = None,
-             interpret: bool | None = None):
+             implementation: str | None = None, interpret: bool | None = None):
   """RMS normalization over ``axis``: h / sqrt(mean(h²) + epsilon) · (scale_offset + scale).
 
   ``scale_offset=1.0`` gives Gemma's (1 + scale). Other arguments as `layer_norm`.
   """
   return _norm("rms_norm", x, residual, scale, None, epsilon=epsilon, axis=axis,
-               scale_offset=scale_offset, rms=True, tiling=tiling, interpret=interpret)
+               scale_offset=scale_offset, rms=True, tiling=tiling,
+               implementation=implementation, interpret=interpret)

@@ -25,6 +25,9 @@ picked from the shape by `default_tiling` or forced with a `RowTiling`:
 Ops without statistics (pure maps, such as the logsumexp backward) always run the map
 kernel of the split variant, tiled in two dimensions.
 
+This module is the row ops' one kernel backend, "triton" (`rows.backends.REGISTRY`):
+`NAME` and `unsupported` are what the seam asks of it.
+
 Memory traffic for an op with k (R, C) inputs and one output of b-byte elements:
 resident (k + 1)·R·C·b, the minimum; online and split (2k + 1)·R·C·b, less what L2 serves.
 
@@ -55,6 +58,15 @@ from jaxsoftmax._core.state import (LOG2E, merge_moments, reduce_moments, reduce
 from jaxsoftmax.rows.tiling import RowTiling, default_tiling
 
 __all__ = ["RowOp", "RowResult", "Tile", "exp_for", "row_call"]
+
+NAME = "triton"
+
+
+def unsupported(call) -> str | None:
+  """None: the engine runs every row op call that reaches a kernel (float32, bfloat16 and
+  float16 rows of any length)."""
+  del call
+  return None
 
 # Column sums in the resident kernel: each program walks its share of the row blocks, one
 # block in flight at a time, and writes one row of partial sums. Programs per SM: enough

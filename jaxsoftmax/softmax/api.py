@@ -42,6 +42,7 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.linear_map import LinearMap
 from jaxsoftmax._core.inputs import RowView, check_floating, check_where
 from jaxsoftmax.rows import RowOp, RowTiling, row_call
+from jaxsoftmax.rows.backends import xla_path
 from jaxsoftmax._core.state import nan_for_inf, probabilities, safe_shift, state_lse
 
 __all__ = ["softmax", "log_softmax", "logsumexp"]
@@ -66,20 +67,15 @@ _LOGSUMEXP_BWD = RowOp(
     apply=lambda t, s: t.exp(t.x.x - t.rows.m) * (t.rows.g / t.rows.l))
 
 
-def _xla_path(x, interpret, tiling) -> bool:
-  """Whether the call takes the XLA path (`reference`, in float32 at least): float64
-  and empty inputs, and by default off a GPU (`pallas.xla_by_default`)."""
-  return (x.dtype == jnp.float64 or x.size == 0
-          or pallas.xla_by_default(interpret, kernel_asked=tiling is not None))
-
-
-def _normalized(name: str, on_xla, on_kernels, x, axis, where, tiling, interpret):
+def _normalized(name: str, on_xla, on_kernels, x, axis, where, tiling, implementation,
+                interpret):
   """softmax and log_softmax as the public functions run them: the checks, then the XLA
-  path (``on_xla``, jnp in float32 at least) or the kernels (``on_kernels``)."""
+  path (``on_xla``, jnp in float32 at least) or the kernels (``on_kernels``), as
+  `rows.backends.xla_path` decides."""
   x = check_floating(x, "x", name)
   view = RowView.of(x.shape, axis, fn=name)
   where = check_where(where, x.shape, name)
-  if _xla_path(x, interpret, tiling):
+  if xla_path(name, x, implementation=implementation, interpret=interpret, tiling=tiling):
     return reference.accumulated(on_xla, x, view.axes, where)
   x, where = pallas.vary_together(x, where)
   return on_kernels(x, where, view=view, tiling=tiling,
@@ -138,7 +134,7 @@ def _softmax(x, where, *, view, tiling, interpret):
 
 
 def softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
-            interpret: bool | None = None) -> jax.Array:
+            implementation: str | None = None, interpret: bool | None = None) -> jax.Array:
   """Softmax over ``axis``, as jax.nn.softmax.
 
   Args:
@@ -148,6 +144,9 @@ def softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
       the sum and get 0.
     tiling: optional `RowTiling` to force a kernel variant and block sizes (forward and
       backward); None picks one from the shape.
+    implementation: None (the kernels where they run, the XLA path off a GPU), "triton"
+      (the row engine's Pallas kernels; interpreted off a GPU) or "xla" (plain jnp in
+      float32 at least, `reference`).
     interpret: run the kernels in Pallas interpret mode; None decides from
       ``JAXSOFTMAX_INTERPRET`` or the default backend.
 
@@ -156,7 +155,7 @@ def softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
     row that ``where`` masks entirely gives 0.
   """
   return _normalized("softmax", reference.softmax, _softmax, x, axis, where, tiling,
-                     interpret)
+                     implementation, interpret)
 
 
 # --- log_softmax -----------------------------------------------------------------------
@@ -251,13 +250,14 @@ def _log_softmax(x, where, *, view, tiling, interpret):
 
 
 def log_softmax(x, axis=-1, where=None, *, tiling: RowTiling | None = None,
+                implementation: str | None = None,
                 interpret: bool | None = None) -> jax.Array:
   """Log-softmax over ``axis``, as jax.nn.log_softmax.
 
   Arguments as `softmax`. Masked elements get -inf; a row of -inf gives NaN, as jax.nn.
   """
   return _normalized("log_softmax", reference.log_softmax, _log_softmax, x, axis, where,
-                     tiling, interpret)
+                     tiling, implementation, interpret)
 
 
 # --- logsumexp -------------------------------------------------------------------------
@@ -308,7 +308,7 @@ def _logsumexp(x, where, *, view, keepdims, tiling, interpret):
 
 def logsumexp(x, axis=None, b=None, keepdims: bool = False, return_sign: bool = False,
               where=None, *, tiling: RowTiling | None = None,
-              interpret: bool | None = None):
+              implementation: str | None = None, interpret: bool | None = None):
   """log(sum(b · exp(x))) over ``axis`` (all axes when None), as jax.nn.logsumexp.
 
   Arguments as `softmax`, plus ``keepdims``, and jax.nn.logsumexp's ``b`` (weights,
@@ -326,7 +326,8 @@ def logsumexp(x, axis=None, b=None, keepdims: bool = False, return_sign: bool = 
       b = jnp.broadcast_to(jnp.asarray(b), x.shape)
     return jax.nn.logsumexp(x, axis=view.axes, b=b, keepdims=keepdims,
                             return_sign=return_sign, where=where)
-  if _xla_path(x, interpret, tiling):
+  if xla_path("logsumexp", x, implementation=implementation, interpret=interpret,
+               tiling=tiling):
     return reference.accumulated(reference.logsumexp, x, view.axes, where, keepdims)
   x, where = pallas.vary_together(x, where)
   return _logsumexp(x, where, view=view, keepdims=keepdims, tiling=tiling,
