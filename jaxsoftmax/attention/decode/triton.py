@@ -1,0 +1,208 @@
+"""Decode attention in Pallas' Triton lowering: flash-decoding over a KV cache.
+
+One program per (split of the cache, sequence, KV head). The G = N/K query heads that
+share the KV head, times the T new tokens, form one tile of T·G query rows (GQA packing:
+each K/V byte is read once for all of them), padded to a power of two of at least 16
+rows for the tensor cores. The program walks its split's blocks of cache positions
+(a contiguous cache's rows, or a paged cache's pages by index from the block table),
+folding each into the online-softmax state (m, l) and acc = Σ_j exp(s_j - m) v_j as the
+training forward does (`attention.triton.forward`), and writes its partial o = acc / l
+with (m, log2 l). The splits merge in float32 in XLA (`merge_splits`): the split count
+puts every SM to work when the batch is small and the cache long.
+
+Positions at or past a sequence's length are never read: the loads of V are masked by
+the length (a masked load reads nothing), and the keys there are masked to -inf by
+selection, so garbage or NaN in the unused tail cannot leak into the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsoftmax._core import pallas
+from jaxsoftmax._core.pallas import pl
+from jaxsoftmax._core.state import safe_shift
+from jaxsoftmax.attention.logits import Logits, lse as natural_lse
+from jaxsoftmax.attention.triton.tiling import pow2_head_dim
+
+__all__ = ["DecodeDims", "forward", "merge_splits"]
+
+# Blocks of cache positions a split holds at least, where the split count is ours.
+_MIN_BLOCKS_PER_SPLIT = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeDims:
+  """The problem: B sequences of T new tokens, N query heads over K KV heads of dim H;
+  S cache positions per sequence (contiguous: the cache's length; paged: the block
+  table's pages times page_size); cache blocks of block_k positions (paged: one page,
+  padded to a power of two), ``chunk`` of them per split."""
+
+  B: int
+  T: int
+  N: int
+  K: int
+  H: int
+  S: int
+  page_size: int | None  # None: a contiguous cache
+  pages: int  # pages in the pool (paged), else 0
+  block_k: int
+  splits: int
+  chunk: int  # blocks per split
+
+  @property
+  def G(self) -> int:
+    return self.N // self.K
+
+  @property
+  def rows(self) -> int:
+    return self.T * self.G
+
+  @property
+  def rows_pad(self) -> int:
+    return max(16, pl.next_power_of_2(self.rows))
+
+  @property
+  def H_pad(self) -> int:
+    return pow2_head_dim(self.H)
+
+  @property
+  def positions_per_block(self) -> int:
+    return self.block_k if self.page_size is None else self.page_size
+
+  @property
+  def blocks(self) -> int:
+    return pl.cdiv(self.S, self.positions_per_block)
+
+  @classmethod
+  def of(cls, query, key, block_table, num_splits: int | None, *, cores: int):
+    B, T, N, H = query.shape
+    K = key.shape[2]
+    if block_table is None:
+      page_size, pages, S, block_k = None, 0, key.shape[1], 64
+    else:
+      page_size, pages = key.shape[1], key.shape[0]
+      S, block_k = block_table.shape[1] * page_size, pl.next_power_of_2(page_size)
+    per_block = block_k if page_size is None else page_size
+    blocks = pl.cdiv(S, per_block)
+    if num_splits is None:  # about two programs per SM, each a few blocks at least
+      num_splits = max(1, min(pl.cdiv(2 * cores, B * K), blocks // _MIN_BLOCKS_PER_SPLIT))
+    chunk = pl.cdiv(blocks, min(num_splits, blocks))
+    return cls(B, T, N, K, H, S, page_size, pages, block_k, pl.cdiv(blocks, chunk), chunk)
+
+
+def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logits,
+            window_left: int | None, exp2):
+  bt_ref = refs[0] if dims.page_size is not None else None
+  o_ref, m_ref, log2_l_ref = refs[-3:]
+  split = pl.program_id(0)
+  R, bk = dims.rows_pad, dims.block_k
+  length = jnp.max(pallas.load(len_ref))
+  r = jnp.arange(R, dtype=jnp.int32)
+  row_ok = r < dims.rows
+  h_ok = None if dims.H_pad == dims.H else jnp.arange(dims.H_pad, dtype=jnp.int32) < dims.H
+  tile_mask = row_ok[:, None] if h_ok is None else row_ok[:, None] & h_ok[None, :]
+  q = pallas.load(q_ref, mask=tile_mask, other=0)
+  pos = length - dims.T + r // dims.G  # each row's position in its sequence
+  per_block = dims.positions_per_block
+  # The split's blocks that hold a position below the length (and, with a window, at or
+  # after the earliest position a row sees).
+  lo = split * dims.chunk
+  hi = jnp.minimum(lo + dims.chunk, pl.cdiv(length, per_block))
+  if window_left is not None:
+    lo = jnp.maximum(lo, jnp.maximum(length - dims.T - window_left, 0) // per_block)
+  i = jnp.arange(bk, dtype=jnp.int32)
+  in_page = None if bk == per_block else i < per_block
+
+  # Positions below the length (and the cache's end, which an unchecked length inside
+  # jit could pass) are the only ones loaded.
+  end = jnp.minimum(length, dims.S)
+
+  def block(j, carry):
+    m, l, acc = carry
+    s = j * per_block + i  # the block's positions
+    if bt_ref is None:
+      k_blk, v_blk = k_ref.at[pl.ds(j * bk, bk), :], v_ref.at[pl.ds(j * bk, bk), :]
+    else:  # an index outside the pool is clamped into it, never read outside
+      page = jnp.clip(jnp.max(pallas.load(bt_ref.at[pl.ds(j, 1)])), 0, dims.pages - 1)
+      k_blk, v_blk = k_ref.at[page, pl.ds(0, bk), :], v_ref.at[page, pl.ds(0, bk), :]
+    used = s < end if in_page is None else (s < end) & in_page
+    kv_mask = used[:, None] if h_ok is None else used[:, None] & h_ok[None, :]
+    k = pallas.load(k_blk, mask=kv_mask, other=0)
+    x, _ = logits.cap(pallas.dot(q, k, trans_b=True))  # (R, bk)
+    allowed = (s[None, :] <= pos[:, None]) & (s[None, :] < length) & row_ok[:, None]
+    if window_left is not None:
+      allowed = allowed & (s[None, :] >= pos[:, None] - window_left)
+    x = jnp.where(allowed & used[None, :], x, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(x, axis=1))
+    shift = safe_shift(m_new)
+    p = exp2(logits.exponent(x, shift[:, None]))
+    alpha = exp2(logits.exponent(m, shift))
+    v = pallas.load(v_blk, mask=kv_mask, other=0)
+    acc = acc * alpha[:, None] + pallas.dot(p.astype(v.dtype), v)
+    return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+  carry = (jnp.full((R,), -jnp.inf, jnp.float32), jnp.zeros((R,), jnp.float32),
+           jnp.zeros((R, dims.H_pad), jnp.float32))
+  m, l, acc = lax.fori_loop(lo, jnp.maximum(hi, lo), block, carry)
+  some = l != 0  # NaN stays NaN (NaN != 0)
+  l_safe = jnp.where(some, l, 1.0)
+  pallas.store(o_ref, jnp.where(some[:, None], acc / l_safe[:, None], 0.0), mask=tile_mask)
+  pallas.store(m_ref, jnp.where(some, jnp.where(l == l, m, jnp.nan), -jnp.inf), mask=row_ok)
+  pallas.store(log2_l_ref, jnp.log2(l_safe), mask=row_ok)
+
+
+def forward(q, k, v, lengths, block_table, *, dims: DecodeDims, scale: float,
+            softcap: float | None, window_left: int | None, interpret: bool):
+  """Per split, float32: o (splits, B, K, T·G, H), m and log2 l (splits, B, K, T·G), for
+  q (B, T, N, H) and the cache k, v (contiguous (B, S, K, H), or pools (pages, page_size,
+  K, H) with ``block_table`` (B, max_pages))."""
+  B, T, N, H = q.shape
+  K, G, R, R_pad, H_pad = dims.K, dims.G, dims.rows, dims.rows_pad, dims.H_pad
+  # Rows (t, g) of each KV head's tile: a transpose of the few new tokens only.
+  q_rows = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, R, H)
+  q_spec = pl.BlockSpec((None, None, R_pad, H_pad), lambda s, b, h: (b, h, 0, 0))
+  if block_table is None:
+    kv_spec = pl.BlockSpec((None, pl.cdiv(dims.S, dims.block_k) * dims.block_k, None,
+                            H_pad), lambda s, b, h: (b, 0, h, 0))
+  else:
+    kv_spec = pl.BlockSpec((k.shape[0], dims.block_k, None, H_pad),
+                           lambda s, b, h: (0, 0, h, 0))
+  in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((1,), lambda s, b, h: (b,))]
+  args = [q_rows, k, v, lengths.astype(jnp.int32)]
+  if block_table is not None:
+    in_specs.append(pl.BlockSpec((None, block_table.shape[1]), lambda s, b, h: (b, 0)))
+    args.append(block_table.astype(jnp.int32))
+  o_spec = pl.BlockSpec((None, None, None, R_pad, H_pad), lambda s, b, h: (s, b, h, 0, 0))
+  stat_spec = pl.BlockSpec((None, None, None, R_pad), lambda s, b, h: (s, b, h, 0))
+  stat = jax.ShapeDtypeStruct((dims.splits, B, K, R), jnp.float32)
+  logits = Logits(scale, softcap, fused=q.dtype != jnp.float32)
+  kernel = functools.partial(_kernel, dims=dims, logits=logits, window_left=window_left,
+                             exp2=pallas.exp2(interpret))
+  return pallas.pallas_call(
+      kernel, name="decode_attention", grid=(dims.splits, B, K), in_specs=in_specs,
+      out_specs=[o_spec, stat_spec, stat_spec],
+      out_shape=[jax.ShapeDtypeStruct((dims.splits, B, K, R, H), jnp.float32), stat, stat],
+      num_warps=4, num_stages=2, interpret=interpret)(*args)
+
+
+def merge_splits(o, m, log2_l, *, dims: DecodeDims, scale: float, softcap: float | None):
+  """The splits' partial results merged in float32: (out (B, T, N, H) float32, lse
+  (B, T, N) float32, -inf for a row with no position)."""
+  lse_s = natural_lse(m, log2_l, scale=scale, softcap=softcap)  # (splits, B, K, R)
+  top = jnp.max(lse_s, axis=0)
+  top_safe = jnp.where(top == -jnp.inf, 0.0, top)
+  w = jnp.exp(lse_s - top_safe[None])  # 0 for an empty split; NaN carries
+  total = jnp.sum(w, axis=0)
+  empty = total == 0
+  lse = jnp.where(empty, -jnp.inf, top_safe + jnp.log(jnp.where(empty, 1.0, total)))
+  out = jnp.sum(w[..., None] * o, axis=0) / jnp.where(empty, 1.0, total)[..., None]
+  B, T, K, G, H = dims.B, dims.T, dims.K, dims.G, dims.H
+  out = out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, H)
+  lse = lse.reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, K * G)
+  return out, lse

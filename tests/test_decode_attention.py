@@ -1,0 +1,206 @@
+"""decode_attention: output and lse of the Triton decode kernel (interpreted on a CPU)
+against the float64 truth under the 2x rule, contiguous and paged caches, every mask;
+the unused tail never leaks; split counts agree; bad input names the argument."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsoftmax as js
+from jaxsoftmax.attention.decode import reference
+from tolerance import assert_2x, truth
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _cache(key, B, S, K, H, dtype, page_size):
+  """(key, value, block_table): contiguous (B, S, K, H) without a page size, else pools
+  of pages (a few more than the sequences need) behind a shuffled block table."""
+  kk, kv, kp = jax.random.split(key, 3)
+  if page_size is None:
+    shape, table = (B, S, K, H), None
+  else:
+    per_seq = -(-S // page_size)
+    pages = B * per_seq + 3
+    shape = (pages, page_size, K, H)
+    table = jax.random.permutation(kp, pages)[:B * per_seq].reshape(B, per_seq)
+    table = table.astype(jnp.int32)
+  k = jax.random.normal(kk, shape, jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, shape, jnp.float32).astype(dtype)
+  return k, v, table
+
+
+def _check(q, k, v, lengths, table, **options):
+  """out and lse of the kernels against the truth (2x rule)."""
+  run = lambda impl, q, k, v: js.decode_attention(
+      q, k, v, lengths, block_table=table, return_residual=True, implementation=impl,
+      interpret=not ON_GPU, **options)
+  got = jax.jit(functools.partial(run, "triton"))(q, k, v)
+  in_dtype = jax.jit(functools.partial(run, "xla"))(q, k, v)
+  ref = lambda q, k, v: reference.decode_attention(
+      q, k, v, lengths, block_table=table, scale=options.get("scale"),
+      logits_soft_cap=options.get("logits_soft_cap"),
+      window_left=_left(options.get("local_window_size")))
+  exact = truth(ref, q, k, v)
+  for what, a, b, c in zip(("out", "lse"), got, in_dtype, exact):
+    assert_2x(a, b, c, what=what)
+  return got
+
+
+def _left(window):
+  return window if window is None or isinstance(window, int) else window[0]
+
+
+# (B, T, N, K, H, S, page_size, lengths, options)
+CASES = [
+    pytest.param(3, 1, 8, 8, 64, 200, None, [0, 1, 200], {}, id="T1-MHA-lengths-0-1-S"),
+    pytest.param(2, 3, 8, 2, 128, 150, None, [77, 3], {}, id="T3-GQA4"),
+    pytest.param(2, 16, 8, 1, 64, 100, None, [100, 40], {}, id="T16-MQA"),
+    pytest.param(2, 2, 16, 2, 64, 300, 16, [32, 257], {}, id="page16-GQA8-boundaries"),
+    pytest.param(2, 4, 4, 2, 128, 256, 64, [64, 130], dict(logits_soft_cap=5.0),
+                 id="page64-softcap"),
+    pytest.param(1, 3, 4, 1, 256, 512, 256, [300], dict(local_window_size=100),
+                 id="page256-H256-window"),
+    pytest.param(2, 2, 4, 2, 96, 120, 48, [120, 49], dict(local_window_size=(10, 0)),
+                 id="page48-H96-window"),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("B, T, N, K, H, S, page_size, lengths, options", CASES)
+def test_matches_truth(key, B, T, N, K, H, S, page_size, lengths, options, dtype):
+  kq, kc = jax.random.split(key)
+  q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
+  k, v, table = _cache(kc, B, S, K, H, dtype, page_size)
+  out, lse = _check(q, k, v, jnp.array(lengths), table, **options)
+  empty = np.array(lengths) == 0
+  np.testing.assert_array_equal(out[empty], 0)
+  assert np.all(np.isneginf(lse[empty]))
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
+def test_nan_past_the_length_does_not_leak(key, page_size):
+  # NaN everywhere at or past each length: the result is finite and the truth's.
+  B, T, N, K, H, S = 2, 2, 4, 2, 64, 96
+  kq, kc = jax.random.split(key)
+  q = jax.random.normal(kq, (B, T, N, H))
+  k, v, table = _cache(kc, B, S, K, H, jnp.float32, page_size)
+  lengths = jnp.array([37, 64])
+  contiguous = lambda a: reference.contiguous_cache(a, table)
+  tail = (jnp.arange(S)[None, :] >= lengths[:, None])[:, :, None, None]
+  if page_size is None:
+    k, v = jnp.where(tail, jnp.nan, k), jnp.where(tail, jnp.nan, v)
+  else:  # the positions of each page past its sequence's length
+    pos = jnp.zeros(k.shape[:2], bool)
+    for b in range(B):
+      for j, page in enumerate(np.asarray(table[b])):
+        pos = pos.at[page].set(j * page_size + jnp.arange(page_size) >= lengths[b])
+    k = jnp.where(pos[:, :, None, None], jnp.nan, k)
+    v = jnp.where(pos[:, :, None, None], jnp.nan, v)
+  assert np.isnan(np.asarray(contiguous(k))).any()
+  out, lse = _check(q, k, v, lengths, table)
+  assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
+
+
+def test_nan_in_the_cache_is_not_hidden(key):
+  B, T, N, K, H, S = 1, 1, 2, 1, 64, 40
+  q = jax.random.normal(key, (B, T, N, H))
+  k, v, _ = _cache(key, B, S, K, H, jnp.float32, None)
+  out = js.decode_attention(q, k.at[0, 5, 0, 0].set(jnp.nan), v, jnp.array([40]),
+                            implementation="triton", interpret=not ON_GPU)
+  assert np.isnan(np.asarray(out)).all()
+
+
+def test_split_counts_agree(key):
+  # One split to one per block: the same result within float32 rounding.
+  B, T, N, K, H, S = 1, 2, 4, 2, 64, 700
+  kq, kc = jax.random.split(key)
+  q = jax.random.normal(kq, (B, T, N, H))
+  k, v, _ = _cache(kc, B, S, K, H, jnp.float32, None)
+  run = lambda n: js.decode_attention(q, k, v, jnp.array([650]), num_splits=n,
+                                      interpret=not ON_GPU, return_residual=True)
+  base = run(1)
+  for n in (2, 5, 11, 64):
+    for a, b in zip(run(n), base):
+      np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6)
+
+
+def test_default_split_count():
+  # About two programs per SM, each split holding at least four blocks of the cache.
+  from jaxsoftmax.attention.decode.triton import DecodeDims
+  sds = jax.ShapeDtypeStruct
+  dims = lambda B, S, K, **kw: DecodeDims.of(sds((B, 1, 4 * K, 128), jnp.bfloat16),
+                                             sds((B, S, K, 128), jnp.bfloat16), None, None,
+                                             cores=132, **kw)
+  assert dims(1, 131072, 8).splits == 33  # 264 programs over 8 heads
+  assert dims(64, 4096, 8).splits == 1
+  assert dims(8, 8192, 8).splits == 5  # 264 programs over 64 (sequence, head) pairs
+  assert dims(1, 100, 8).splits == 1  # two blocks: fewer than four a split
+
+
+def test_backward_raises():
+  q, k = jnp.ones((1, 1, 2, 64)), jnp.ones((1, 8, 1, 64))
+  loss = lambda q: jnp.sum(js.decode_attention(q, k, k, jnp.array([8]),
+                                               implementation="triton",
+                                               interpret=not ON_GPU))
+  with pytest.raises(NotImplementedError, match="decode_attention has no backward"):
+    jax.grad(loss)(q)
+
+
+def test_bad_input():
+  q, k, lengths = jnp.ones((2, 3, 4, 64)), jnp.ones((2, 16, 2, 64)), jnp.array([5, 16])
+  da = js.decode_attention
+  with pytest.raises(ValueError, match="lengths must be an integer array of shape"):
+    da(q, k, k, jnp.array([5.0, 6.0]))
+  with pytest.raises(ValueError, match="lengths must lie in \\[0, 16\\]"):
+    da(q, k, k, jnp.array([5, 17]))
+  with pytest.raises(ValueError, match="a nonzero length must hold the 3 new tokens"):
+    da(q, k, k, jnp.array([2, 16]))
+  with pytest.raises(ValueError, match="multiple of the KV heads"):
+    da(q, jnp.ones((2, 16, 3, 64)), jnp.ones((2, 16, 3, 64)), lengths)
+  with pytest.raises(ValueError, match="head dim 32 differs"):
+    da(q, jnp.ones((2, 16, 2, 32)), jnp.ones((2, 16, 2, 32)), lengths)
+  with pytest.raises(ValueError, match="block_table must be int32 of shape \\(2, max_pages\\)"):
+    da(q, k, k, lengths, block_table=jnp.zeros((2, 4)))
+  with pytest.raises(ValueError, match="lengths must lie in \\[0, 32\\]"):
+    da(q, k, k, jnp.array([5, 33]), block_table=jnp.zeros((2, 2), jnp.int32))
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    da(q, k, k, lengths, implementation="cuda")
+  with pytest.raises(ValueError, match="local_window_size must be"):
+    da(q, k, k, lengths, local_window_size=-1)
+  with pytest.raises(ValueError, match="num_splits must be a positive int"):
+    da(q, k, k, lengths, num_splits=0)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
+def test_lowers_for_cuda(as_if_on_an_h200, paged, dtype):
+  # The kernel lowers for CUDA without a GPU: Pallas API drift shows on every CI run.
+  sds = jax.ShapeDtypeStruct
+  B, T, N, K, H = 4, 4, 32, 8, 128
+  k = sds((300, 64, K, H), dtype) if paged else sds((B, 1000, K, H), dtype)
+  table = sds((B, 20), jnp.int32) if paged else None
+  run = lambda q, k, v, lengths, table: js.decode_attention(
+      q, k, v, lengths, block_table=table, implementation="triton", interpret=False,
+      logits_soft_cap=30.0, local_window_size=100)
+  text = jax.jit(run).trace(sds((B, T, N, H), dtype), k, k, sds((B,), jnp.int32),
+                            table).lower(lowering_platforms=("cuda",)).as_text()
+  assert re.search(r'name = \\?"decode_attention', text)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("B, T, N, K, H, S, page_size", [
+    (8, 1, 32, 8, 128, 8192, None), (4, 4, 32, 8, 128, 4100, 64),
+    (1, 16, 64, 8, 128, 32768, 256), (3, 3, 8, 1, 256, 1000, 16),
+], ids=["B8-S8192", "T4-page64", "T16-page256", "MQA-H256-page16"])
+def test_matches_truth_gpu(key, B, T, N, K, H, S, page_size, dtype):
+  kq, kc, kl = jax.random.split(key, 3)
+  q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
+  k, v, table = _cache(kc, B, S, K, H, dtype, page_size)
+  lengths = jax.random.randint(kl, (B,), T, S + 1).at[0].set(S)
+  _check(q, k, v, lengths, table)
