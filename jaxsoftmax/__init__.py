@@ -6,7 +6,7 @@ norms, whose backward passes recompute from the saved row statistics. docs/math.
 the math, docs/numerics.md the numerics contract.
 """
 
-from jaxsoftmax.attention.decode import decode_attention
+from jaxsoftmax.attention.decode import decode_attention, update_kv_cache
 from jaxsoftmax.attention import (BlockSizes, HopperBlockSizes, attention_kernels,
                                   context_parallel_attention, dot_product_attention,
                                   flax_attention, flax_attention_fn, ring_attention,
@@ -32,6 +32,7 @@ __all__ = [
     "rms_norm",
     "dot_product_attention",
     "decode_attention",
+    "update_kv_cache",
     "attention_kernels",
     "flax_attention",
     "flax_attention_fn",

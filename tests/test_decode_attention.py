@@ -204,3 +204,43 @@ def test_matches_truth_gpu(key, B, T, N, K, H, S, page_size, dtype):
   k, v, table = _cache(kc, B, S, K, H, dtype, page_size)
   lengths = jax.random.randint(kl, (B,), T, S + 1).at[0].set(S)
   _check(q, k, v, lengths, table)
+
+
+def test_generate_example_on_a_cpu():
+  # examples/generate.py on the interpreted kernels: contiguous and paged decoding pick
+  # jax.nn's tokens, with its logits.
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAXSOFTMAX_INTERPRET="1", PYTHONPATH=root)
+  out = subprocess.run([sys.executable, os.path.join(root, "examples", "generate.py"),
+                        "--new-tokens", "6"], env=env, capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 0 and "OK:" in out.stdout, out.stdout + out.stderr
+  assert "100.0% of the tokens" in out.stdout
+
+
+def test_update_kv_cache():
+  # T = 2 new tokens at positions lengths - 2 and lengths - 1; a length of 0 writes
+  # nothing; in a pool each lands in its sequence's page, at its slot.
+  new = jnp.arange(1.0, 5.0).reshape(2, 2, 1, 1)
+  cache = js.update_kv_cache(jnp.zeros((2, 6, 1, 1)), new, jnp.array([3, 0]))
+  np.testing.assert_array_equal(cache[..., 0, 0], [[0, 1, 2, 0, 0, 0], [0] * 6])
+  table = jnp.array([[3, 1], [0, 2]], jnp.int32)
+  pool = js.update_kv_cache(jnp.zeros((5, 4, 1, 1)), new, jnp.array([5, 2]),
+                            block_table=table)
+  want = np.zeros((5, 4))
+  want[3, 3], want[1, 0], want[0, 0], want[0, 1] = 1, 2, 3, 4
+  np.testing.assert_array_equal(pool[..., 0, 0], want)
+  # What it writes is what decode_attention reads: the same result as the contiguous cache.
+  k = jnp.arange(2 * 8 * 1 * 64, dtype=jnp.float32).reshape(2, 8, 1, 64) / 1000
+  lengths = jnp.array([8, 5])
+  paged = jnp.zeros((5, 4, 1, 64))
+  for t in range(8):
+    paged = js.update_kv_cache(paged, k[:, t:t + 1], jnp.where(t < lengths, t + 1, 0),
+                               block_table=table)
+  q = jnp.ones((2, 1, 2, 64))
+  np.testing.assert_allclose(
+      js.decode_attention(q, paged, paged, lengths, block_table=table),
+      js.decode_attention(q, k, k, lengths), rtol=1e-6)
