@@ -50,6 +50,10 @@
 #                           float32 scale and bias; NORM_MODES="fwd" or "bwd" sweeps one
 #                           kernel); norm-ncu: the backward kernel's counters
 #                           (profile_norms.py)
+#   decode-tests            pytest -m gpu tests/test_decode_attention.py
+#   decode-bench            bench_decode_attention.py: decode_attention beside XLA, cuDNN,
+#                           FA3 and Pallas' decode kernels, contiguous and paged caches
+#                           (DECODE_ONLY="0,1" picks shapes, DECODE_NAME names the results)
 #
 # The attention peers FA3 and tokamax come as wheels placed in .peers (git-ignored; carry
 # it to the machine); they are installed under /tmp for the run.
@@ -57,8 +61,8 @@ set -uo pipefail
 stages=${STAGES:-tests tune bench}
 known="tests tune bench rows-profile attn-tests attn-tune attn-tune-hopper attn-bench
   attn-bench-bwd attn-ncu attn-resources pytest lce-tests lce-bench lce-profile lce-accuracy
-  tune-lce norm-tests norm-bench tune-norms norm-ncu ring-tests ring-bench ring-profile
-  ring-example accuracy-rows command-buffers example"
+  tune-lce norm-tests norm-bench tune-norms norm-ncu decode-tests decode-bench ring-tests
+  ring-bench ring-profile ring-example accuracy-rows command-buffers example"
 if [ "${1:-}" = --help ] || [ "${1:-}" = -h ]; then
   sed -n '2,/^$/{s/^# \{0,1\}//;/^set /q;p}' "$0"
   exit 0
@@ -235,6 +239,14 @@ for stage in $stages; do
         counters "$out/ncu_norms_$i.log" "${NORM_KERNEL:-norm_bwd}" "norms $i" \
           $python benchmarks/profile_norms.py ${profiles[$i]}
       done ;;
+    decode-tests)
+      timeout 300 $python -m pytest -m gpu -q -p no:cacheprovider -rfEs \
+        tests/test_decode_attention.py 2>&1 | tee "$out/decode_tests.log" | tail -n 6 \
+        | tee -a "$out/summary.log" ;;
+    decode-bench)
+      timeout 400 $python benchmarks/bench_decode_attention.py --out "$out" \
+        ${DECODE_ONLY:+--only "$DECODE_ONLY"} ${DECODE_NAME:+--name "$DECODE_NAME"} 2>&1 \
+        | tee -a "$out/decode_bench.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     ring-tests)
       # Context parallelism on every visible GPU (the nvidia-h200-x2 machine).
       timeout 300 $python -m pytest -m gpu -q -p no:cacheprovider -rfEs \

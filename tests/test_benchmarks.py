@@ -109,6 +109,32 @@ def test_bench_norms_smoke(tmp_path):
   assert all(r["note"] for r in rows if r["median_us"] is None)
 
 
+def test_bench_decode_attention_smoke(tmp_path):
+  rows = _smoke_rows(tmp_path, "bench_decode_attention", "decode_attention")
+  # Per smoke case (T = 1 and T = 2): the read ceiling, the seven contiguous rows and the
+  # six paged ones (FA3 at three split counts; page size 16, S = 100 not a multiple of it).
+  assert len(rows) == 28 and sum(r["op"] == "ceiling" for r in rows) == 2
+  # Ours and XLA's ran on both layouts, right against the float64 truth (bfloat16).
+  for T in (1, 2):
+    for mode in ("contiguous", "paged 16"):
+      for impl in ("jaxsoftmax triton", "xla"):
+        [r] = [r for r in rows if (r["op"], r["mode"], r["impl"]) == (f"decode T={T}", mode,
+                                                                       impl)]
+        assert r["median_us"] > 0 and r["gbps"] > 0 and r["max_rel_err"] < 2e-2, r
+        assert r["ceiling"] == "read"
+        assert impl != "jaxsoftmax triton" or r["note"].startswith("splits "), r
+  if not ON_GPU:  # Pallas' own decode kernels, interpreted (T = 1 only)
+    pallas = [r for r in rows if r["impl"].startswith("pallas ") and r["op"] != "ceiling"]
+    assert {(r["op"], r["mode"]) for r in pallas if r["median_us"] is not None} == {
+        ("decode T=1", "contiguous"), ("decode T=1", "paged 16")}
+    assert all(r["max_rel_err"] < 2e-2 for r in pallas if r["median_us"] is not None)
+  # Peers that cannot run here (cuDNN and FA3 need a GPU, FA3 its wheel; T > 1 for the
+  # one-query kernels) are rows that say why, not crashes.
+  assert all(r["note"] for r in rows if r["median_us"] is None)
+  with open(tmp_path / "decode_attention.md") as f:
+    assert "## Ours against the fastest peer" in f.read()
+
+
 def test_bench_attention_backward_smoke(tmp_path):
   rows = _smoke_rows(tmp_path, "bench_attention_backward", "attention_backward")
   # The backward alone, timed from the forward's residuals: ours on Triton runs here.
@@ -231,3 +257,5 @@ def test_run_gpu_lists_and_checks_its_stages(tmp_path):
   handled = set(re.findall(r"^    ([a-z0-9-]+)\)$", text, re.M))
   known = set(re.search(r'^known="([^"]*)"', text, re.M).group(1).split())
   assert handled == known
+  # --help names every stage (as itself, not inside a longer stage's name).
+  assert not [s for s in known if not re.search(rf"(?<![\w-]){re.escape(s)}(?![\w-])", shown)]
