@@ -91,7 +91,10 @@ def _check(x, w, b, y, *, tiling=SMALL, implementation=None, nan_for_inf=(), **o
     ids=["plain", "smoothing-zloss", "softcap", "sum", "none"])
 def test_matches_truth(key, monkeypatch, dtype, options, implementation):
   # Chunks of 64 columns (128 for the Hopper kernels): the last overlaps the one before.
-  # float32 through the backward's own softmax state (`chunked._own_state`).
+  # float32 through the backward's own softmax state (`chunked._own_state`). The Hopper
+  # kernels, interpreted, take the loss terms; the reductions are the wrapper's.
+  if implementation == "mosaic_gpu" and "reduction" in options:
+    pytest.skip("the reductions are the same XLA code for every backend")
   monkeypatch.setattr(pallas, "num_cores", lambda: 4)  # the Hopper kernels' small grids
   _check(*_inputs(key, (37,), 40, 301, dtype), tiling=_tiling(implementation),
          implementation=implementation, **options)
