@@ -41,7 +41,9 @@ class DecodeDims:
   """The problem: B sequences of T new tokens, N query heads over K KV heads of dim H;
   S cache positions per sequence (contiguous: the cache's length; paged: the block
   table's pages times page_size); cache blocks of block_k positions (paged: one page,
-  padded to a power of two), ``chunk`` of them per split."""
+  padded to a power of two). Each sequence's blocks below its length are cut into
+  ``splits`` runs of one size at run time, so that a short sequence in a long cache
+  is spread over every split too."""
 
   B: int
   T: int
@@ -53,7 +55,6 @@ class DecodeDims:
   pages: int  # pages in the pool (paged), else 0
   block_k: int
   splits: int
-  chunk: int  # blocks per split
 
   @property
   def G(self) -> int:
@@ -92,8 +93,7 @@ class DecodeDims:
     blocks = pl.cdiv(S, per_block)
     if num_splits is None:  # about two programs per SM, each a few blocks at least
       num_splits = max(1, min(pl.cdiv(2 * cores, B * K), blocks // _MIN_BLOCKS_PER_SPLIT))
-    chunk = pl.cdiv(blocks, min(num_splits, blocks))
-    return cls(B, T, N, K, H, S, page_size, pages, block_k, pl.cdiv(blocks, chunk), chunk)
+    return cls(B, T, N, K, H, S, page_size, pages, block_k, min(num_splits, blocks))
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logits,
@@ -110,10 +110,13 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logit
   q = pallas.load(q_ref, mask=tile_mask, other=0)
   pos = length - dims.T + r // dims.G  # each row's position in its sequence
   per_block = dims.positions_per_block
-  # The split's blocks that hold a position below the length (and, with a window, at or
-  # after the earliest position a row sees).
-  lo = split * dims.chunk
-  hi = jnp.minimum(lo + dims.chunk, pl.cdiv(length, per_block))
+  # The split's run of the blocks that hold a position below the length, cut by the
+  # length (not the cache's capacity); with a window, only those at or after the
+  # earliest position a row sees.
+  n_blocks = pl.cdiv(length, per_block)
+  chunk = pl.cdiv(n_blocks, dims.splits)
+  lo = split * chunk
+  hi = jnp.minimum(lo + chunk, n_blocks)
   if window_left is not None:
     lo = jnp.maximum(lo, jnp.maximum(length - dims.T - window_left, 0) // per_block)
   i = jnp.arange(bk, dtype=jnp.int32)
