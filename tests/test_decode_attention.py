@@ -74,7 +74,8 @@ CASES = [
 DTYPE_CASES = ([pytest.param(jnp.bfloat16, *case.values, id=f"{case.id}-bfloat16")
                 for case in CASES]
                + [pytest.param(jnp.float32, *case.values, id=f"{case.id}-float32")
-                  for case in CASES[1::3]])
+                  for case in CASES[1::3]]
+               + [pytest.param(jnp.float16, *CASES[4].values, id=f"{CASES[4].id}-float16")])
 
 
 @pytest.mark.parametrize("dtype, B, T, N, K, H, S, page_size, lengths, options", DTYPE_CASES)
