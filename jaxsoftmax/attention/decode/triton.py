@@ -73,6 +73,12 @@ class DecodeDims:
     return pow2_head_dim(self.H)
 
   @property
+  def num_warps(self) -> int:
+    """4 warps, or 8 where the float32 accumulator (rows x head dim) would otherwise
+    take more than 64 registers a thread (T·G = 128 rows at head dim 128, 64 at 256)."""
+    return 4 if self.rows_pad * self.H_pad <= 4 * 32 * 64 else 8
+
+  @property
   def positions_per_block(self) -> int:
     return self.block_k if self.page_size is None else self.page_size
 
@@ -191,7 +197,7 @@ def forward(q, k, v, lengths, block_table, *, dims: DecodeDims, scale: float,
       kernel, name="decode_attention", grid=(dims.splits, B, K), in_specs=in_specs,
       out_specs=[o_spec, stat_spec, stat_spec],
       out_shape=[jax.ShapeDtypeStruct((dims.splits, B, K, R, H), jnp.float32), stat, stat],
-      num_warps=4, num_stages=2, interpret=interpret)(*args)
+      num_warps=dims.num_warps, num_stages=2, interpret=interpret)(*args)
 
 
 def merge_splits(o, m, log2_l, *, dims: DecodeDims, scale: float, softcap: float | None):
