@@ -113,6 +113,18 @@ def test_nan_past_the_length_does_not_leak(key, page_size):
   assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
 
 
+def test_empty_cache_and_no_new_tokens():
+  # A cache of no positions (every length 0) and a call with no new tokens: the XLA
+  # path, output 0 and lse -inf, or an empty output.
+  q, k = jnp.ones((2, 1, 4, 64)), jnp.ones((2, 0, 2, 64))
+  out, lse = js.decode_attention(q, k, k, jnp.array([0, 0]), return_residual=True)
+  np.testing.assert_array_equal(out, 0)
+  assert np.isneginf(np.asarray(lse)).all()
+  out = js.decode_attention(jnp.ones((2, 0, 4, 64)), jnp.ones((2, 8, 2, 64)),
+                            jnp.ones((2, 8, 2, 64)), jnp.array([3, 8]))
+  assert out.shape == (2, 0, 4, 64)
+
+
 def test_nan_in_the_cache_is_not_hidden(key):
   B, T, N, K, H, S = 1, 1, 2, 1, 64, 40
   q = jax.random.normal(key, (B, T, N, H))

@@ -55,7 +55,7 @@ def decode_attention(query, key, value, lengths, *, block_table=None, scale=None
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   logits = jnp.where(allowed[:, None, None], logits, -jnp.inf)
-  m = jnp.max(logits, axis=-1, keepdims=True)
+  m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)  # an empty cache too
   m = jnp.where(m == -jnp.inf, 0.0, m)  # a row with no allowed position
   p = jnp.exp(logits - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
