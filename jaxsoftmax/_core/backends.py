@@ -15,7 +15,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Backend", "Registry"]
+__all__ = ["Backend", "Registry", "check_implementation"]
+
+
+def check_implementation(op: str, implementation, allowed: tuple) -> None:
+  """A ValueError naming the argument when ``implementation`` is none of ``allowed``."""
+  if implementation not in allowed:
+    raise ValueError(f"{op}: implementation must be one of {allowed}, got "
+                     f"{implementation!r}")
 
 
 @runtime_checkable
@@ -53,6 +60,12 @@ class Registry(Generic[B]):
   @property
   def names(self) -> tuple[str, ...]:
     return tuple(backend.NAME for backend in self.backends)
+
+  @property
+  def implementations(self) -> tuple:
+    """What ``implementation=`` takes: None (the first that can run the call), each
+    backend's name, and "xla" (the op's XLA path)."""
+    return (None, *self.names, "xla")
 
   def __getitem__(self, name: str) -> B:
     for backend in self.backends:

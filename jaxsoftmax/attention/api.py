@@ -31,7 +31,7 @@ import numpy as np
 from jaxsoftmax.attention import reference
 from jaxsoftmax._core import pallas
 from jaxsoftmax.attention import logits, mosaic_gpu, triton
-from jaxsoftmax._core.backends import Registry
+from jaxsoftmax._core.backends import Registry, check_implementation
 from jaxsoftmax.attention.call import AttentionBackend, AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import HopperBlockSizes
@@ -46,7 +46,7 @@ REGISTRY: Registry[AttentionBackend] = Registry(
     "dot_product_attention", (mosaic_gpu, triton),
     otherwise="implementation='xla' takes the reference path")
 BACKENDS = REGISTRY.backends
-IMPLEMENTATIONS = (None, *REGISTRY.names, "xla")
+IMPLEMENTATIONS = REGISTRY.implementations
 
 
 def _forward(q, k, v, aux, call: Call, backend: str, *, for_backward: bool):
@@ -275,9 +275,7 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   _check_inputs(query, key, value)
   B, T, N, H = query.shape
   S = key.shape[1]
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"dot_product_attention: implementation must be one of "
-                     f"{IMPLEMENTATIONS}, got {implementation!r}")
+  check_implementation("dot_product_attention", implementation, IMPLEMENTATIONS)
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"dot_product_attention: logits_soft_cap must be > 0, got "
                      f"{logits_soft_cap!r}")

@@ -67,7 +67,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsoftmax._core import pallas
-from jaxsoftmax._core.backends import Registry
+from jaxsoftmax._core.backends import Registry, check_implementation
 from jaxsoftmax._core.inputs import check_floating
 from jaxsoftmax._core.linear_map import LinearMap
 from jaxsoftmax.cross_entropy.api import REDUCTIONS, check_labels, reduce_losses
@@ -82,7 +82,7 @@ __all__ = ["linear_cross_entropy", "REGISTRY", "IMPLEMENTATIONS"]
 REGISTRY: Registry[LinearCrossEntropyBackend] = Registry(
     "linear_cross_entropy", (mosaic_gpu, triton),
     otherwise="implementation='xla' takes the reference path")
-IMPLEMENTATIONS = (None, *REGISTRY.names, "xla")
+IMPLEMENTATIONS = REGISTRY.implementations
 
 
 def _loss(lse, label_logit, total, labels, dims: Dims, options: Options):
@@ -231,9 +231,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
     raise ValueError(f"{op}: logit_soft_cap must be > 0, got {logit_soft_cap!r}")
   if tiling is not None and not isinstance(tiling, LinearCrossEntropyTiling):
     raise TypeError(f"{op}: tiling must be a LinearCrossEntropyTiling, got {tiling!r}")
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, got "
-                     f"{implementation!r}")
+  check_implementation(op, implementation, IMPLEMENTATIONS)
   check_labels(labels, V, ignore_index, op)
   kernel_asked = tiling is not None or implementation in REGISTRY.names
   if (implementation == "xla" or hidden.dtype == jnp.float64 or hidden.size == 0

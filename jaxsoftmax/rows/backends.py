@@ -11,7 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jaxsoftmax._core import pallas
-from jaxsoftmax._core.backends import Registry
+from jaxsoftmax._core.backends import Registry, check_implementation
 from jaxsoftmax.rows import engine
 
 __all__ = ["RowCall", "REGISTRY", "IMPLEMENTATIONS", "xla_path"]
@@ -28,7 +28,7 @@ class RowCall:
 # Kernel backends in order of preference; the engine's `unsupported` takes every call.
 REGISTRY: Registry = Registry("row ops", (engine,),
                               otherwise="implementation='xla' takes the XLA path")
-IMPLEMENTATIONS = (None, *REGISTRY.names, "xla")
+IMPLEMENTATIONS = REGISTRY.implementations
 
 
 def xla_path(op: str, x, *, implementation: str | None, interpret: bool | None,
@@ -37,9 +37,7 @@ def xla_path(op: str, x, *, implementation: str | None, interpret: bool | None,
   float64 or empty inputs, or by default off a GPU (`pallas.xla_by_default`; naming a
   kernel backend or giving a tiling asks for the kernels). A named backend that cannot
   run the call raises why."""
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, got "
-                     f"{implementation!r}")
+  check_implementation(op, implementation, IMPLEMENTATIONS)
   if implementation == "xla" or x.dtype == jnp.float64 or x.size == 0:
     return True
   kernel_asked = tiling is not None or implementation is not None

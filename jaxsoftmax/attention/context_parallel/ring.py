@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxsoftmax.attention import reference
 from jaxsoftmax._core import pallas
+from jaxsoftmax._core.backends import check_implementation
 from jaxsoftmax.attention import api, logits
 from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
@@ -542,9 +543,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
     raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
   if strategy not in STRATEGIES:
     raise ValueError(f"{op}: strategy must be one of {STRATEGIES}, got {strategy!r}")
-  if implementation not in api.IMPLEMENTATIONS:
-    raise ValueError(f"{op}: implementation must be one of {api.IMPLEMENTATIONS}, got "
-                     f"{implementation!r}")
+  check_implementation(op, implementation, api.IMPLEMENTATIONS)
   if implementation is None and pallas.xla_by_default(
       interpret, kernel_asked=block_sizes is not None):
     implementation = "xla"  # off a GPU: the blocks in jnp (`_xla_block_backward`)
