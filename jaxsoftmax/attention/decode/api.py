@@ -17,25 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsoftmax._core import pallas
+from jaxsoftmax._core.backends import check_implementation
 from jaxsoftmax._core.inputs import check_floating
+from jaxsoftmax.attention import api as attention_api
 from jaxsoftmax.attention.decode import reference, triton
 
 __all__ = ["decode_attention", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = (None, "triton", "xla")
 _OP = "decode_attention"
-
-
-def _window_left(local_window_size) -> int | None:
-  if local_window_size is None:
-    return None
-  if isinstance(local_window_size, int) and local_window_size >= 0:
-    return local_window_size
-  if (isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2
-      and all(isinstance(w, int) and w >= 0 for w in local_window_size)):
-    return local_window_size[0]  # the right side is the causal mask's
-  raise ValueError(f"{_OP}: local_window_size must be an int >= 0 or a (left, right) pair "
-                   f"of them, got {local_window_size!r}")
 
 
 def _check(query, key, value, lengths, block_table):
@@ -142,15 +132,14 @@ def decode_attention(query, key, value, lengths, *, block_table=None, scale=None
     out (B, T, N, H) in query's dtype, and with ``return_residual`` also lse.
   """
   query, key, value, lengths, block_table = _check(query, key, value, lengths, block_table)
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"{_OP}: implementation must be one of {IMPLEMENTATIONS}, got "
-                     f"{implementation!r}")
+  check_implementation(_OP, implementation, IMPLEMENTATIONS)
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"{_OP}: logits_soft_cap must be > 0, got {logits_soft_cap!r}")
   if num_splits is not None and not (isinstance(num_splits, int) and num_splits > 0):
     raise ValueError(f"{_OP}: num_splits must be a positive int or None, got "
                      f"{num_splits!r}")
-  window_left = _window_left(local_window_size)
+  window = attention_api._window(local_window_size, _OP)
+  window_left = None if window is None else window[0]  # the right is the causal mask's
   H = query.shape[-1]
   scale = float(1 / np.sqrt(H) if scale is None else scale)
   softcap = None if logits_soft_cap is None else float(logits_soft_cap)

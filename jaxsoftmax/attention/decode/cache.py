@@ -34,8 +34,8 @@ def update_kv_cache(cache, new, lengths, *, block_table=None):
     rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, T))
     pos = jnp.where(keep, pos, cache.shape[1])  # out of range: dropped
     return cache.at[rows, pos].set(new, mode="drop")
-  page_size = cache.shape[1]
-  page_index = jnp.clip(pos // page_size, 0, block_table.shape[1] - 1)
-  page = jnp.take_along_axis(block_table, page_index, axis=1)
-  page = jnp.where(keep & (pos // page_size < block_table.shape[1]), page, cache.shape[0])
+  page_size, max_pages = cache.shape[1], block_table.shape[1]
+  page_index = pos // page_size
+  page = jnp.take_along_axis(block_table, jnp.clip(page_index, 0, max_pages - 1), axis=1)
+  page = jnp.where(keep & (page_index < max_pages), page, cache.shape[0])
   return cache.at[page, pos % page_size].set(new, mode="drop")

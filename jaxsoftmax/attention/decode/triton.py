@@ -26,7 +26,7 @@ from jax import lax
 
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
-from jaxsoftmax._core.state import safe_shift
+from jaxsoftmax._core.state import reduce_lse, safe_shift
 from jaxsoftmax.attention.logits import Logits, lse as natural_lse
 from jaxsoftmax.attention.triton.tiling import pow2_head_dim
 
@@ -144,7 +144,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logit
     kv_mask = used[:, None] if h_ok is None else used[:, None] & h_ok[None, :]
     k = pallas.load(k_blk, mask=kv_mask, other=0)
     x, _ = logits.cap(pallas.dot(q, k, trans_b=True))  # (R, bk)
-    allowed = (s[None, :] <= pos[:, None]) & (s[None, :] < length) & row_ok[:, None]
+    allowed = (s[None, :] <= pos[:, None]) & row_ok[:, None]  # pos < length
     if window_left is not None:
       allowed = allowed & (s[None, :] >= pos[:, None] - window_left)
     x = jnp.where(allowed & used[None, :], x, -jnp.inf)
@@ -170,7 +170,7 @@ def forward(q, k, v, lengths, block_table, *, dims: DecodeDims, scale: float,
             softcap: float | None, window_left: int | None, interpret: bool):
   """Per split, float32: o (splits, B, K, T·G, H), m and log2 l (splits, B, K, T·G), for
   q (B, T, N, H) and the cache k, v (contiguous (B, S, K, H), or pools (pages, page_size,
-  K, H) with ``block_table`` (B, max_pages))."""
+  K, H) with ``block_table`` (B, max_pages)); ``lengths`` and the table int32."""
   B, T, N, H = q.shape
   K, G, R, R_pad, H_pad = dims.K, dims.G, dims.rows, dims.rows_pad, dims.H_pad
   # Rows (t, g) of each KV head's tile: a transpose of the few new tokens only.
@@ -183,10 +183,10 @@ def forward(q, k, v, lengths, block_table, *, dims: DecodeDims, scale: float,
     kv_spec = pl.BlockSpec((k.shape[0], dims.block_k, None, H_pad),
                            lambda s, b, h: (0, 0, h, 0))
   in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((1,), lambda s, b, h: (b,))]
-  args = [q_rows, k, v, lengths.astype(jnp.int32)]
+  args = [q_rows, k, v, lengths]
   if block_table is not None:
     in_specs.append(pl.BlockSpec((None, block_table.shape[1]), lambda s, b, h: (b, 0)))
-    args.append(block_table.astype(jnp.int32))
+    args.append(block_table)
   o_spec = pl.BlockSpec((None, None, None, R_pad, H_pad), lambda s, b, h: (s, b, h, 0, 0))
   stat_spec = pl.BlockSpec((None, None, None, R_pad), lambda s, b, h: (s, b, h, 0))
   stat = jax.ShapeDtypeStruct((dims.splits, B, K, R), jnp.float32)
@@ -204,13 +204,11 @@ def merge_splits(o, m, log2_l, *, dims: DecodeDims, scale: float, softcap: float
   """The splits' partial results merged in float32: (out (B, T, N, H) float32, lse
   (B, T, N) float32, -inf for a row with no position)."""
   lse_s = natural_lse(m, log2_l, scale=scale, softcap=softcap)  # (splits, B, K, R)
-  top = jnp.max(lse_s, axis=0)
-  top_safe = jnp.where(top == -jnp.inf, 0.0, top)
-  w = jnp.exp(lse_s - top_safe[None])  # 0 for an empty split; NaN carries
-  total = jnp.sum(w, axis=0)
-  empty = total == 0
-  lse = jnp.where(empty, -jnp.inf, top_safe + jnp.log(jnp.where(empty, 1.0, total)))
-  out = jnp.sum(w[..., None] * o, axis=0) / jnp.where(empty, 1.0, total)[..., None]
+  lse = reduce_lse(lse_s, axis=0)
+  # As `merge_attention_states`, over every split: an empty row's weights are 0; NaN
+  # carries.
+  w = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse_s - lse[None]))
+  out = jnp.sum(w[..., None] * o, axis=0)
   B, T, K, G, H = dims.B, dims.T, dims.K, dims.G, dims.H
   out = out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, H)
   lse = lse.reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, K * G)
