@@ -39,6 +39,14 @@ def _starts(c, dims: Dims):
   return jnp.minimum(c * dims.chunk, dims.V - dims.chunk)
 
 
+def _own_columns(c, start, dims: Dims):
+  """(1, chunk) bool: the columns of chunk c (starting at ``start``) that the chunk before
+  does not hold, or None where V is a multiple of the chunk (no overlap)."""
+  if dims.V % dims.chunk == 0:
+    return None
+  return (start + jnp.arange(dims.chunk, dtype=jnp.int32) >= c * dims.chunk)[None, :]
+
+
 def _chunk_logits(x, w_c, b, start, dims: Dims, dot):
   """z = x W + b (float32) of the columns [start, start + chunk), W's being ``w_c``."""
   z = dot(x, w_c)
@@ -60,8 +68,9 @@ def _own_state(x, w, b, rows: Rows, dims: Dims, options: Options, dot) -> Rows:
     start = _starts(c, dims)
     w_c = lax.dynamic_slice_in_dim(w, start, dims.chunk, axis=1)
     s = capped(_chunk_logits(x, w_c, b, start, dims, dot), options)[0]
-    new = (start + jnp.arange(dims.chunk, dtype=jnp.int32) >= c * dims.chunk)[None, :]
-    s = jnp.where(new, s, -jnp.inf)  # the overlapped columns count once
+    own = _own_columns(c, start, dims)
+    if own is not None:
+      s = jnp.where(own, s, -jnp.inf)  # the overlapped columns count once
     m_c = jnp.max(s, axis=1)
     l_c = jnp.sum(jnp.exp(s - safe_shift(m_c)[:, None]), axis=1)
     return merge_states(*state, m_c, l_c), None
@@ -107,9 +116,9 @@ def backward(x, w, b, rows: Rows, dims: Dims, options: Options, *,
     terms, unscale = operands(ds)
     dw_c = sum_products(terms, lambda d: dot(x.T, d)) * unscale
     dw = lax.dynamic_update_slice_in_dim(dw, dw_c.astype(dw.dtype), start, axis=1)
-    if dims.V % chunk:  # the last chunk's columns of the chunk before stay out of dx
-      new = (start + jnp.arange(chunk, dtype=jnp.int32) >= c * chunk)[None, :]
-      terms, unscale = operands(jnp.where(new, ds, 0))
+    own = _own_columns(c, start, dims)
+    if own is not None:  # the last chunk's columns of the chunk before stay out of dx
+      terms, unscale = operands(jnp.where(own, ds, 0))
     dx = dx + sum_products(terms, lambda d: dot(d, w_c.T)) * unscale
     if db is not None:
       db = lax.dynamic_update_slice_in_dim(db, ds.sum(axis=0), start, axis=0)
