@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_transformer import init_params, rms_norm  # noqa: E402
+from train_transformer import init_params, rms_norm, where_it_runs  # noqa: E402
 
 import jaxsoftmax as js  # noqa: E402
 
@@ -101,10 +101,7 @@ def main():
   args = parser.parse_args()
   attn_dtype = jnp.bfloat16 if on_gpu else jnp.float32
   S = args.prompt + args.new_tokens  # cache positions per sequence
-  where = ("compiled Pallas kernels" if on_gpu else
-           "the Pallas kernels, interpreted" if os.environ.get("JAXSOFTMAX_INTERPRET") == "1"
-           else "the XLA path (no GPU; JAXSOFTMAX_INTERPRET=1 interprets the kernels)")
-  print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; {where}; "
+  print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; {where_it_runs(on_gpu)}; "
         f"{args.layers} layers, dim {args.dim}, {args.heads} heads on {args.kv_heads} K/V "
         f"heads of {args.head_dim}; batch {args.batch}, prompt {args.prompt}, "
         f"{args.new_tokens} new tokens; attention in {jnp.dtype(attn_dtype).name}")

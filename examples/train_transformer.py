@@ -121,6 +121,15 @@ def kernel_times(trace_dir: str):
   return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda r: -r[2])
 
 
+def where_it_runs(on_gpu: bool) -> str:
+  """What runs the ops here, for the examples' first line."""
+  if on_gpu:
+    return "compiled Pallas kernels"
+  if os.environ.get("JAXSOFTMAX_INTERPRET") == "1":
+    return "the Pallas kernels, interpreted"
+  return "the ops' XLA path (no GPU; JAXSOFTMAX_INTERPRET=1 interprets the kernels)"
+
+
 def main():
   on_gpu = jax.default_backend() == "gpu"
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -137,10 +146,7 @@ def main():
   parser.add_argument("--trace", default=None, help="write a jax.profiler trace of a step")
   args = parser.parse_args()
   attn_dtype = jnp.bfloat16 if on_gpu else jnp.float32
-  where = ("compiled Pallas kernels" if on_gpu else
-           "the Pallas kernels, interpreted" if os.environ.get("JAXSOFTMAX_INTERPRET") == "1"
-           else "the ops' XLA path (no GPU; JAXSOFTMAX_INTERPRET=1 interprets the kernels)")
-  print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; {where}; "
+  print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; {where_it_runs(on_gpu)}; "
         f"{args.layers} layers, "
         f"dim {args.dim}, {args.heads} heads on {args.kv_heads} K/V heads of "
         f"{args.head_dim}, batch {args.batch} x {args.seq} tokens, vocab {args.vocab}, "
