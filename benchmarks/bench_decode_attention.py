@@ -226,11 +226,9 @@ def _measure(report, impls, args, *, note_of, mode, common, nbytes, truth, read)
     if fn is None:
       report.skip(impl=name, mode=mode, note=why, **common)
       continue
-    measured = report.measure(impl=name, mode=mode, fn=fn, arg_sets=[args], nbytes=nbytes,
-                              truth=truth, ceiling_gbps=read, ceiling="read", **common)
-    if measured is not None and note_of(name):
-      report.rows[-1].note = note_of(name)
-      report._write_tables()  # the note into the files written at the row's add
+    report.measure(impl=name, mode=mode, fn=fn, arg_sets=[args], nbytes=nbytes,
+                   truth=truth, ceiling_gbps=read, ceiling="read", note=note_of(name),
+                   **common)
 
 
 def bench_shape(report: harness.Report, case, dtype):

@@ -355,11 +355,13 @@ class Report:
     self._write_tables()
 
   def measure(self, *, op, impl, shape, dtype, mode, fn, arg_sets, nbytes=None,
-              flops=None, truth=None, compare=None, ceiling_gbps=None, ceiling="copy"):
+              flops=None, truth=None, compare=None, ceiling_gbps=None, ceiling="copy",
+              note=""):
     """Times ``fn`` on ``arg_sets`` and adds its row; ``nbytes`` is the minimum traffic
     of one call (GB/s reports), ``flops`` its FLOPs (TFLOP/s reports). Errors are of
-    ``compare(output)`` (default: the output) against ``truth``. A failure becomes a
-    row that says why. Returns the rate, or None."""
+    ``compare(output)`` (default: the output) against ``truth``; ``note`` goes in the
+    row's note column. A failure becomes a row that says why. Returns the rate, or
+    None."""
     shape_s = "x".join(map(str, shape))
     try:
       out = jax.block_until_ready(jax.jit(fn)(*arg_sets[0]))
@@ -376,12 +378,13 @@ class Report:
       return None
     if flops is not None:
       self.add(Row(op, impl, shape_s, dtype, mode, err[0], err[1], device_us, wall_us,
-                   None, None, "", timer, tflops=flops / device_us / 1e6, peak_mib=peak))
+                   None, None, "", timer, note=note, tflops=flops / device_us / 1e6,
+                   peak_mib=peak))
       return self.rows[-1].tflops
     gbps = nbytes / device_us / 1e3
     pct = 100 * gbps / ceiling_gbps if ceiling_gbps else 100.0
     self.add(Row(op, impl, shape_s, dtype, mode, err[0], err[1], device_us, wall_us, gbps,
-                 pct, ceiling, timer))
+                 pct, ceiling, timer, note=note))
     return gbps
 
   def skip(self, *, op, impl, shape, dtype, mode, note):
