@@ -217,7 +217,7 @@ def _splits_note(name, case, q, k, table):
   B, S, N, K, H, T, _ = case
   if name == OURS:
     dims = triton.DecodeDims.of(q, k, table, None, cores=pallas.num_cores())
-    return f"splits {dims.splits}, blocks of {dims.positions_per_block}"
+    return f"splits {dims.splits}, blocks of {dims.block_k}"
   return ""
 
 

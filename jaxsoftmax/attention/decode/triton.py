@@ -34,16 +34,21 @@ __all__ = ["DecodeDims", "forward", "merge_splits"]
 
 # Blocks of cache positions a split holds at least, where the split count is ours.
 _MIN_BLOCKS_PER_SPLIT = 4
+# The most positions of a page one block holds: a page of 256 as one block asked for
+# 288 KiB of shared memory (K and V tiles at head dim 128, two stages) on an H200, which
+# has 227 KiB; larger pages are walked in blocks of this many positions.
+MAX_PAGE_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeDims:
   """The problem: B sequences of T new tokens, N query heads over K KV heads of dim H;
   S cache positions per sequence (contiguous: the cache's length; paged: the block
-  table's pages times page_size); cache blocks of block_k positions (paged: one page,
-  padded to a power of two). Each sequence's blocks below its length are cut into
-  ``splits`` runs of one size at run time, so that a short sequence in a long cache
-  is spread over every split too."""
+  table's pages times page_size). The kernel walks blocks of block_k positions: a
+  contiguous cache's rows, or a page (padded to a power of two) or a run of block_k
+  positions of a page larger than MAX_PAGE_BLOCK. Each sequence's blocks below its
+  length are cut into ``splits`` runs of one size at run time, so that a short sequence
+  in a long cache is spread over every split too."""
 
   B: int
   T: int
@@ -79,12 +84,21 @@ class DecodeDims:
     return 4 if self.rows_pad * self.H_pad <= 4 * 32 * 64 else 8
 
   @property
-  def positions_per_block(self) -> int:
+  def span(self) -> int:
+    """Positions of one page (contiguous: of one block)."""
     return self.block_k if self.page_size is None else self.page_size
 
   @property
+  def blocks_per_page(self) -> int:
+    return pl.cdiv(self.span, self.block_k)
+
+  def block_of(self, position):
+    """The block that holds a position (a Python or a traced int)."""
+    return (position // self.span) * self.blocks_per_page + (position % self.span) // self.block_k
+
+  @property
   def blocks(self) -> int:
-    return pl.cdiv(self.S, self.positions_per_block)
+    return self.block_of(self.S - 1) + 1
 
   @classmethod
   def of(cls, query, key, block_table, num_splits: int | None, *, cores: int):
@@ -94,12 +108,12 @@ class DecodeDims:
       page_size, pages, S, block_k = None, 0, key.shape[1], 64
     else:
       page_size, pages = key.shape[1], key.shape[0]
-      S, block_k = block_table.shape[1] * page_size, pl.next_power_of_2(page_size)
-    per_block = block_k if page_size is None else page_size
-    blocks = pl.cdiv(S, per_block)
+      S = block_table.shape[1] * page_size
+      block_k = min(pl.next_power_of_2(page_size), MAX_PAGE_BLOCK)
+    dims = cls(B, T, N, K, H, S, page_size, pages, block_k, 1)
     if num_splits is None:  # about two programs per SM, each a few blocks at least
-      num_splits = max(1, min(pl.cdiv(2 * cores, B * K), blocks // _MIN_BLOCKS_PER_SPLIT))
-    return cls(B, T, N, K, H, S, page_size, pages, block_k, min(num_splits, blocks))
+      num_splits = max(1, min(pl.cdiv(2 * cores, B * K), dims.blocks // _MIN_BLOCKS_PER_SPLIT))
+    return dataclasses.replace(dims, splits=min(num_splits, dims.blocks))
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logits,
@@ -115,18 +129,18 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logit
   tile_mask = row_ok[:, None] if h_ok is None else row_ok[:, None] & h_ok[None, :]
   q = pallas.load(q_ref, mask=tile_mask, other=0)
   pos = length - dims.T + r // dims.G  # each row's position in its sequence
-  per_block = dims.positions_per_block
+  span, per_page = dims.span, dims.blocks_per_page
   # The split's run of the blocks that hold a position below the length, cut by the
   # length (not the cache's capacity); with a window, only those at or after the
   # earliest position a row sees.
-  n_blocks = pl.cdiv(length, per_block)
+  n_blocks = jnp.where(length > 0, dims.block_of(jnp.maximum(length, 1) - 1) + 1, 0)
   chunk = pl.cdiv(n_blocks, dims.splits)
   lo = split * chunk
   hi = jnp.minimum(lo + chunk, n_blocks)
   if window_left is not None:
-    lo = jnp.maximum(lo, jnp.maximum(length - dims.T - window_left, 0) // per_block)
+    lo = jnp.maximum(lo, dims.block_of(jnp.maximum(length - dims.T - window_left, 0)))
   i = jnp.arange(bk, dtype=jnp.int32)
-  in_page = None if bk == per_block else i < per_block
+  padded = per_page * bk != span  # the page's last block runs past its end
 
   # Positions below the length (and the cache's end, which an unchecked length inside
   # jit could pass) are the only ones loaded.
@@ -134,13 +148,15 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logit
 
   def block(j, carry):
     m, l, acc = carry
-    s = j * per_block + i  # the block's positions
+    slot, offset = (j, 0) if per_page == 1 else (j // per_page, (j % per_page) * bk)
+    s = slot * span + offset + i  # the block's positions
     if bt_ref is None:
       k_blk, v_blk = k_ref.at[pl.ds(j * bk, bk), :], v_ref.at[pl.ds(j * bk, bk), :]
     else:  # an index outside the pool is clamped into it, never read outside
-      page = jnp.clip(jnp.max(pallas.load(bt_ref.at[pl.ds(j, 1)])), 0, dims.pages - 1)
-      k_blk, v_blk = k_ref.at[page, pl.ds(0, bk), :], v_ref.at[page, pl.ds(0, bk), :]
-    used = s < end if in_page is None else (s < end) & in_page
+      page = jnp.clip(jnp.max(pallas.load(bt_ref.at[pl.ds(slot, 1)])), 0, dims.pages - 1)
+      k_blk = k_ref.at[page, pl.ds(offset, bk), :]
+      v_blk = v_ref.at[page, pl.ds(offset, bk), :]
+    used = (s < end) & (offset + i < span) if padded else s < end
     kv_mask = used[:, None] if h_ok is None else used[:, None] & h_ok[None, :]
     k = pallas.load(k_blk, mask=kv_mask, other=0)
     x, _ = logits.cap(pallas.dot(q, k, trans_b=True))  # (R, bk)
@@ -180,7 +196,7 @@ def forward(q, k, v, lengths, block_table, *, dims: DecodeDims, scale: float,
     kv_spec = pl.BlockSpec((None, pl.cdiv(dims.S, dims.block_k) * dims.block_k, None,
                             H_pad), lambda s, b, h: (b, 0, h, 0))
   else:
-    kv_spec = pl.BlockSpec((k.shape[0], dims.block_k, None, H_pad),
+    kv_spec = pl.BlockSpec((k.shape[0], dims.blocks_per_page * dims.block_k, None, H_pad),
                            lambda s, b, h: (0, 0, h, 0))
   in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((1,), lambda s, b, h: (b,))]
   args = [q_rows, k, v, lengths]
