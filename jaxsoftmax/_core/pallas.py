@@ -149,6 +149,12 @@ def exp2(interpret: bool):
   return hardware_exp2
 
 
+def barrier(interpret: bool):
+  """A barrier of the program's threads (bar.sync, which also orders their global memory
+  accesses), for a kernel that reads back a tile it stored; interpreted, nothing."""
+  return (lambda: None) if interpret else plgpu.debug_barrier
+
+
 # Inside `jax.shard_map` with its default check_vma=True, every value carries the manual
 # mesh axes it varies over, and JAX checks them. Outside a shard_map the sets are empty
 # and these helpers change nothing.

@@ -47,7 +47,7 @@ def _max_or_inf(m):
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
                  spec: MaskSpec, blocks: BlockSizes, aux: Aux, logits: Logits, exp2,
-                 dk_chunk: int | None):
+                 chunk: int | None, barrier):
   (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), (dk_ref, dv_ref) = AuxArrays.split_refs(
       refs, aux.present)
   bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
@@ -89,46 +89,65 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     dk = dk + _score_grad_dot(ds_t, q)
     return dk, dv
 
+  def final(dk, dv):
+    """dK scaled; keys past the length (not masked in the interior) get 0."""
+    dk = dk * logits.scale
+    if kv_length is not None:
+      used = (k_idx < kv_length)[:, None]
+      dk, dv = jnp.where(used, dk, 0.0), jnp.where(used, dv, 0.0)
+    return dk, dv
+
   ranges = query_block_ranges(spec, k0, bq, bk, kv_length, q_length, pl.cdiv(dims.T, bq))
-
-  def head(g, carry):
-    if dk_chunk is None:
-      return walk_block_ranges(ranges, functools.partial(step, g=g), carry)
-    return _walk_summing_dk_in_chunks(ranges, functools.partial(step, g=g), carry, dk_chunk)
-
   zeros = jnp.zeros((bk, dims.H_pad), jnp.float32)
-  dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
-  if kv_length is not None:  # keys past the length were not masked in the interior
-    used = (k_idx < kv_length)[:, None]
-    dk, dv = jnp.where(used, dk, 0.0), jnp.where(used, dv, 0.0)
-  pallas.store(dk_ref, (dk * logits.scale).astype(dk_ref.dtype), mask=kv_mask)
-  pallas.store(dv_ref, dv.astype(dv_ref.dtype), mask=kv_mask)
+  if chunk is None:
+    def head(g, carry):
+      return walk_block_ranges(ranges, functools.partial(step, g=g), carry)
+
+    dk, dv = final(*lax.fori_loop(0, group, head, (zeros, zeros)))
+    pallas.store(dk_ref, dk.astype(dk_ref.dtype), mask=kv_mask)
+    pallas.store(dv_ref, dv.astype(dv_ref.dtype), mask=kv_mask)
+    return
+
+  # float32: the sums over the query rows kept in the (float32) outputs, see
+  # _walk_in_chunks.
+  pallas.store(dk_ref, zeros, mask=kv_mask)
+  pallas.store(dv_ref, zeros, mask=kv_mask)
+
+  def add_to_outputs(part):
+    barrier()  # the tiles the last add stored, whichever threads stored them
+    dk, dv = final(*part)
+    pallas.store(dk_ref, pallas.load(dk_ref, mask=kv_mask, other=0) + dk, mask=kv_mask)
+    pallas.store(dv_ref, pallas.load(dv_ref, mask=kv_mask, other=0) + dv, mask=kv_mask)
+
+  def head_in_chunks(g, unused):
+    _walk_in_chunks(ranges, functools.partial(step, g=g), (zeros, zeros), chunk,
+                    add_to_outputs)
+    return unused
+
+  lax.fori_loop(0, group, head_in_chunks, 0)
 
 
-def _walk_summing_dk_in_chunks(ranges, body, carry, chunk: int):
-  """`walk_block_ranges` for float32, with the interior's dK summed ``chunk`` query blocks
-  at a time in a fresh accumulator before it is added to dK.
+def _walk_in_chunks(ranges, body, zeros, chunk: int, add):
+  """`walk_block_ranges` in runs of at most ``chunk`` blocks, each summed from ``zeros``
+  and handed to ``add`` (float32: which adds it to the outputs).
 
   Triton folds ``dk + dot(ds, q)`` into the product's accumulator, so one walk adds every
-  query row into dK one after another: over 2 x 4097 rows (causal, T 4097, S 1000, head
-  dim 256, GQA 2) that rounding reached 1.22e-5, past twice XLA's 5.2e-6 on an H200
-  (a numpy model of the two orders: 1.21e-5 and 1.3e-6). dV's products are summed in the
-  same order but stayed within their bound, so dV keeps the plain walk and only one extra
-  (block_k, H) accumulator is live.
+  query row into dK and dV one after another. Over 2 x 4097 rows (causal, T 4097, S 1000,
+  head dim 256, GQA 2) that rounding reached 1.22e-5 in dK, past twice XLA's 5.2e-6, on
+  an H200; a numpy model of the two orders gives 1.21e-5 one row at a time and 1.3e-6
+  in 64-row tiles. Summed in the outputs, the runs take no registers beyond the walk's.
   """
   lo, full_lo, full_hi, hi = ranges
-  unmasked = functools.partial(body, masked=False)
-  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+  add(lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), zeros))
 
-  def add_chunk(c, carry):
-    dk, dv = carry
+  def run(c, unused):
     start = full_lo + c * chunk
-    part, dv = lax.fori_loop(start, jnp.minimum(start + chunk, full_hi), unmasked,
-                             (jnp.zeros_like(dk), dv))
-    return dk + part, dv
+    add(lax.fori_loop(start, jnp.minimum(start + chunk, full_hi),
+                      functools.partial(body, masked=False), zeros))
+    return unused
 
-  carry = lax.fori_loop(0, pl.cdiv(full_hi - full_lo, chunk), add_chunk, carry)
-  return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+  lax.fori_loop(0, pl.cdiv(full_hi - full_lo, chunk), run, 0)
+  add(lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), zeros))
 
 
 def _score_grad_dot(ds, x):
@@ -200,10 +219,11 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
   q_group = pl.BlockSpec((None, q_rows, group, dims.H_pad), lambda j, b, h: (b, 0, h, 0))
   kv_tile = pl.BlockSpec((None, bk, None, dims.H_pad), lambda j, b, h: (b, j, h, 0))
   stat_group = pl.BlockSpec((None, group, q_rows), lambda j, b, h: (b, h, 0))
-  # float32: dK summed 8 query blocks (256 rows) at a time, see _walk_summing_dk_in_chunks.
-  dk_chunk = 8 if q.dtype == jnp.float32 else None
+  # float32: dK and dV summed 8 query blocks (256 rows) at a time, see _walk_in_chunks.
+  chunk = 8 if q.dtype == grad_dtype == jnp.float32 else None
   dk, dv = pallas.pallas_call(
-      functools.partial(_dkdv_kernel, dk_chunk=dk_chunk, **statics),
+      functools.partial(_dkdv_kernel, chunk=chunk, barrier=pallas.barrier(interpret),
+                        **statics),
       name="attention_backward_dkdv",
       grid=(n_k_blocks, dims.B, dims.K),
       in_specs=[q_group, kv_tile, kv_tile, q_group, stat_group, stat_group, stat_group,
