@@ -217,7 +217,8 @@ def _splits_note(name, case, q, k, table):
   B, S, N, K, H, T, _ = case
   if name == OURS:
     dims = triton.DecodeDims.of(q, k, table, None, cores=pallas.num_cores())
-    return f"splits {dims.splits}, blocks of {dims.block_k}"
+    gathered = ", pages gathered" if dims.gathers_pages else ""
+    return f"splits {dims.splits}, blocks of {triton.BLOCK_K}{gathered}"
   return ""
 
 

@@ -198,13 +198,16 @@ def test_bad_input():
     da(q, k, k, lengths, num_splits=0)
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+# Page sizes: None (contiguous), a multiple of the 64-position block (one page per
+# block), and 16 (each row's page gathered).
+@pytest.mark.parametrize("page_size", [None, 64, 16], ids=["contiguous", "page64", "page16"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
-def test_lowers_for_cuda(as_if_on_an_h200, paged, dtype):
+def test_lowers_for_cuda(as_if_on_an_h200, page_size, dtype):
   # The kernel lowers for CUDA without a GPU: Pallas API drift shows on every CI run.
   sds = jax.ShapeDtypeStruct
   B, T, N, K, H = 4, 4, 32, 8, 128
-  k = sds((300, 64, K, H), dtype) if paged else sds((B, 1000, K, H), dtype)
+  paged = page_size is not None
+  k = sds((300, page_size, K, H), dtype) if paged else sds((B, 1000, K, H), dtype)
   table = sds((B, 20), jnp.int32) if paged else None
   run = lambda q, k, v, lengths, table: js.decode_attention(
       q, k, v, lengths, block_table=table, implementation="triton", interpret=False,

@@ -3,12 +3,13 @@
 One program per (split of the cache, sequence, KV head). The G = N/K query heads that
 share the KV head, times the T new tokens, form one tile of T·G query rows (GQA packing:
 each K/V byte is read once for all of them), padded to a power of two of at least 16
-rows for the tensor cores. The program walks its split's blocks of cache positions
-(a contiguous cache's rows, or a paged cache's pages by index from the block table),
-folding each into the online-softmax state (m, l) and acc = Σ_j exp(s_j - m) v_j as the
-training forward does (`attention.triton.forward`), and writes its partial o = acc / l
-with (m, log2 l). The splits merge in float32 in XLA (`merge_splits`): the split count
-puts every SM to work when the batch is small and the cache long.
+rows for the tensor cores. The program walks its split's blocks of BLOCK_K cache
+positions (a contiguous cache's rows, or a paged cache's, each row's page read from the
+block table), folding each into the online-softmax state (m, l) and
+acc = Σ_j exp(s_j - m) v_j as the training forward does (`attention.triton.forward`),
+and writes its partial o = acc / l with (m, log2 l). The splits merge in float32 in
+XLA (`merge_splits`): the split count puts every SM to work when the batch is small
+and the cache long.
 
 Positions at or past a sequence's length are never read: the loads of V are masked by
 the length (a masked load reads nothing), and the keys there are masked to -inf by
@@ -34,21 +35,22 @@ __all__ = ["DecodeDims", "forward", "merge_splits"]
 
 # Blocks of cache positions a split holds at least, where the split count is ours.
 _MIN_BLOCKS_PER_SPLIT = 4
-# The most positions of a page one block holds: a page of 256 as one block asked for
-# 288 KiB of shared memory (K and V tiles at head dim 128, two stages) on an H200, which
-# has 227 KiB; larger pages are walked in blocks of this many positions.
-MAX_PAGE_BLOCK = 128
+# Cache positions a block holds. A whole page of 256 as one block asked for 288 KiB of
+# shared memory at T·G = 128 rows on an H200 (which has 227 KiB), and pages of 16 as
+# blocks ran at half the read bandwidth of 64-position blocks
+# (benchmarks/results/decode_attention.md).
+BLOCK_K = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeDims:
   """The problem: B sequences of T new tokens, N query heads over K KV heads of dim H;
   S cache positions per sequence (contiguous: the cache's length; paged: the block
-  table's pages times page_size). The kernel walks blocks of block_k positions: a
-  contiguous cache's rows, or a page (padded to a power of two) or a run of block_k
-  positions of a page larger than MAX_PAGE_BLOCK. Each sequence's blocks below its
-  length are cut into ``splits`` runs of one size at run time, so that a short sequence
-  in a long cache is spread over every split too."""
+  table's pages times page_size). The kernel walks blocks of BLOCK_K consecutive
+  positions of a sequence; in a paged cache each position's page comes from the block
+  table (one page for the whole block where the page size is a multiple of BLOCK_K).
+  Each sequence's blocks below its length are cut into ``splits`` runs of one size at
+  run time, so that a short sequence in a long cache is spread over every split too."""
 
   B: int
   T: int
@@ -58,7 +60,6 @@ class DecodeDims:
   S: int
   page_size: int | None  # None: a contiguous cache
   pages: int  # pages in the pool (paged), else 0
-  block_k: int
   splits: int
 
   @property
@@ -84,33 +85,25 @@ class DecodeDims:
     return 4 if self.rows_pad * self.H_pad <= 4 * 32 * 64 else 8
 
   @property
-  def span(self) -> int:
-    """Positions of one page (contiguous: of one block)."""
-    return self.block_k if self.page_size is None else self.page_size
-
-  @property
-  def blocks_per_page(self) -> int:
-    return pl.cdiv(self.span, self.block_k)
-
-  def block_of(self, position):
-    """The block that holds a position (a Python or a traced int)."""
-    return (position // self.span) * self.blocks_per_page + (position % self.span) // self.block_k
+  def gathers_pages(self) -> bool:
+    """Whether a block's positions lie in more than one page (paged, with a page size
+    that is not a multiple of BLOCK_K)."""
+    return self.page_size is not None and self.page_size % BLOCK_K != 0
 
   @property
   def blocks(self) -> int:
-    return self.block_of(self.S - 1) + 1
+    return pl.cdiv(self.S, BLOCK_K)
 
   @classmethod
   def of(cls, query, key, block_table, num_splits: int | None, *, cores: int):
     B, T, N, H = query.shape
     K = key.shape[2]
     if block_table is None:
-      page_size, pages, S, block_k = None, 0, key.shape[1], 64
+      page_size, pages, S = None, 0, key.shape[1]
     else:
       page_size, pages = key.shape[1], key.shape[0]
       S = block_table.shape[1] * page_size
-      block_k = min(pl.next_power_of_2(page_size), MAX_PAGE_BLOCK)
-    dims = cls(B, T, N, K, H, S, page_size, pages, block_k, 1)
+    dims = cls(B, T, N, K, H, S, page_size, pages, 1)
     if num_splits is None:  # about two programs per SM, each a few blocks at least
       num_splits = max(1, min(pl.cdiv(2 * cores, B * K), dims.blocks // _MIN_BLOCKS_PER_SPLIT))
     return dataclasses.replace(dims, splits=min(num_splits, dims.blocks))
@@ -121,7 +114,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logit
   bt_ref = refs[0] if dims.page_size is not None else None
   o_ref, m_ref, log2_l_ref = refs[-3:]
   split = pl.program_id(0)
-  R, bk = dims.rows_pad, dims.block_k
+  R, bk = dims.rows_pad, BLOCK_K
   length = jnp.max(pallas.load(len_ref))
   r = jnp.arange(R, dtype=jnp.int32)
   row_ok = r < dims.rows
@@ -129,34 +122,47 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logit
   tile_mask = row_ok[:, None] if h_ok is None else row_ok[:, None] & h_ok[None, :]
   q = pallas.load(q_ref, mask=tile_mask, other=0)
   pos = length - dims.T + r // dims.G  # each row's position in its sequence
-  span, per_page = dims.span, dims.blocks_per_page
   # The split's run of the blocks that hold a position below the length, cut by the
   # length (not the cache's capacity); with a window, only those at or after the
   # earliest position a row sees.
-  n_blocks = jnp.where(length > 0, dims.block_of(jnp.maximum(length, 1) - 1) + 1, 0)
+  n_blocks = pl.cdiv(length, bk)
   chunk = pl.cdiv(n_blocks, dims.splits)
   lo = split * chunk
   hi = jnp.minimum(lo + chunk, n_blocks)
   if window_left is not None:
-    lo = jnp.maximum(lo, dims.block_of(jnp.maximum(length - dims.T - window_left, 0)))
+    lo = jnp.maximum(lo, jnp.maximum(length - dims.T - window_left, 0) // bk)
   i = jnp.arange(bk, dtype=jnp.int32)
-  padded = per_page * bk != span  # the page's last block runs past its end
 
   # Positions below the length (and the cache's end, which an unchecked length inside
   # jit could pass) are the only ones loaded.
   end = jnp.minimum(length, dims.S)
 
+  def tiles(j, used):
+    """The refs of block j's K and V rows. A page index outside the pool is clamped into
+    it, never read outside."""
+    if bt_ref is None:
+      return k_ref.at[pl.ds(j * bk, bk), :], v_ref.at[pl.ds(j * bk, bk), :]
+    page_size = dims.page_size
+    if not dims.gathers_pages:  # the block lies in one page
+      slot = (j * bk) // page_size
+      page = jnp.clip(jnp.max(pallas.load(bt_ref.at[pl.ds(slot, 1)])), 0, dims.pages - 1)
+      offset = pl.ds((j * bk) % page_size, bk)
+      return k_ref.at[page, offset, :], v_ref.at[page, offset, :]
+    s = j * bk + i  # each row's own page and place in it
+    page = pallas.load(bt_ref.at[s // page_size], mask=used, other=0)
+    # Every index a (block_k, H) array: Pallas' interpreter gathers no mix of arrays and
+    # slices.
+    rows = lambda a: jnp.broadcast_to(a[:, None], (bk, dims.H_pad))
+    index = (rows(jnp.clip(page, 0, dims.pages - 1)), rows(s % page_size),
+             jnp.broadcast_to(jnp.arange(dims.H_pad, dtype=jnp.int32)[None, :],
+                              (bk, dims.H_pad)))
+    return k_ref.at[index], v_ref.at[index]
+
   def block(j, carry):
     m, l, acc = carry
-    slot, offset = (j, 0) if per_page == 1 else (j // per_page, (j % per_page) * bk)
-    s = slot * span + offset + i  # the block's positions
-    if bt_ref is None:
-      k_blk, v_blk = k_ref.at[pl.ds(j * bk, bk), :], v_ref.at[pl.ds(j * bk, bk), :]
-    else:  # an index outside the pool is clamped into it, never read outside
-      page = jnp.clip(jnp.max(pallas.load(bt_ref.at[pl.ds(slot, 1)])), 0, dims.pages - 1)
-      k_blk = k_ref.at[page, pl.ds(offset, bk), :]
-      v_blk = v_ref.at[page, pl.ds(offset, bk), :]
-    used = (s < end) & (offset + i < span) if padded else s < end
+    s = j * bk + i  # the block's positions
+    used = s < end
+    k_blk, v_blk = tiles(j, used)
     kv_mask = used[:, None] if h_ok is None else used[:, None] & h_ok[None, :]
     k = pallas.load(k_blk, mask=kv_mask, other=0)
     x, _ = logits.cap(pallas.dot(q, k, trans_b=True))  # (R, bk)
@@ -193,10 +199,10 @@ def forward(q, k, v, lengths, block_table, *, dims: DecodeDims, scale: float,
   q_rows = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, R, H)
   q_spec = pl.BlockSpec((None, None, R_pad, H_pad), lambda s, b, h: (b, h, 0, 0))
   if block_table is None:
-    kv_spec = pl.BlockSpec((None, pl.cdiv(dims.S, dims.block_k) * dims.block_k, None,
+    kv_spec = pl.BlockSpec((None, dims.blocks * BLOCK_K, None,
                             H_pad), lambda s, b, h: (b, 0, h, 0))
   else:
-    kv_spec = pl.BlockSpec((k.shape[0], dims.blocks_per_page * dims.block_k, None, H_pad),
+    kv_spec = pl.BlockSpec((k.shape[0], k.shape[1], None, H_pad),
                            lambda s, b, h: (0, 0, h, 0))
   in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((1,), lambda s, b, h: (b,))]
   args = [q_rows, k, v, lengths]
