@@ -59,6 +59,7 @@ SECTIONS = (
             ours="jaxsoftmax mosaic_gpu"),
     Section("linear_cross_entropy", "linear_cross_entropy (output layer + loss)",
             ours="jaxsoftmax fused", hidden=("dot + jaxsoftmax ce",), time_unit="ms"),
+    Section("decode_attention", "decode_attention (KV cache)", ours="jaxsoftmax triton"),
 )
 RING = "ring_attention"
 # Files here besides the ops' .json/.md/.png and this README: pattern -> what they are.
