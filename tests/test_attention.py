@@ -110,6 +110,10 @@ INTERPRET_CASES = [
                                           key_value_seq_lengths=jnp.array([35, 9])),
                  id="lengths"),
     pytest.param(1, 30, 30, 2, 2, 16, dict(logits_soft_cap=2.0, scale=0.7), id="softcap"),
+    # Decode steps (the decode backend's calls): one query against 77 or 50 keys.
+    pytest.param(3, 1, 77, 4, 2, 64, dict(key_value_seq_lengths=jnp.array([77, 1, 0])),
+                 id="T1-lengths-77-1-0"),
+    pytest.param(2, 1, 50, 8, 1, 32, dict(logits_soft_cap=2.0, scale=0.7), id="T1-mqa-softcap"),
 ]
 
 
@@ -623,6 +627,42 @@ def test_backend_declarations(monkeypatch):
       mosaic.backward_unsupported(wide_deterministic))
   assert api.select_backward(wide_deterministic, "mosaic_gpu") is triton
   assert api.select_backward(_call(), "triton") is triton
+
+
+def test_decode_backend_declarations():
+  # One query token that sees every key below its length is a decode step: the decode
+  # kernel runs it, in every dtype and head dim up to 256, soft-capped or not, and the
+  # Triton backward differentiates it. Every other mask is the training kernels'.
+  decode = api.REGISTRY["decode"]
+
+  def step(H=128, dtype="bfloat16", softcap=None, block_sizes=None, **spec):
+    return Call(2, 1, 500, 4, 2, H, dtype, MaskSpec(1, 500, **spec), 0.1, softcap,
+                block_sizes, False)
+
+  for dtype in ("bfloat16", "float16", "float32"):
+    for H in (64, 128, 256):
+      for softcap in (None, 30.0):
+        call = step(dtype=dtype, H=H, softcap=softcap)
+        assert decode.unsupported(call) is None, (dtype, H, softcap)
+        assert api.select_backend(None, call) is decode
+        assert api.select_backward(call, "decode") is api.REGISTRY["triton"]
+  assert "T=300" in decode.unsupported(_call())
+  assert "head dims up to 256" in decode.unsupported(step(H=320))
+  assert "block_sizes" in decode.unsupported(step(block_sizes=SMALL_BLOCKS))
+  for name, spec in (("causal", dict(is_causal=True)), ("window", dict(window_left=3)),
+                     ("segments", dict(has_segments=True))):
+    assert decode.unsupported(step(**spec)) is not None, name
+
+
+def test_decode_steps_take_the_decode_kernel():
+  # As Flax's decoding modules call it: one new token, key_value_seq_lengths.
+  q, k = jnp.ones((2, 1, 8, 64)), jnp.ones((2, 100, 2, 64))
+  lengths = jnp.array([3, 100])
+  assert js.attention_kernels(q, k, k, key_value_seq_lengths=lengths, interpret=True) == (
+      "decode", "triton")
+  assert js.attention_kernels(q, k, k, interpret=True) == ("decode", "triton")
+  assert js.attention_kernels(q, k, k, is_causal=True, interpret=True)[0] == "triton"
+  assert js.attention_kernels(jnp.ones((2, 2, 8, 64)), k, k, interpret=True)[0] == "triton"
 
 
 @pytest.mark.skipif(mosaic_device.hopper_device(), reason="needs a device that is no Hopper")

@@ -11,7 +11,7 @@ import pytest
 import jaxsoftmax as js
 from jaxsoftmax._core.backends import Backend, Registry
 from jaxsoftmax.attention import api
-from jaxsoftmax.attention.call import AttentionBackend
+from jaxsoftmax.attention.call import AttentionBackend, BackwardBackend
 from jaxsoftmax.linear_cross_entropy import api as lce_api
 from jaxsoftmax.rows import backends as rows_backends
 
@@ -59,7 +59,10 @@ def test_names_are_unique():
 def test_attention_backends_meet_the_protocol():
   for backend in api.REGISTRY.backends:
     assert isinstance(backend, Backend) and isinstance(backend, AttentionBackend), backend
-  assert api.IMPLEMENTATIONS == (None, "mosaic_gpu", "triton", "xla")
+  # The decode kernel's forward is differentiated by the Triton backward.
+  assert [b.NAME for b in api.REGISTRY.backends if isinstance(b, BackwardBackend)] == [
+      "mosaic_gpu", "triton"]
+  assert api.IMPLEMENTATIONS == (None, "decode", "mosaic_gpu", "triton", "xla")
 
 
 def test_linear_cross_entropy_backends_meet_the_protocol():

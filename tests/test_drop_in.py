@@ -36,9 +36,9 @@ def _norm_ref(x, scale, bias, *, rms):
   return y.astype(x.dtype)
 
 
-def _attention_inputs(key, dtype, batch=2):
+def _attention_inputs(key, dtype, batch=2, T=19):
   kq, kk, kv = jax.random.split(key, 3)
-  return (jax.random.normal(kq, (batch, 19, 4, 64), dtype),
+  return (jax.random.normal(kq, (batch, T, 4, 64), dtype),
           jax.random.normal(kk, (batch, 19, 2, 64), dtype),
           jax.random.normal(kv, (batch, 19, 2, 64), dtype))
 
@@ -95,6 +95,13 @@ OPS = {
         lambda q, k, v, **kw: js.dot_product_attention(q, k, v, is_causal=True, **kw),
         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
         (ROWS, ROWS, ROWS)),
+    # One new token per sequence against its keys: the decode kernel's calls.
+    "dot_product_attention decode step": Op(
+        lambda k, d, r: (*_attention_inputs(k, d, r, T=1), 19 - (jnp.arange(r) * 7) % 19),
+        lambda q, k, v, n, **kw: js.dot_product_attention(q, k, v,
+                                                          key_value_seq_lengths=n, **kw),
+        lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n),
+        (ROWS, ROWS, ROWS, ROWS)),
 }
 REVERSE_ONLY = ("linear_cross_entropy",)  # forward mode and second order: a clear error
 
@@ -221,7 +228,7 @@ def test_forward_mode_and_second_order(key, name, interpret=True):
   # jax.jvp, jacfwd, jvp-of-grad and hessian as the twin's (the softmax family and
   # cross_entropy have theirs in their own modules), or the clear error.
   op = OPS[name]
-  attention = name == "dot_product_attention"
+  attention = name.startswith("dot_product_attention")
   first, *rest = op.inputs(key, jnp.float32, 1 if attention else 4)
   ours = lambda x: _loss(functools.partial(op.ours, **_kernels(interpret)))(x, *rest)
   theirs = lambda x: _loss(op.theirs)(x, *rest)

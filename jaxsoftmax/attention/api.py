@@ -21,7 +21,6 @@ backward everything else (`select_backward`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -31,9 +30,10 @@ import numpy as np
 from jaxsoftmax.attention import reference
 from jaxsoftmax._core import pallas
 from jaxsoftmax.attention import logits, mosaic_gpu, triton
+from jaxsoftmax.attention.decode import backend as decode_backend
 from jaxsoftmax._core.backends import Registry, check_implementation
-from jaxsoftmax.attention.call import AttentionBackend, AuxArrays, Call
-from jaxsoftmax.attention.masks import MaskSpec
+from jaxsoftmax.attention.call import AttentionBackend, AuxArrays, BackwardBackend, Call
+from jaxsoftmax.attention.masks import MaskSpec, check_window
 from jaxsoftmax.attention.mosaic_gpu import HopperBlockSizes
 from jaxsoftmax.attention.triton import BlockSizes
 from jaxsoftmax._core.linear_map import LinearMap
@@ -43,7 +43,7 @@ __all__ = ["dot_product_attention", "attention_kernels", "select_backend", "BACK
 
 # Kernel backends in order of preference (fastest first, where each can run a call).
 REGISTRY: Registry[AttentionBackend] = Registry(
-    "dot_product_attention", (mosaic_gpu, triton),
+    "dot_product_attention", (decode_backend, mosaic_gpu, triton),
     otherwise="implementation='xla' takes the reference path")
 BACKENDS = REGISTRY.backends
 IMPLEMENTATIONS = REGISTRY.implementations
@@ -160,7 +160,7 @@ def _attention_jvp(call: Call, backend: str, primals, tangents):
 _attention_jit = jax.jit(_attention, static_argnums=(4, 5))
 
 
-def select_backward(call: Call, backend: str) -> AttentionBackend:
+def select_backward(call: Call, backend: str) -> BackwardBackend:
   """The backward for a forward that ``backend`` ran: the backend's own where it has one
   that can differentiate the call, else the Triton backward, which takes any forward's
   residuals (o, m, log2 l) and is deterministic."""
@@ -172,18 +172,6 @@ def select_backend(implementation: str | None, call: Call) -> AttentionBackend:
   """The kernel backend that runs ``call``: the named one, or the first of `BACKENDS`
   that can; a ValueError says why when none can (`Registry.select`)."""
   return REGISTRY.select(implementation, call)
-
-
-def _window(local_window_size, op: str = "dot_product_attention") -> tuple[int, int] | None:
-  if local_window_size is None:
-    return None
-  if isinstance(local_window_size, int):
-    local_window_size = (local_window_size, local_window_size)
-  if (not isinstance(local_window_size, Sequence) or len(local_window_size) != 2
-      or not all(isinstance(w, int) and w >= 0 for w in local_window_size)):
-    raise ValueError(f"{op}: local_window_size must be an int >= 0 or a (left, right) "
-                     f"pair of them, got {local_window_size!r}")
-  return tuple(local_window_size)
 
 
 def _lengths(lengths, batch: int, name: str):
@@ -287,7 +275,7 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   if block_sizes is not None and not isinstance(block_sizes, (BlockSizes, HopperBlockSizes)):
     raise TypeError("dot_product_attention: block_sizes must be a BlockSizes or a "
                     f"HopperBlockSizes, got {block_sizes!r}")
-  window = _window(local_window_size)
+  window = check_window(local_window_size, "dot_product_attention")
   q_len = _lengths(query_seq_lengths, B, "query_seq_lengths")
   kv_len = _lengths(key_value_seq_lengths, B, "key_value_seq_lengths")
   q_seg, kv_seg = _segments(segment_ids, B, T, S)

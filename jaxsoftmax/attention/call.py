@@ -2,8 +2,9 @@
 `AttentionBackend`: what a backend gives (`jaxsoftmax._core.backends`).
 
 `api.dot_product_attention` builds the call after checking the inputs; each backend
-(`attention.triton`, `attention.mosaic_gpu`) says from it whether it can run the call
-(``unsupported``), and runs it (``fwd``, and ``bwd`` where it has one).
+(`attention.decode.backend`, `attention.mosaic_gpu`, `attention.triton`) says from it
+whether it can run the call (``unsupported``), and runs it (``fwd``, and ``bwd`` where it
+has a backward of its own).
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ class AuxArrays(NamedTuple):
 
 @runtime_checkable
 class AttentionBackend(Backend, Protocol):
-  """An attention kernel backend: a folder beside `api` whose ``__init__`` gives these.
-  Every forward returns the same residuals, so that one backend's backward may
-  differentiate another's forward (`api.select_backward`)."""
+  """An attention kernel backend: a module whose ``NAME``, ``unsupported`` and these
+  `api` dispatches to. Every forward returns the same residuals, so that one backend's
+  backward may differentiate another's forward (`api.select_backward`)."""
 
   def fwd(self, q, k, v, aux_arrays: AuxArrays, call: Call, *, float32_output: bool):
     """(o, m, log2_l[, o in float32 with ``float32_output``]): the output and the row
@@ -86,7 +87,13 @@ class AttentionBackend(Backend, Protocol):
 
   def backward_unsupported(self, call: Call) -> str | None:
     """Why this backend's backward cannot differentiate ``call`` (which its forward ran),
-    or None when it can."""
+    or None when it can (then it is a `BackwardBackend`)."""
+
+
+@runtime_checkable
+class BackwardBackend(AttentionBackend, Protocol):
+  """A backend with a backward of its own, for the calls ``backward_unsupported``
+  allows."""
 
   def bwd(self, q, k, v, o, m, log2_l, do, aux_arrays: AuxArrays, call: Call, *,
           grad_dtype=None, delta=None):

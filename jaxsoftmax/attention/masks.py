@@ -21,10 +21,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+
+def check_window(local_window_size, op: str) -> tuple[int, int] | None:
+  """``local_window_size`` (None, w, or (left, right)) as a (left, right) pair, or None;
+  a ValueError naming the argument for anything else."""
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, int):
+    local_window_size = (local_window_size, local_window_size)
+  if (not isinstance(local_window_size, Sequence) or len(local_window_size) != 2
+      or not all(isinstance(w, int) and w >= 0 for w in local_window_size)):
+    raise ValueError(f"{op}: local_window_size must be an int >= 0 or a (left, right) "
+                     f"pair of them, got {local_window_size!r}")
+  return tuple(local_window_size)
 
 
 @dataclasses.dataclass(frozen=True)

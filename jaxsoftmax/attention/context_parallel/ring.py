@@ -54,7 +54,7 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.backends import check_implementation
 from jaxsoftmax.attention import api, logits
 from jaxsoftmax.attention.call import AuxArrays, Call
-from jaxsoftmax.attention.masks import MaskSpec
+from jaxsoftmax.attention.masks import MaskSpec, check_window
 from jaxsoftmax._core.linear_map import LinearMap
 from jaxsoftmax._core.state import merge_attention_states
 from jaxsoftmax.attention.context_parallel.zigzag import zigzag_permute, zigzag_unpermute
@@ -549,7 +549,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
     implementation = "xla"  # off a GPU: the blocks in jnp (`_xla_block_backward`)
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"{op}: logits_soft_cap must be > 0, got {logits_soft_cap!r}")
-  window = api._window(local_window_size, op)
+  window = check_window(local_window_size, op)
   if (is_causal or window is not None or layout == "zigzag") and S != T:
     raise ValueError(f"{op}: a causal mask, a window or the zigzag layout need query and "
                      f"key shards of one length, got T={T} and S={S}")

@@ -19,8 +19,8 @@ import numpy as np
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.backends import check_implementation
 from jaxsoftmax._core.inputs import check_floating
-from jaxsoftmax.attention import api as attention_api
 from jaxsoftmax.attention.decode import reference, triton
+from jaxsoftmax.attention.masks import check_window
 
 __all__ = ["decode_attention", "IMPLEMENTATIONS"]
 
@@ -138,7 +138,7 @@ def decode_attention(query, key, value, lengths, *, block_table=None, scale=None
   if num_splits is not None and not (isinstance(num_splits, int) and num_splits > 0):
     raise ValueError(f"{_OP}: num_splits must be a positive int or None, got "
                      f"{num_splits!r}")
-  window = attention_api._window(local_window_size, _OP)
+  window = check_window(local_window_size, _OP)
   window_left = None if window is None else window[0]  # the right is the causal mask's
   H = query.shape[-1]
   scale = float(1 / np.sqrt(H) if scale is None else scale)

@@ -125,8 +125,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logit
   # The split's run of the blocks that hold a position below the length, cut by the
   # length (not the cache's capacity); with a window, only those at or after the
   # earliest position a row sees.
-  n_blocks = pl.cdiv(length, bk)
-  chunk = pl.cdiv(n_blocks, dims.splits)
+  # (jnp's // rather than pl.cdiv, which under jax_enable_x64 divides int32 by int64.)
+  n_blocks = (length + bk - 1) // bk
+  chunk = (n_blocks + dims.splits - 1) // dims.splits
   lo = split * chunk
   hi = jnp.minimum(lo + chunk, n_blocks)
   if window_left is not None:

@@ -146,7 +146,8 @@ def _walk_in_chunks(ranges, body, zeros, chunk: int, add):
                       functools.partial(body, masked=False), zeros))
     return unused
 
-  lax.fori_loop(0, pl.cdiv(full_hi - full_lo, chunk), run, 0)
+  runs = (full_hi - full_lo + chunk - 1) // chunk  # (pl.cdiv mixes int64 in under x64)
+  lax.fori_loop(0, runs, run, 0)
   add(lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), zeros))
 
 
