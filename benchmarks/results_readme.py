@@ -73,6 +73,9 @@ OTHER = {
     "accuracy_linear_cross_entropy.log": "per-row loss errors of both forward kernels and "
                                          "of XLA's product, H = 4096 and 8192 "
                                          "(`benchmarks/accuracy_linear_cross_entropy.py`)",
+    "linear_cross_entropy_float32.log": "the float32 fused linear cross-entropy beside XLA "
+                                        "(a partial run), and its forward with TF32x3 "
+                                        "products",
     "command_buffers.log": "the example's training step with XLA's command buffers (CUDA "
                            "graphs) on and off, and the thunks they hold "
                            "(`benchmarks/command_buffers.py`)",
