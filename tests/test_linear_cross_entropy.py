@@ -163,9 +163,9 @@ F16_HUGE_CHUNKED = (
     "which moves p as much: dhidden at 2.5x a float16 reference's error")
 
 
-def _expect_the_known_limit(request):
+def _expect_the_known_limit(request, strict=True):
   # Strict: the day the limit goes, the test fails and asks for this mark to go too.
-  request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError,
+  request.applymarker(pytest.mark.xfail(strict=strict, raises=AssertionError,
                                         reason=F16_HUGE_CHUNKED))
 
 
@@ -185,7 +185,9 @@ def test_extremes(key, request, monkeypatch, kind, dtype, implementation):
   # Per-row losses and every gradient against the truth: NaN exactly where it is NaN,
   # +inf where the loss is +inf (a -inf label logit), the 2x rule elsewhere.
   if kind == "huge" and dtype == jnp.float16:
-    _expect_the_known_limit(request)
+    # The interpreted Hopper kernels' rounding meets the limit on most keys, not all
+    # (seeds 0-4: 3 of 5 past the bound; Triton's, 5 of 5): strict for Triton only.
+    _expect_the_known_limit(request, strict=implementation == "triton")
   monkeypatch.setattr(pallas, "num_cores", lambda: 4)
   # The Hopper kernels without a bias, where their own ds serves the backward (with one,
   # XLA's ds meets logits the interpreted wgmma rounded otherwise: test_extremes_gpu
