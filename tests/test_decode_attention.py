@@ -67,7 +67,7 @@ CASES = [
                  id="page256-H256-window"),
     pytest.param(2, 2, 4, 2, 96, 120, 48, [120, 49], dict(local_window_size=(10, 0)),
                  id="page48-H96-window"),
-    # Pages past MAX_PAGE_BLOCK are walked in blocks of 128: the second stops at 200.
+    # A page size that is no multiple of the 64-position block: blocks span two pages.
     pytest.param(2, 2, 4, 2, 64, 600, 200, [128, 529], dict(local_window_size=150),
                  id="page200-window"),
 ]

@@ -61,7 +61,8 @@ def _floor_div(a, b: int):
   return lax.div(lax.convert_element_type(a, jnp.int32), jnp.int32(b))
 
 
-def _cdiv(a, b: int):
+def cdiv(a, b: int):
+  """ceil(a / b) for a traced a >= 0; the kernels' int32 stand-in for pl.cdiv."""
   return _floor_div(lax.convert_element_type(a, jnp.int32) + jnp.int32(b - 1), b)
 
 
@@ -71,7 +72,7 @@ def key_block_ranges(spec: MaskSpec, q0, block_q: int, block_k: int, kv_length, 
 
   ``q0`` and the batch row's lengths (or None) may be traced int32 scalars.
   """
-  n_blocks = _cdiv(spec.kv_len, block_k)
+  n_blocks = cdiv(spec.kv_len, block_k)
   q_last = q0 + block_q - 1
   lo = jnp.int32(0)
   hi = jnp.int32(n_blocks)
@@ -80,16 +81,16 @@ def key_block_ranges(spec: MaskSpec, q0, block_q: int, block_k: int, kv_length, 
   full_lo = jnp.int32(0)
   full_hi = jnp.int32(spec.kv_len // block_k)  # a partial last block is masked
   if spec.is_causal:
-    hi = jnp.minimum(hi, _cdiv(q_last + 1, block_k))
+    hi = jnp.minimum(hi, cdiv(q_last + 1, block_k))
     full_hi = jnp.minimum(full_hi, _floor_div(q0 + 1, block_k))
   if spec.window_right is not None:
-    hi = jnp.minimum(hi, _cdiv(q_last + spec.window_right + 1, block_k))
+    hi = jnp.minimum(hi, cdiv(q_last + spec.window_right + 1, block_k))
     full_hi = jnp.minimum(full_hi, _floor_div(q0 + spec.window_right + 1, block_k))
   if spec.window_left is not None:
     lo = jnp.maximum(lo, _floor_div(jnp.maximum(q0 - spec.window_left, 0), block_k))
-    full_lo = jnp.maximum(full_lo, _cdiv(jnp.maximum(q_last - spec.window_left, 0), block_k))
+    full_lo = jnp.maximum(full_lo, cdiv(jnp.maximum(q_last - spec.window_left, 0), block_k))
   if kv_length is not None:
-    hi = jnp.minimum(hi, _cdiv(kv_length, block_k))
+    hi = jnp.minimum(hi, cdiv(kv_length, block_k))
     full_hi = jnp.minimum(full_hi, _floor_div(kv_length, block_k))
   if spec.has_segments:
     full_hi = full_lo  # every block compares segment ids
@@ -116,19 +117,19 @@ def query_block_ranges(spec: MaskSpec, k0, block_q: int, block_k: int, kv_length
   full_hi = jnp.int32(n_q_blocks)
   if spec.is_causal:  # queries i >= j
     lo = jnp.maximum(lo, _floor_div(k0, block_q))
-    full_lo = jnp.maximum(full_lo, _cdiv(k_last, block_q))
+    full_lo = jnp.maximum(full_lo, cdiv(k_last, block_q))
   if spec.window_left is not None:  # i <= j + left
-    hi = jnp.minimum(hi, _cdiv(k_last + spec.window_left + 1, block_q))
+    hi = jnp.minimum(hi, cdiv(k_last + spec.window_left + 1, block_q))
     full_hi = jnp.minimum(full_hi, _floor_div(k0 + spec.window_left + 1, block_q))
   if spec.window_right is not None:  # i >= j - right
     lo = jnp.maximum(lo, _floor_div(jnp.maximum(k0 - spec.window_right, 0), block_q))
-    full_lo = jnp.maximum(full_lo, _cdiv(jnp.maximum(k_last - spec.window_right, 0), block_q))
+    full_lo = jnp.maximum(full_lo, cdiv(jnp.maximum(k_last - spec.window_right, 0), block_q))
   if spec.has_segments:
     full_hi = full_lo  # every block compares segment ids
   if kv_length is not None:  # the whole key block past the length: nothing to do
     hi = jnp.where(k0 < kv_length, hi, lo)
   if q_length is not None:
-    hi = jnp.minimum(hi, _cdiv(q_length, block_q))
+    hi = jnp.minimum(hi, cdiv(q_length, block_q))
   hi = jnp.maximum(hi, lo)
   full_lo = jnp.clip(full_lo, lo, hi)
   full_hi = jnp.clip(full_hi, full_lo, hi)

@@ -4,9 +4,9 @@ so that a model calling the jax.nn-style function while it decodes gets it uncha
 It runs the calls that are decodes: one query token per sequence (T = 1) that sees
 every key below its length (``key_value_seq_lengths``, else all S), with no causal mask
 (jax.nn aligns it with the first key, not the last), window or segment ids. There the
-training forward, which tiles 64 or more query rows per program, read 8-28% of the
-bandwidth the cache read allows (issue 29's measurements); the flash-decoding kernel
-(`decode.triton`) reads 90-100% (benchmarks/results/README.md, "decode_attention").
+training forward tiles 64 or more query rows per program for one row of work; the
+flash-decoding kernel (`decode.triton`) reads the cache at 90-100% of the read bandwidth
+on contiguous caches (benchmarks/results/README.md, "decode_attention").
 
 Its residuals are the training forward's: the merged lse in natural units becomes
 (m, log2 l) = (lse / factor, 0), which `logits.lse` maps back, so the Triton backward

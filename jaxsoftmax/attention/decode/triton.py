@@ -29,6 +29,7 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
 from jaxsoftmax._core.state import reduce_lse, safe_shift
 from jaxsoftmax.attention.logits import Logits, lse as natural_lse
+from jaxsoftmax.attention.masks import cdiv
 from jaxsoftmax.attention.triton.tiling import pow2_head_dim
 
 __all__ = ["DecodeDims", "forward", "merge_splits"]
@@ -125,9 +126,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logit
   # The split's run of the blocks that hold a position below the length, cut by the
   # length (not the cache's capacity); with a window, only those at or after the
   # earliest position a row sees.
-  # (jnp's // rather than pl.cdiv, which under jax_enable_x64 divides int32 by int64.)
-  n_blocks = (length + bk - 1) // bk
-  chunk = (n_blocks + dims.splits - 1) // dims.splits
+  n_blocks = cdiv(length, bk)
+  chunk = cdiv(n_blocks, dims.splits)
   lo = split * chunk
   hi = jnp.minimum(lo + chunk, n_blocks)
   if window_left is not None:

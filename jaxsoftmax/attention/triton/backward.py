@@ -33,7 +33,7 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, row_delta, score_grad, score_grad_terms
-from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
+from jaxsoftmax.attention.masks import (MaskSpec, cdiv, element_mask, key_block_ranges,
                                         query_block_ranges, walk_block_ranges)
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, block_rows,
                                                 key_block, key_block_allowed, load_scalar,
@@ -146,8 +146,7 @@ def _walk_in_chunks(ranges, body, zeros, chunk: int, add):
                       functools.partial(body, masked=False), zeros))
     return unused
 
-  runs = (full_hi - full_lo + chunk - 1) // chunk  # (pl.cdiv mixes int64 in under x64)
-  lax.fori_loop(0, runs, run, 0)
+  lax.fori_loop(0, cdiv(full_hi - full_lo, chunk), run, 0)
   add(lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), zeros))
 
 
