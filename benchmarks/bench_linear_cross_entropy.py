@@ -8,10 +8,10 @@ float32: the loss (fwd) and `jax.value_and_grad` of the mean loss with respect t
 and weight (fwd+bwd), for
 `linear_cross_entropy` (its default: on a Hopper GPU, for bfloat16, the "mosaic_gpu"
 backend: the Mosaic GPU forward and the chunked backward, whose ds comes from the Hopper
-dlogits kernel; for float32 the "triton" backend; `implementation="triton"`: the Triton
-forward and the chunked backward with ds from XLA's float32 logits, in float32 the same
-as the default; chunks of 1024 columns; for bfloat16, forward + backward, chunks of 4096
-columns),
+dlogits kernel; for float32 the "xla_chunks" backend; `implementation="xla_chunks"`:
+XLA's products chunk by chunk, forward and backward; `implementation="triton"`: the
+Triton forward and the chunked backward with ds from XLA's float32 logits; chunks of
+1024 columns; for bfloat16, forward + backward, chunks of 4096 columns),
 for `x @ w` then optax's loss (XLA's own logits in the inputs' dtype: the program a user
 writes), for `jnp.dot` with `preferred_element_type=float32` rounded to the inputs' dtype
 then our `cross_entropy` or optax's (XLA keeps the float32 product: 2x the logits'
@@ -33,8 +33,9 @@ import jaxsoftmax as js
 from jaxsoftmax.cross_entropy import reference
 
 # New shapes go at the end: run_gpu.sh's LCE_ONLY (--only) picks shapes by index. The
-# float32 shape measures the "triton" backend, float32's default (the Hopper kernels take
-# bfloat16 and float16 only), beside the unfused loss.
+# float32 shape measures "xla_chunks", float32's default on a GPU (the Hopper kernels
+# take bfloat16 and float16 only, and Triton's float32 products run off the tensor
+# cores), beside the Triton backend and the unfused loss.
 SHAPES = [((8192, 4096, 131072), jnp.bfloat16), ((8192, 2304, 256000), jnp.bfloat16),
           ((4096, 2048, 32768), jnp.float32)]
 SMOKE_SHAPES = [((37, 40, 301), jnp.float32)]
@@ -46,8 +47,8 @@ def _logits(x, w, dtype):
 
 # The portable backend: the Triton forward, and the chunked backward with each chunk's ds
 # formed by XLA (float32 logits, then an elementwise pass) instead of the Hopper dlogits
-# kernel. On a Hopper GPU the default replaces it for bfloat16; for float32 it is the
-# default, and both rows run the same call.
+# kernel. On a Hopper GPU the default replaces it for bfloat16, and for float32 the
+# xla_chunks backend does (Triton runs float32 only where it is named).
 TRITON = "jaxsoftmax fused, Triton fwd + XLA ds"
 # Half the default chunk at T = 8192 (2**23 logits): the memory / time trade of the
 # chunked backward, whose peak is the gradients + a float32 dhidden + one chunk.
@@ -55,6 +56,8 @@ _CHUNK_1024 = js.LinearCrossEntropyTiling(chunk_vocab=1024)
 IMPLS = {
     "jaxsoftmax fused": lambda x, w, y: js.linear_cross_entropy(x, w, y),
     TRITON: lambda x, w, y: js.linear_cross_entropy(x, w, y, implementation="triton"),
+    "jaxsoftmax xla_chunks": lambda x, w, y: js.linear_cross_entropy(
+        x, w, y, implementation="xla_chunks"),
     "jaxsoftmax fused chunk 1024": lambda x, w, y: js.linear_cross_entropy(
         x, w, y, tiling=_CHUNK_1024),
     "dot + jaxsoftmax ce": lambda x, w, y: js.cross_entropy(_logits(x, w, x.dtype), y),
@@ -114,5 +117,5 @@ if __name__ == "__main__":
               unit="TFLOP/s",
               flops_doc="2·T·H·V for the loss and 6·T·H·V for loss and gradients (the "
                         "products an unfused step needs; the fused backward recomputes "
-                        "the logits, a fourth product it does not count, and in float32 "
-                        "a fifth, for each row's softmax state)")
+                        "the logits, a fourth product it does not count, and for float32 "
+                        "through Triton a fifth, for each row's softmax state)")

@@ -69,7 +69,8 @@ def test_linear_cross_entropy_backends_meet_the_protocol():
   for backend in lce_api.REGISTRY.backends:
     assert isinstance(backend, Backend), backend
     assert callable(backend.forward) and callable(backend.chunk_ds), backend
-  assert lce_api.IMPLEMENTATIONS == (None, "mosaic_gpu", "triton", "xla")
+    assert isinstance(backend.STATE_FROM_XLA, bool), backend
+  assert lce_api.IMPLEMENTATIONS == (None, "mosaic_gpu", "triton", "xla_chunks", "xla")
 
 
 ROW_OPS = {

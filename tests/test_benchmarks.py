@@ -91,8 +91,9 @@ def test_transformer_example_learns_on_a_cpu(monkeypatch):
 
 def test_bench_linear_cross_entropy_smoke(tmp_path):
   rows = _smoke_rows(tmp_path, "bench_linear_cross_entropy", "linear_cross_entropy")
-  # Every row ran, the Triton forward's named among them (the default off a Hopper GPU).
-  assert len(rows) == 14 and sum("Triton fwd" in r["impl"] for r in rows) == 2
+  # Every row ran, the Triton and xla_chunks backends named among them.
+  assert len(rows) == 16 and sum("Triton fwd" in r["impl"] for r in rows) == 2
+  assert sum(r["impl"] == "jaxsoftmax xla_chunks" for r in rows) == 2
   assert all(r["median_us"] > 0 and r["max_rel_err"] < 1e-5 for r in rows)
 
 

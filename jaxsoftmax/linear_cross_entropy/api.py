@@ -46,7 +46,10 @@ Backends (`REGISTRY`, the rule of `jaxsoftmax._core.backends`; each a module wit
   1.44x-1.50x faster than the Triton kernel
   (`benchmarks/results/tuning/tune_linear_cross_entropy_hopper.md`,
   `tune_linear_cross_entropy_hopper_gemma.md`). Interpreted only when named.
-- "triton": the Triton forward above, any floating dtype, interpret mode's default.
+- "triton": the Triton forward above, any floating dtype, interpret mode's default;
+  compiled float32 only when named (its products run as IEEE FMAs, off the tensor cores).
+- "xla_chunks": the forward as XLA's products (cuBLAS), one vocabulary chunk at a time,
+  the chunks' states merged (`chunked.chunk_states`): float32's default on a GPU.
 - ``implementation="xla"`` is the reference (`reference`): XLA's logits and
   `jaxsoftmax.cross_entropy`.
 
@@ -56,7 +59,7 @@ on the H200 (their updates of float32 accumulators in global memory, per tile,
 dominated) and were removed (docs/kernels.md).
 
 FLOPs: forward 2·R·H·V; backward 6·R·H·V (logits again, dhidden, dweight), 8·R·H·V for
-float32 (its own softmax state first).
+float32 after the Triton forward (its own softmax state first).
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ from jaxsoftmax._core.backends import Registry, check_implementation
 from jaxsoftmax._core.inputs import check_floating
 from jaxsoftmax._core.linear_map import LinearMap
 from jaxsoftmax.cross_entropy.api import REDUCTIONS, check_labels, reduce_losses
-from jaxsoftmax.linear_cross_entropy import chunked, mosaic_gpu, reference, triton
+from jaxsoftmax.linear_cross_entropy import (chunked, mosaic_gpu, reference, triton,
+                                             xla_chunks)
 from jaxsoftmax.linear_cross_entropy.call import Call, LinearCrossEntropyBackend
 from jaxsoftmax.linear_cross_entropy.logits import Options, Rows
 from jaxsoftmax.linear_cross_entropy.tiling import Dims, LinearCrossEntropyTiling
@@ -80,7 +84,7 @@ __all__ = ["linear_cross_entropy", "REGISTRY", "IMPLEMENTATIONS"]
 
 # Kernel backends in order of preference (fastest first, where each can run a call).
 REGISTRY: Registry[LinearCrossEntropyBackend] = Registry(
-    "linear_cross_entropy", (mosaic_gpu, triton),
+    "linear_cross_entropy", (mosaic_gpu, triton, xla_chunks),
     otherwise="implementation='xla' takes the reference path")
 IMPLEMENTATIONS = REGISTRY.implementations
 
@@ -124,8 +128,10 @@ def _transpose_kernel(res, cts, *, call: Call, backend: str):
   in_range = (labels >= 0) & (labels < call.dims.V)
   g = jnp.where(in_range | (g == 0), g.astype(jnp.float32), jnp.nan)
   rows = Rows(labels, m, log_l, g, g_lse.astype(jnp.float32))
+  chosen = REGISTRY[backend]
   dx, dw, db = chunked.backward(x, w, b, rows, call.dims, call.options,
-                                chunk_ds=REGISTRY[backend].chunk_ds(x, rows, call))
+                                chunk_ds=chosen.chunk_ds(x, rows, call),
+                                state_from_xla=chosen.STATE_FROM_XLA)
   return (dx.astype(x.dtype), dw.astype(w.dtype)) + (() if b is None else
                                                      (db.astype(b.dtype),))
 
@@ -187,10 +193,11 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
       `jaxsoftmax.cross_entropy`.
     logit_soft_cap: c > 0: the logits become c·tanh(logits / c) first (Gemma 2).
     implementation: None (the first backend of `REGISTRY` that can run the call:
-      "mosaic_gpu" for 16-bit inputs on a Hopper GPU, else "triton"; off a GPU the XLA
-      path unless kernels are asked for), "mosaic_gpu", "triton", or "xla" (the
-      reference: XLA's logits and `jaxsoftmax.cross_entropy`). A named backend that
-      cannot run the call raises a ValueError saying why.
+      "mosaic_gpu" for 16-bit inputs on a Hopper GPU, "xla_chunks" for float32 on a GPU,
+      else "triton"; off a GPU the XLA path unless kernels are asked for), "mosaic_gpu",
+      "triton", "xla_chunks" (XLA's products a vocabulary chunk at a time, no logits in
+      memory), or "xla" (the reference: XLA's logits and `jaxsoftmax.cross_entropy`). A
+      named backend that cannot run the call raises a ValueError saying why.
     tiling: optional `LinearCrossEntropyTiling`, the kernels' tiles.
     interpret: run the kernels in Pallas interpret mode; see `jaxsoftmax.softmax`.
 

@@ -44,10 +44,13 @@ ChunkDs = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 class LinearCrossEntropyBackend(Protocol):
-  """A kernel backend of `jaxsoftmax.linear_cross_entropy` (a module: `triton`,
-  `mosaic_gpu`)."""
+  """A kernel backend of `jaxsoftmax.linear_cross_entropy` (a module: `mosaic_gpu`,
+  `triton`, `xla_chunks`)."""
 
   NAME: str
+  # Whether the forward's softmax state comes from the very products the chunked backward
+  # recomputes (XLA's), so that float32 needs no state of its own (`chunked.backward`).
+  STATE_FROM_XLA: bool
 
   def unsupported(self, call: Call) -> str | None:
     """Why this backend cannot run ``call``, or None when it can."""

@@ -20,7 +20,7 @@ from jaxsoftmax.linear_cross_entropy.logits import (Options, Rows, capped, logit
                                                     sum_products)
 from jaxsoftmax.linear_cross_entropy.tiling import Dims
 
-__all__ = ["backward"]
+__all__ = ["backward", "chunk_states", "xla_dot"]
 
 
 def _logit_grad_chunk(z, start, rows: Rows, p_rows: Rows, dims: Dims, options: Options):
@@ -55,34 +55,61 @@ def _chunk_logits(x, w_c, b, start, dims: Dims, dot):
   return z
 
 
+def chunk_states(x, w, b, dims: Dims, options: Options, dot, labels=None,
+                 with_total: bool = False):
+  """Per row, float32 (R,): the softmax state (m, l) of the logits s that XLA's products
+  give, one vocabulary chunk at a time (the rule of `state.merge_states`), and with
+  ``labels`` also the label's logit s_y and, with ``with_total``, Σ_j s_j (else 0). Only a
+  rows x chunk block of logits is ever in memory."""
+  n_chunks = pl.cdiv(dims.V, dims.chunk)
+
+  def step(carry, c):
+    m, l, label, total = carry
+    start = _starts(c, dims)
+    w_c = lax.dynamic_slice_in_dim(w, start, dims.chunk, axis=1)
+    s = capped(_chunk_logits(x, w_c, b, start, dims, dot), options)[0]
+    own = _own_columns(c, start, dims)  # the overlapped columns count once
+    if labels is not None:
+      cols = start + jnp.arange(dims.chunk, dtype=jnp.int32)
+      is_label = cols[None, :] == labels[:, None]
+      is_label = is_label if own is None else is_label & own
+      label = label + jnp.sum(jnp.where(is_label, s, 0.0), axis=1)
+    if with_total:
+      total = total + jnp.sum(s if own is None else jnp.where(own, s, 0.0), axis=1)
+    if own is not None:
+      s = jnp.where(own, s, -jnp.inf)
+    m_c = jnp.max(s, axis=1)
+    l_c = jnp.sum(jnp.exp(s - safe_shift(m_c)[:, None]), axis=1)
+    return (*merge_states(m, l, m_c, l_c), label, total), None
+
+  zeros = jnp.zeros((dims.R,), jnp.float32)
+  init = (jnp.full((dims.R,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
+  init = pallas.vary_over(init, pallas.varying_axes(x, w, b, labels))
+  (m, l, label, total), _ = lax.scan(step, init, jnp.arange(n_chunks, dtype=jnp.int32))
+  return m, l, label, total
+
+
 def _own_state(x, w, b, rows: Rows, dims: Dims, options: Options, dot) -> Rows:
   """``rows`` with the softmax state (m, log l) of the logits the backward's products
   give, one more pass over the chunks. XLA's float32 products round otherwise than the
   forward kernel's, so p from the forward's state would sum to 1 over the backward's
   logits only up to that difference, which cost float32 dhidden 2-4x a float32
   reference's error (whose softmax is normalized by its own sum; docs/numerics.md).
-  16-bit inputs do not need it: the difference is far below their ds's rounding."""
-  n_chunks = pl.cdiv(dims.V, dims.chunk)
-
-  def step(state, c):
-    start = _starts(c, dims)
-    w_c = lax.dynamic_slice_in_dim(w, start, dims.chunk, axis=1)
-    s = capped(_chunk_logits(x, w_c, b, start, dims, dot), options)[0]
-    own = _own_columns(c, start, dims)
-    if own is not None:
-      s = jnp.where(own, s, -jnp.inf)  # the overlapped columns count once
-    m_c = jnp.max(s, axis=1)
-    l_c = jnp.sum(jnp.exp(s - safe_shift(m_c)[:, None]), axis=1)
-    return merge_states(*state, m_c, l_c), None
-
-  init = (jnp.full((dims.R,), -jnp.inf, jnp.float32), jnp.zeros((dims.R,), jnp.float32))
-  init = pallas.vary_over(init, pallas.varying_axes(x, w, b, rows))
-  (m, l), _ = lax.scan(step, init, jnp.arange(n_chunks, dtype=jnp.int32))
+  16-bit inputs do not need it: the difference is far below their ds's rounding, and
+  a forward from the same products (`xla_chunks`) has this state already."""
+  m, l = chunk_states(x, w, b, dims, options, dot)[:2]
   return rows._replace(m=safe_shift(m), log_l=jnp.log(l))
 
 
+def xla_dot(dtype):
+  """XLA's product with float32 accumulation, at full float32 precision for float32
+  operands (by default XLA rounds them to TF32 on the tensor cores)."""
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  return functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+
+
 def backward(x, w, b, rows: Rows, dims: Dims, options: Options, *,
-             chunk_ds: ChunkDs | None = None):
+             chunk_ds: ChunkDs | None = None, state_from_xla: bool = False):
   """(dx float32, dw in w's dtype, db float32 or None) over vocabulary chunks, each
   chunk's ds from ``chunk_ds`` (already in the products' dtype) or, with None, from
   XLA's float32 logits. The last chunk ends at V; where V is not a multiple of the chunk
@@ -91,13 +118,13 @@ def backward(x, w, b, rows: Rows, dims: Dims, options: Options, *,
 
   Its logits are XLA's products, not the forward kernel's: for float32 inputs the
   probabilities come from their own softmax state (`_own_state`); their lse, in ds's
-  coefficients, stays the forward's."""
+  coefficients, stays the forward's. ``state_from_xla``: the forward's state came from
+  these very products (`xla_chunks`), so float32 needs no state of its own."""
   chunk = dims.chunk
   n_chunks = pl.cdiv(dims.V, chunk)
-  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-  dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=precision)
+  dot = xla_dot(x.dtype)
   p_rows = rows
-  if chunk_ds is None and x.dtype == jnp.float32:
+  if chunk_ds is None and x.dtype == jnp.float32 and not state_from_xla:
     p_rows = _own_state(x, w, b, rows, dims, options, dot)
   if chunk_ds is not None:
     operands = lambda ds: ((ds,), 1.0)  # already the products' operand

@@ -59,10 +59,11 @@ from jaxsoftmax.linear_cross_entropy.tiling import (HOPPER_BLOCK_HIDDEN, HOPPER_
                                                     HOPPER_CONSUMERS,
                                                     LinearCrossEntropyHopperTiling)
 
-__all__ = ["NAME", "unsupported", "forward", "chunk_ds", "DlogitsInputs", "dlogits",
-           "dlogits_inputs", "range_states"]
+__all__ = ["NAME", "STATE_FROM_XLA", "unsupported", "forward", "chunk_ds", "DlogitsInputs",
+           "dlogits", "dlogits_inputs", "range_states"]
 
 NAME = "mosaic_gpu"
+STATE_FROM_XLA = False
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a consumer's tile
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per vocabulary column of a tile

@@ -19,14 +19,20 @@ from jaxsoftmax.linear_cross_entropy.call import Call, ChunkDs
 from jaxsoftmax.linear_cross_entropy.logits import LOG2E, Options, Rows, capped, merged_state
 from jaxsoftmax.linear_cross_entropy.tiling import Dims
 
-__all__ = ["NAME", "unsupported", "forward", "chunk_ds"]
+__all__ = ["NAME", "STATE_FROM_XLA", "unsupported", "forward", "chunk_ds"]
 
 NAME = "triton"
+STATE_FROM_XLA = False
 
 
 def unsupported(call: Call) -> str | None:
-  """None: the Triton forward takes every call that reaches a kernel."""
-  del call
+  """Why the Triton forward does not take ``call`` by default: compiled float32 products,
+  which Triton runs as IEEE FMAs off the tensor cores (`pallas.dot`), at about 3 TFLOP/s
+  on the H200 (docs/kernels.md, "Linear cross-entropy"). Named, or interpreted, it takes
+  every call."""
+  if call.dtype == "float32" and not (call.named or call.interpret):
+    return ("its float32 products run as IEEE FMAs off the tensor cores, slower than "
+            "XLA's (the xla_chunks backend takes float32)")
   return None
 
 
