@@ -41,6 +41,12 @@ SHAPES = [((8192, 4096, 131072), jnp.bfloat16), ((8192, 2304, 256000), jnp.bfloa
 SMOKE_SHAPES = [((37, 40, 301), jnp.float32)]
 
 
+FLOPS_DOC = ("2·T·H·V for the loss and 6·T·H·V for loss and gradients (the products an "
+             "unfused step needs; the fused backward recomputes the logits, a fourth "
+             "product it does not count, and for float32 through Triton a fifth, for each "
+             "row's softmax state)")
+
+
 def _logits(x, w, dtype):
   return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
 
@@ -114,8 +120,4 @@ if __name__ == "__main__":
   harness.run("linear_cross_entropy", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
               lambda shape, dtype, modes: (2 * len(IMPLS)
                                            + len(BACKWARD_IMPLS) * (dtype == jnp.bfloat16)),
-              unit="TFLOP/s",
-              flops_doc="2·T·H·V for the loss and 6·T·H·V for loss and gradients (the "
-                        "products an unfused step needs; the fused backward recomputes "
-                        "the logits, a fourth product it does not count, and for float32 "
-                        "through Triton a fifth, for each row's softmax state)")
+              unit="TFLOP/s", flops_doc=FLOPS_DOC)

@@ -310,7 +310,7 @@ def peak_memory_mib(fn, *args) -> float:
   return (stats.temp_size_in_bytes + stats.output_size_in_bytes) / 2**20
 
 
-_ATTENTION_FLOPS = "4·B·N·T·S·H (halved when causal; 3.5x for forward + backward)"
+ATTENTION_FLOPS = "4·B·N·T·S·H (halved when causal; 3.5x for forward + backward)"
 
 
 class Report:
@@ -323,7 +323,7 @@ class Report:
   def __init__(self, name: str, total: int, out_dir: str, unit: str = "GB/s",
                modes: Sequence[str] = ("fwd", "fwd+bwd"),
                summary: Callable[[list[Row]], str] | None = None,
-               flops_doc: str = _ATTENTION_FLOPS):
+               flops_doc: str = ATTENTION_FLOPS):
     assert unit in ("GB/s", "TFLOP/s"), unit
     self.name, self.total, self.rows, self.unit = name, total, [], unit
     # The modes to measure (benchmarks that have several), and an optional function of
@@ -495,7 +495,7 @@ def write_lines(out_dir: str, filename: str, lines: Sequence[str]):
 
 def run(name: str, doc: str, shapes, smoke_shapes, bench_shape, rows_per_shape,
         unit: str = "GB/s", summary: Callable[[list[Row]], str] | None = None,
-        flops_doc: str = _ATTENTION_FLOPS, default_modes: str = "fwd,fwd+bwd"):
+        flops_doc: str = ATTENTION_FLOPS, default_modes: str = "fwd,fwd+bwd"):
   """The command line every benchmark script shares: ``--out``, ``--smoke``, ``--only``,
   ``--name``, ``--modes``.
 

@@ -3,7 +3,9 @@
     python benchmarks/merge_reports.py OUT_DIR NAME first.json second.json ...
 
 Rows are keyed by (op, impl, shape, dtype, mode); a later file's row replaces an earlier
-one's, so re-measured shapes win. Writes NAME.json/.md/.png; the header lists the runs.
+one's, so re-measured shapes win. Writes NAME.json/.md/.png; the header lists the runs'
+dates, and the merged meta keeps each run's entry in "runs" (what it measured and with
+which command, where a report records it).
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ import json
 import sys
 
 import bench_attention
+import bench_linear_cross_entropy
 import harness
+
+# The TFLOP/s reports: what their FLOPs count, and the table that ends them.
+_TFLOPS_REPORTS = {
+    "linear_cross_entropy": (bench_linear_cross_entropy.FLOPS_DOC, None),
+}
+_ATTENTION = (harness.ATTENTION_FLOPS, bench_attention.vs_best_peer)
 
 
 def main(out_dir: str, name: str, paths: list[str]):
@@ -29,10 +38,13 @@ def main(out_dir: str, name: str, paths: list[str]):
   if len(units) != 1:
     sys.exit(f"cannot merge reports with units {units}")
   unit = units.pop()
-  # The attention benchmark is the one TFLOP/s report; its table ends with the ratios.
-  summary = bench_attention.vs_best_peer if unit == "TFLOP/s" else None
-  merged = harness.Report(name, total=len(rows), out_dir=out_dir, unit=unit, summary=summary)
-  merged.meta = dict(metas[-1], date=" + ".join(m["date"] for m in metas))
+  flops_doc, summary = harness.ATTENTION_FLOPS, None
+  if unit == "TFLOP/s":  # attention's unless the report is one of the others
+    flops_doc, summary = _TFLOPS_REPORTS.get(name, _ATTENTION)
+  merged = harness.Report(name, total=len(rows), out_dir=out_dir, unit=unit,
+                          summary=summary, flops_doc=flops_doc)
+  runs = [run for m in metas for run in m.get("runs", [{"date": m["date"]}])]
+  merged.meta = dict(metas[-1], date=" + ".join(run["date"] for run in runs), runs=runs)
   merged.rows = list(rows.values())
   merged._write_tables()
   merged.finish()

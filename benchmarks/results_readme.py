@@ -73,9 +73,6 @@ OTHER = {
     "accuracy_linear_cross_entropy.log": "per-row loss errors of both forward kernels and "
                                          "of XLA's product, H = 4096 and 8192 "
                                          "(`benchmarks/accuracy_linear_cross_entropy.py`)",
-    "linear_cross_entropy_float32.log": "the float32 fused linear cross-entropy beside XLA "
-                                        "(a partial run), and its forward with TF32x3 "
-                                        "products",
     "command_buffers.log": "the example's training step with XLA's command buffers (CUDA "
                            "graphs) on and off, and the thunks they hold "
                            "(`benchmarks/command_buffers.py`)",
@@ -159,8 +156,9 @@ def _runs(meta) -> list[str]:
     modes = f" ({', '.join(run['modes'])})" if run.get("modes") else ""
     command = f" `{run['command']}`." if run.get("command") else ""
     note = f" {run['note'][0].upper()}{run['note'][1:]}." if run.get("note") else ""
-    lines.append(f"- {run['date']}, `{run['file']}` (in git history): {what}{modes}."
-                 f"{command}{note}")
+    # A run merged from its own file names it (kept in git history).
+    source = f", `{run['file']}` (in git history)" if run.get("file") else ""
+    lines.append(f"- {run['date']}{source}: {what}{modes}.{command}{note}")
   return lines
 
 
