@@ -21,6 +21,9 @@ on float64 copies of the same inputs, `harness.float64_truth`); the paged pools 
 same cache, so every row of a shape shares one truth.
 
 Implementations:
+  - `jaxsoftmax mosaic_gpu`: ``decode_attention(..., implementation="mosaic_gpu")``, the
+    Hopper kernel (contiguous and paged; on a Hopper GPU only, no row elsewhere); the
+    note gives its split count, block, stages and schedule.
   - `jaxsoftmax triton`: ``decode_attention(..., implementation="triton")`` (contiguous
     and paged); the note gives the split count it chose.
   - `xla`: ``implementation="xla"``, the reference (a paged cache gathered into one array
@@ -43,11 +46,20 @@ Implementations:
 
 A peer that is absent or needs a GPU (a --smoke run on a CPU) gets a row saying so, and
 one that fails on a shape a row with its error, never a crash. The table ends with each
-shape's ratio of ours to the fastest peer whose errors are right (`vs_best_peer`).
+shape's ratio of each of ours to the fastest peer whose errors are right
+(`vs_best_peer`).
+
+For quick runs the environment narrows a run: DECODE_IMPLS (comma-separated row names)
+measures only those rows, DECODE_PAGE_SIZES (comma-separated) replaces each shape's page
+sizes, and DECODE_HOPPER_VARIANTS (comma-separated BLOCKxSTAGES, then "g" for one CTA
+per item instead of persistent CTAs, e.g. "64x5,128x2,64x4g") adds a row of the Hopper
+kernel with those tiles each, named "jaxsoftmax mosaic_gpu 64x5".
 """
 
 from __future__ import annotations
 
+import os
+import re
 import warnings
 
 import jax
@@ -56,9 +68,10 @@ import numpy as np
 
 import harness
 import jaxsoftmax as js
+from jaxsoftmax._core import mosaic_gpu as mosaic_device
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
-from jaxsoftmax.attention.decode import reference, triton
+from jaxsoftmax.attention.decode import mosaic_gpu, reference, triton
 
 PAGE_SIZES = (16, 64, 256)
 # (B, S, N, K, H, T, page sizes); shape indices for --only.
@@ -71,6 +84,7 @@ SHAPES = [((8, 8192, 32, 8, 128, 1, PAGE_SIZES), jnp.bfloat16),
 SMOKE_SHAPES = [((2, 100, 4, 2, 64, 1, (16,)), jnp.bfloat16),
                 ((2, 100, 4, 2, 64, 2, (16,)), jnp.bfloat16)]
 OURS = "jaxsoftmax triton"
+HOPPER = "jaxsoftmax mosaic_gpu"
 # Implementations per layout, in row order (bench_shape adds one row for each).
 FA3_SPLITS = (1, 4, 16)
 _FA3 = tuple(f"fa3 splits {n}" for n in FA3_SPLITS)
@@ -80,6 +94,48 @@ PAGED = (OURS, "xla", *_FA3, "pallas paged_attention")
 
 def _on_gpu() -> bool:
   return jax.default_backend() == "gpu"
+
+
+def _env_list(name: str):
+  value = os.environ.get(name, "").strip()
+  return [x.strip() for x in value.split(",") if x.strip()] if value else None
+
+
+def _hopper_variants():
+  """(row name, HopperDecodeBlocks) of DECODE_HOPPER_VARIANTS."""
+  variants = []
+  for spec in _env_list("DECODE_HOPPER_VARIANTS") or []:
+    block_k, stages, grid = re.fullmatch(r"(\d+)x(\d+)(g?)", spec).groups()
+    blocks = mosaic_gpu.HopperDecodeBlocks(int(block_k), int(stages), persistent=not grid)
+    variants.append((f"{HOPPER} {spec}", blocks))
+  return variants
+
+
+def _hopper_rows():
+  """Our Hopper rows (the default tiles, then DECODE_HOPPER_VARIANTS): on a Hopper GPU
+  only."""
+  if not mosaic_device.hopper_device():
+    return []
+  return [(HOPPER, None)] + _hopper_variants()
+
+
+def _hopper_fn(blocks, paged: bool):
+  """The Hopper kernel with the tiles ``blocks`` (None: as decode_attention runs it)."""
+  if blocks is None:
+    if paged:
+      return lambda q, k, v, n, t: js.decode_attention(q, k, v, n, block_table=t,
+                                                       implementation="mosaic_gpu")
+    return lambda q, k, v, n: js.decode_attention(q, k, v, n, implementation="mosaic_gpu")
+
+  def run(q, k, v, n, t=None):
+    plan = mosaic_gpu.plan(q, k, t, None, cores=pallas.num_cores(), blocks=blocks)
+    scale = q.shape[-1] ** -0.5
+    o, m, log2_l = mosaic_gpu.forward(q, k, v, n, t, plan=plan, scale=scale, softcap=None,
+                                      window_left=None)
+    out, _ = triton.merge_splits(o, m, log2_l, dims=plan.dims, scale=scale, softcap=None)
+    return out.astype(q.dtype)
+
+  return run
 
 
 def _pallas_ops():
@@ -136,7 +192,9 @@ def contiguous_impls(case):
   B, S, N, K, H, T, _ = case
   scale = H ** -0.5
   gpu = _on_gpu()
-  impls = {
+  impls = {name: (_hopper_fn(blocks, paged=False), None)
+           for name, blocks in _hopper_rows()}
+  impls |= {
       OURS: (lambda q, k, v, n: js.decode_attention(q, k, v, n, implementation="triton"),
              None),
       "xla": (lambda q, k, v, n: js.decode_attention(q, k, v, n, implementation="xla"),
@@ -169,7 +227,7 @@ def contiguous_impls(case):
           interpret=not gpu)[:, None], None)
     except ImportError as e:
       impls["pallas decode gqa"] = (None, f"not importable: {e}")
-  assert tuple(impls) == CONTIGUOUS
+  assert tuple(impls)[-len(CONTIGUOUS):] == CONTIGUOUS
   return impls
 
 
@@ -179,7 +237,9 @@ def paged_impls(case):
   B, S, N, K, H, T, _ = case
   scale = H ** -0.5
   gpu = _on_gpu()
-  impls = {
+  impls = {name: (_hopper_fn(blocks, paged=True), None)
+           for name, blocks in _hopper_rows()}
+  impls |= {
       OURS: (lambda q, k, v, n, t: js.decode_attention(
           q, k, v, n, block_table=t, implementation="triton"), None),
       "xla": (lambda q, k, v, n, t: js.decode_attention(
@@ -208,13 +268,24 @@ def paged_impls(case):
       impls["pallas paged_attention"] = (pallas_paged, None)
     except ImportError as e:
       impls["pallas paged_attention"] = (None, f"not importable: {e}")
-  assert tuple(impls) == PAGED
+  assert tuple(impls)[-len(PAGED):] == PAGED
   return impls
 
 
 def _splits_note(name, case, q, k, table):
-  """The split count behind ours' row (`DecodeDims.of`, as the call chooses it)."""
+  """The split count behind ours' row (`DecodeDims.of`, `mosaic_gpu.plan`, as the call
+  chooses it)."""
   B, S, N, K, H, T, _ = case
+  if name.startswith(HOPPER):
+    blocks = dict(_hopper_variants()).get(name)
+    why = mosaic_gpu.unsupported(q, k, table, blocks=blocks)
+    if why is not None:
+      return f"unsupported: {why}"
+    plan = mosaic_gpu.plan(q, k, table, None, cores=pallas.num_cores(), blocks=blocks)
+    schedule = "persistent" if plan.blocks.persistent else "grid"
+    copies = f", {plan.copies} copies a block" if plan.copies > 1 else ""
+    return (f"splits {plan.dims.splits}, blocks of {plan.block_k}, "
+            f"{plan.blocks.num_stages} stages, {schedule}{copies}")
   if name == OURS:
     dims = triton.DecodeDims.of(q, k, table, None, cores=pallas.num_cores())
     gathered = ", pages gathered" if dims.gathers_pages else ""
@@ -223,7 +294,10 @@ def _splits_note(name, case, q, k, table):
 
 
 def _measure(report, impls, args, *, note_of, mode, common, nbytes, truth, read):
+  only = _env_list("DECODE_IMPLS")
   for name, (fn, why) in impls.items():
+    if only is not None and name not in only:
+      continue
     if fn is None:
       report.skip(impl=name, mode=mode, note=why, **common)
       continue
@@ -234,6 +308,8 @@ def _measure(report, impls, args, *, note_of, mode, common, nbytes, truth, read)
 
 def bench_shape(report: harness.Report, case, dtype):
   B, S, N, K, H, T, page_sizes = case
+  if _env_list("DECODE_PAGE_SIZES") is not None:
+    page_sizes = tuple(int(p) for p in _env_list("DECODE_PAGE_SIZES"))
   q, k, v, lengths = case_inputs(case, dtype)
   nbytes = 2 * B * S * K * H * jnp.dtype(dtype).itemsize
   common = dict(op=f"decode T={T}", shape=(B, S, N, K, H), dtype=jnp.dtype(dtype).name)
@@ -272,8 +348,8 @@ _WRONG = 10
 
 
 def vs_best_peer(rows) -> str:
-  """Markdown: for each shape and cache layout, our GB/s over the fastest peer's whose
-  errors are right, by device time and end to end."""
+  """Markdown: for each shape and cache layout, each of our GB/s over the fastest peer's
+  whose errors are right, by device time and end to end."""
   groups = {}
   for r in rows:
     if r.gbps is not None and r.op != "ceiling":
@@ -282,29 +358,30 @@ def vs_best_peer(rows) -> str:
            "Ratio of device time (and end-to-end time) of the fastest peer measured in the "
            "same run whose results are right (finite errors, a relative error at most "
            f"{_WRONG}x the smallest of the shape's rows) to ours: above 1, ours is faster.",
-           "", "| op | shape | dtype | mode | GB/s | % of read | best peer | its GB/s | "
-           "ratio | e2e ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "", "| op | shape | dtype | mode | ours | GB/s | % of read | best peer | its GB/s "
+           "| ratio | e2e ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   for (op, shape, dtype, mode), group in groups.items():
     errs = [r.max_rel_err for r in group
             if r.max_rel_err is not None and np.isfinite(r.max_rel_err)]
-    peers = [r for r in group if r.impl != OURS and r.max_rel_err is not None
+    ours = [r for r in group if r.impl.startswith("jaxsoftmax ")]
+    peers = [r for r in group if r not in ours and r.max_rel_err is not None
              and np.isfinite(r.max_rel_err) and r.max_rel_err <= _WRONG * min(errs)]
-    ours = [r for r in group if r.impl == OURS]
     if not peers or not ours:
       continue
     best = min(peers, key=lambda r: r.median_us)
     best_wall = min(r.wall_us for r in peers)
-    r = ours[0]
-    lines.append(f"| {op} | {shape} | {dtype} | {mode} | {r.gbps:.0f} | "
-                 f"{r.pct_ceiling:.1f}% | {best.impl} | {best.gbps:.0f} | "
-                 f"{best.median_us / r.median_us:.2f}x | {best_wall / r.wall_us:.2f}x |")
+    for r in ours:
+      lines.append(f"| {op} | {shape} | {dtype} | {mode} | {r.impl} | {r.gbps:.0f} | "
+                   f"{r.pct_ceiling:.1f}% | {best.impl} | {best.gbps:.0f} | "
+                   f"{best.median_us / r.median_us:.2f}x | {best_wall / r.wall_us:.2f}x |")
   return "\n".join(lines) + "\n"
 
 
 def _rows(case, dtype, modes):
   # The read ceiling, then every contiguous implementation and every paged one at each
-  # page size (a skipped one is a row too).
-  return 1 + len(CONTIGUOUS) + len(PAGED) * len(case[6])
+  # page size (a skipped one is a row too), our Hopper rows on a Hopper GPU.
+  per_layout = len(_hopper_rows())
+  return 1 + (len(CONTIGUOUS) + per_layout) + (len(PAGED) + per_layout) * len(case[6])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """decode_attention: output and lse of the Triton decode kernel (interpreted on a CPU)
-against the float64 truth under the 2x rule, contiguous and paged caches, every mask;
-the unused tail never leaks; split counts agree; bad input names the argument."""
+and of the Hopper (Mosaic GPU) kernel (GPU-marked: it has no interpret mode) against the
+float64 truth under the 2x rule, contiguous and paged caches, every mask; the unused
+tail never leaks; split counts agree; bad input names the argument; the Hopper kernel
+lowers for CUDA on any machine, and says why where it cannot run a call."""
 
+import dataclasses
 import functools
 import re
 
@@ -11,7 +14,10 @@ import numpy as np
 import pytest
 
 import jaxsoftmax as js
-from jaxsoftmax.attention.decode import reference
+from jaxsoftmax._core import mosaic_gpu as mosaic_device
+from jaxsoftmax._core import pallas
+from jaxsoftmax.attention.decode import api as decode_api
+from jaxsoftmax.attention.decode import mosaic_gpu, reference, triton
 from tolerance import assert_2x, truth
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -34,12 +40,12 @@ def _cache(key, B, S, K, H, dtype, page_size):
   return k, v, table
 
 
-def _check(q, k, v, lengths, table, **options):
-  """out and lse of the kernels against the truth (2x rule)."""
+def _check(q, k, v, lengths, table, impl="triton", **options):
+  """out and lse of the kernel ``impl`` against the truth (2x rule)."""
   run = lambda impl, q, k, v: js.decode_attention(
       q, k, v, lengths, block_table=table, return_residual=True, implementation=impl,
-      interpret=not ON_GPU, **options)
-  got = jax.jit(functools.partial(run, "triton"))(q, k, v)
+      interpret=not ON_GPU if impl == "triton" else None, **options)
+  got = jax.jit(functools.partial(run, impl))(q, k, v)
   in_dtype = jax.jit(functools.partial(run, "xla"))(q, k, v)
   ref = lambda q, k, v: reference.decode_attention(
       q, k, v, lengths, block_table=table, scale=options.get("scale"),
@@ -92,14 +98,28 @@ def test_matches_truth(key, B, T, N, K, H, S, page_size, lengths, options, dtype
   assert np.all(np.isneginf(lse[empty]))
 
 
-@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
-def test_nan_past_the_length_does_not_leak(key, page_size):
+# The Triton kernel (interpreted off a GPU) in float32; the Hopper kernel in bfloat16,
+# on a GPU, at page sizes below, at and above its block.
+NAN_CASES = [
+    pytest.param("triton", jnp.float32, None, id="triton-contiguous"),
+    pytest.param("triton", jnp.float32, 16, id="triton-paged"),
+    *(pytest.param("mosaic_gpu", jnp.bfloat16, page_size, marks=pytest.mark.gpu,
+                   id=f"mosaic_gpu-{name}")
+      for name, page_size in (("contiguous", None), ("page16", 16), ("page64", 64),
+                              ("page256", 256))),
+]
+
+
+@pytest.mark.parametrize("impl, dtype, page_size", NAN_CASES)
+def test_nan_past_the_length_does_not_leak(key, impl, dtype, page_size):
   # NaN everywhere at or past each length: the result is finite and the truth's.
   B, T, N, K, H, S = 2, 2, 4, 2, 64, 96
+  if page_size == 256:  # blocks of 128 positions, the length inside the second
+    S = 512
   kq, kc = jax.random.split(key)
-  q = jax.random.normal(kq, (B, T, N, H))
-  k, v, table = _cache(kc, B, S, K, H, jnp.float32, page_size)
-  lengths = jnp.array([37, 64])
+  q = jax.random.normal(kq, (B, T, N, H)).astype(dtype)
+  k, v, table = _cache(kc, B, S, K, H, dtype, page_size)
+  lengths = jnp.array([37, 64] if S == 96 else [300, 129])
   contiguous = lambda a: reference.contiguous_cache(a, table)
   tail = (jnp.arange(S)[None, :] >= lengths[:, None])[:, :, None, None]
   if page_size is None:
@@ -111,9 +131,10 @@ def test_nan_past_the_length_does_not_leak(key, page_size):
         pos = pos.at[page].set(j * page_size + jnp.arange(page_size) >= lengths[b])
     k = jnp.where(pos[:, :, None, None], jnp.nan, k)
     v = jnp.where(pos[:, :, None, None], jnp.nan, v)
-  assert np.isnan(np.asarray(contiguous(k))).any()
-  out, lse = _check(q, k, v, lengths, table)
-  assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
+  assert np.isnan(np.asarray(contiguous(k).astype(jnp.float32))).any()
+  out, lse = _check(q, k, v, lengths, table, impl)
+  assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
+  assert np.isfinite(np.asarray(lse)).all()
 
 
 def test_empty_cache_and_no_new_tokens():
@@ -269,3 +290,231 @@ def test_update_kv_cache():
   np.testing.assert_allclose(
       js.decode_attention(q, paged, paged, lengths, block_table=table),
       js.decode_attention(q, k, k, lengths), rtol=1e-6)
+
+
+# --- the Hopper (Mosaic GPU) kernel ----------------------------------------------------
+
+# (B, T, N, K, H, S, page_size, lengths, options): every case it runs. Blocks of 64
+# positions (128 at head dim 64): page 16 gathers 4 or 8 pages a block, 32 two, 64 one,
+# 128 and 256 hold several blocks.
+HOPPER_CASES = [
+    CASES[0],  # T = 1, MHA, head dim 64, lengths 0, 1 and S
+    pytest.param(2, 3, 8, 2, 128, 152, None, [77, 3], {}, id="T3-GQA4"),
+    pytest.param(2, 16, 8, 2, 64, 136, None, [136, 40], {}, id="T16-GQA4-64-rows"),
+    pytest.param(2, 8, 64, 8, 128, 520, None, [520, 200], {}, id="T8-GQA8-64-rows"),
+    CASES[3],  # page 16, GQA 8, lengths at page boundaries
+    CASES[4],  # page 64, soft cap
+    CASES[5],  # page 256, head dim 256, window
+    pytest.param(2, 2, 8, 2, 192, 256, 32, [64, 200], dict(local_window_size=(70, 0)),
+                 id="page32-H192-window"),
+    pytest.param(2, 5, 8, 1, 128, 384, 128, [384, 129], dict(logits_soft_cap=20.0),
+                 id="MQA-page128-softcap"),
+    pytest.param(3, 1, 32, 8, 128, 2048, None, [2048, 1000, 64],
+                 dict(local_window_size=300), id="T1-GQA4-window"),
+]
+HOPPER_DTYPE_CASES = (
+    [pytest.param(jnp.bfloat16, *case.values, id=f"{case.id}-bfloat16")
+     for case in HOPPER_CASES]
+    + [pytest.param(jnp.float16, *case.values, id=f"{case.id}-float16")
+       for case in HOPPER_CASES[2::3]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, B, T, N, K, H, S, page_size, lengths, options",
+                         HOPPER_DTYPE_CASES)
+def test_hopper_matches_truth_gpu(key, B, T, N, K, H, S, page_size, lengths, options,
+                                  dtype):
+  kq, kc = jax.random.split(key)
+  q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
+  k, v, table = _cache(kc, B, S, K, H, dtype, page_size)
+  assert mosaic_gpu.unsupported(q, k, table) is None
+  out, lse = _check(q, k, v, jnp.array(lengths), table, "mosaic_gpu", **options)
+  empty = np.array(lengths) == 0
+  np.testing.assert_array_equal(out[empty], 0)
+  assert np.all(np.isneginf(lse[empty]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "grid"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("B, T, N, K, H, S, page_size", [
+    (8, 1, 32, 8, 128, 8192, None), (4, 4, 32, 8, 128, 4100, 64),
+    (1, 8, 64, 8, 128, 32768, 256), (3, 3, 8, 1, 256, 1000, 16),
+], ids=["B8-S8192", "T4-page64", "T8-page256", "MQA-H256-page16"])
+def test_hopper_large_gpu(key, B, T, N, K, H, S, page_size, dtype, persistent):
+  # Random lengths (the first full) over many blocks and splits, both CTA schedules.
+  kq, kc, kl = jax.random.split(key, 3)
+  q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
+  k, v, table = _cache(kc, B, S, K, H, dtype, page_size)
+  lengths = jax.random.randint(kl, (B,), T, S + 1).at[0].set(S)
+  blocks = dataclasses.replace(mosaic_gpu.HopperDecodeBlocks.default(H),
+                               persistent=persistent)
+  plan = mosaic_gpu.plan(q, k, table, None, cores=pallas.num_cores(),
+                         blocks=blocks)
+
+  def run(q, k, v):
+    o, m, log2_l = mosaic_gpu.forward(q, k, v, lengths, table, plan=plan, scale=H ** -0.5,
+                                      softcap=None, window_left=None)
+    return triton.merge_splits(o, m, log2_l, dims=plan.dims, scale=H ** -0.5, softcap=None)
+
+  got = jax.jit(run)(q, k, v)
+  in_dtype = reference.decode_attention(q, k, v, lengths, block_table=table)
+  exact = truth(lambda q, k, v: reference.decode_attention(q, k, v, lengths,
+                                                           block_table=table), q, k, v)
+  assert_2x(got[0].astype(dtype), in_dtype[0], exact[0], what="out")
+  assert_2x(got[1], in_dtype[1], exact[1], what="lse")
+
+
+@pytest.mark.gpu
+def test_hopper_split_counts_agree_gpu(key):
+  # One split to one per block: the same result within rounding (the output's bfloat16,
+  # the lse's float32).
+  B, T, N, K, H, S = 1, 2, 8, 2, 128, 704
+  kq, kc = jax.random.split(key)
+  q = jax.random.normal(kq, (B, T, N, H)).astype(jnp.bfloat16)
+  k, v, _ = _cache(kc, B, S, K, H, jnp.bfloat16, None)
+  run = lambda n: js.decode_attention(q, k, v, jnp.array([650]), num_splits=n,
+                                      implementation="mosaic_gpu", return_residual=True)
+  base_out, base_lse = run(1)
+  for n in (2, 5, 11, 64):
+    out, lse = run(n)
+    np.testing.assert_allclose(out.astype(jnp.float32), base_out.astype(jnp.float32),
+                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(lse, base_lse, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.gpu
+def test_hopper_nan_in_the_cache_is_not_hidden(key):
+  B, T, N, K, H, S = 1, 1, 2, 1, 64, 200
+  q = jax.random.normal(key, (B, T, N, H)).astype(jnp.bfloat16)
+  k, v, _ = _cache(key, B, S, K, H, jnp.bfloat16, None)
+  out = js.decode_attention(q, k.at[0, 5, 0, 0].set(jnp.nan), v, jnp.array([200]),
+                            implementation="mosaic_gpu")
+  assert np.isnan(np.asarray(out.astype(jnp.float32))).all()
+
+
+def _kernel_names(q, k, table, **options):
+  text = jax.jit(lambda q, k, n, t: js.decode_attention(
+      q, k, k, n, block_table=t, **options)).trace(
+          q, k, jnp.full((q.shape[0],), 8, jnp.int32), table).lower().as_text()
+  return "decode_attention_mosaic_gpu" in text, re.search(r'name = \\?"decode_attention"',
+                                                         text) is not None
+
+
+@pytest.mark.gpu
+def test_default_dispatch_gpu():
+  # On a Hopper GPU the default takes the Mosaic GPU kernel where it runs the call (once
+  # HOPPER_BY_DEFAULT is on), the Triton kernel elsewhere (float32; a page size it does
+  # not take); elsewhere Triton.
+  q, k = jnp.ones((2, 1, 8, 128), jnp.bfloat16), jnp.ones((2, 256, 2, 128), jnp.bfloat16)
+  hopper = mosaic_device.hopper_device() and decode_api.HOPPER_BY_DEFAULT
+  assert _kernel_names(q, k, None) == (hopper, not hopper)
+  f32 = lambda x: x.astype(jnp.float32)
+  assert _kernel_names(f32(q), f32(k), None) == (False, True)
+  pool, table = jnp.ones((8, 48, 2, 128), jnp.bfloat16), jnp.zeros((2, 4), jnp.int32)
+  assert _kernel_names(q, pool, table) == (False, True)
+  if mosaic_device.hopper_device():
+    with pytest.raises(ValueError, match="page sizes that divide"):
+      js.decode_attention(q, pool, pool, jnp.array([8, 8]), block_table=table,
+                          implementation="mosaic_gpu")
+
+
+def test_hopper_asked_without_a_hopper_gpu_raises():
+  if mosaic_device.hopper_device():
+    pytest.skip("a Hopper GPU runs it")
+  q, k = jnp.ones((1, 1, 4, 64), jnp.bfloat16), jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="implementation='mosaic_gpu' cannot run this call: "
+                                       "it needs a Hopper GPU"):
+    js.decode_attention(q, k, k, jnp.array([100]), implementation="mosaic_gpu")
+
+
+def test_hopper_unsupported_reasons(monkeypatch):
+  # As if on a Hopper GPU: what the kernel leaves to the Triton kernel, and why.
+  monkeypatch.setattr(mosaic_device, "hopper_device", lambda: True)
+  sds = jax.ShapeDtypeStruct
+  bf16 = functools.partial(sds, dtype=jnp.bfloat16)
+  table = sds((2, 8), jnp.int32)
+  why = lambda q, k, table=None, **kw: mosaic_gpu.unsupported(q, k, table, **kw)
+  q, k = bf16((2, 4, 32, 128)), bf16((2, 1024, 8, 128))
+  assert why(q, k) is None
+  assert why(q, bf16((100, 16, 8, 128)), table) is None
+  assert why(q, bf16((100, 256, 8, 128)), table) is None
+  assert "no interpret mode" in why(q, k, interpret=True)
+  f32 = sds(q.shape, jnp.float32), sds(k.shape, jnp.float32)
+  assert "bfloat16 or float16" in why(*f32)
+  assert "head dims of multiples of 64" in why(bf16((2, 4, 32, 96)), bf16((2, 1024, 8, 96)))
+  assert "must fit one 64-row tile" in why(bf16((2, 16, 64, 128)), bf16((2, 1024, 8, 128)))
+  assert "page sizes that divide" in why(q, bf16((100, 48, 8, 128)), table)
+  assert "page sizes that divide" in why(q, bf16((100, 8, 8, 128)), table)
+  assert "multiple of 8 positions" in why(q, bf16((2, 1020, 8, 128)))
+  assert "multiple of 8 positions, 64 at least" in why(q, bf16((2, 56, 8, 128)))
+
+
+def test_hopper_dispatch(monkeypatch):
+  # As if on a Hopper GPU: the default takes the Hopper kernel where it runs the call
+  # once HOPPER_BY_DEFAULT is on, the Triton kernel elsewhere; asked for, it says why not.
+  monkeypatch.setattr(mosaic_device, "hopper_device", lambda: True)
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((2, 1, 8, 128), jnp.bfloat16), sds((2, 256, 2, 128), jnp.bfloat16)
+  f32 = sds(q.shape, jnp.float32), sds(k.shape, jnp.float32)
+  backend = lambda impl, q, k: decode_api._backend(impl, q, k, None, interpret=False)
+  assert backend(None, q, k) == ("mosaic_gpu" if decode_api.HOPPER_BY_DEFAULT else "triton")
+  assert backend("mosaic_gpu", q, k) == "mosaic_gpu"
+  assert backend("triton", q, k) == "triton"
+  monkeypatch.setattr(decode_api, "HOPPER_BY_DEFAULT", True)
+  assert backend(None, q, k) == "mosaic_gpu"
+  assert backend(None, *f32) == "triton"
+  with pytest.raises(ValueError, match="cannot run this call: it takes bfloat16 or float16"):
+    backend("mosaic_gpu", *f32)
+
+
+def test_hopper_split_count():
+  # Rounds of one item per SM: every SM busy where the batch allows, no round half full.
+  sds = jax.ShapeDtypeStruct
+  plan = lambda B, S, K: mosaic_gpu.plan(sds((B, 1, 4 * K, 128), jnp.bfloat16),
+                                         sds((B, S, K, 128), jnp.bfloat16), None, None,
+                                         cores=132)
+  assert plan(8, 8192, 8).dims.splits == 2  # 128 items of 64 blocks
+  assert plan(1, 131072, 8).dims.splits == 33  # 264 items: two per SM
+  assert plan(64, 4096, 8).dims.splits == 1
+  assert plan(16, 32768, 8).dims.splits == 1
+  assert plan(1, 200, 8).dims.splits == 1  # four blocks: one split
+  assert mosaic_gpu.plan(sds((1, 1, 8, 128), jnp.bfloat16), sds((1, 704, 2, 128),
+                                                                jnp.bfloat16),
+                         None, 64, cores=132).dims.splits == 11  # one per block at most
+
+
+# (H, T, G, page_size, options, persistent): the kernel lowers for CUDA off a GPU.
+HOPPER_LOWERINGS = [
+    pytest.param(128, 1, 4, None, {}, True, id="contiguous"),
+    pytest.param(128, 4, 4, 64, dict(softcap=30.0, window_left=100), True,
+                 id="page64-softcap-window"),
+    pytest.param(128, 4, 4, 16, dict(window_left=100), False, id="page16-window-grid"),
+    pytest.param(256, 3, 8, 256, {}, True, id="page256-H256"),
+    pytest.param(256, 3, 8, 16, {}, True, id="page16-H256"),
+    pytest.param(64, 16, 4, None, {}, True, id="H64-64-rows"),
+    pytest.param(192, 1, 1, 32, dict(softcap=5.0), False, id="page32-H192-grid"),
+]
+
+
+@pytest.mark.parametrize("H, T, G, page_size, options, persistent", HOPPER_LOWERINGS)
+def test_hopper_lowers_for_cuda(H, T, G, page_size, options, persistent):
+  # The Hopper kernel cannot run off a GPU, but it lowers for CUDA anywhere: Mosaic GPU
+  # API drift shows on every CI run.
+  sds = jax.ShapeDtypeStruct
+  B, K, S = 2, 2, 1024
+  if page_size is None:
+    k, table = sds((B, S, K, H), jnp.bfloat16), None
+  else:
+    k = sds((B * S // page_size + 3, page_size, K, H), jnp.bfloat16)
+    table = sds((B, S // page_size), jnp.int32)
+  q = sds((B, T, G * K, H), jnp.bfloat16)
+  blocks = dataclasses.replace(mosaic_gpu.HopperDecodeBlocks.default(H),
+                               persistent=persistent)
+  plan = mosaic_gpu.plan(q, k, table, None, cores=132, blocks=blocks)
+  run = lambda q, k, v, n, t: mosaic_gpu.forward(
+      q, k, v, n, t, plan=plan, scale=0.1, softcap=options.get("softcap"),
+      window_left=options.get("window_left"))
+  text = jax.jit(run).trace(q, k, k, sds((B,), jnp.int32), table).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "decode_attention_mosaic_gpu" in text

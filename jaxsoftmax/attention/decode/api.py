@@ -1,11 +1,16 @@
 """`decode_attention`: attention of a few new tokens per sequence against a KV cache,
 contiguous or paged (docs/kernels.md, "Decode attention").
 
-Kernels: `triton` (flash-decoding in Pallas' Triton lowering: splits of the cache over
-programs, the query heads of a KV head packed into one tile, the splits merged in
-float32). Off a GPU the XLA path (`reference`) runs unless kernels are asked for, as for
-every op (`interpret=`, ``implementation="triton"``). Decoding has no backward: a
-gradient through the kernels raises.
+Kernels: `mosaic_gpu` (Hopper GPUs: the K/V blocks streamed by TMA through a ring of
+shared-memory slots, wgmma products, persistent CTAs) and `triton` (flash-decoding in
+Pallas' Triton lowering, any GPU and the CPU interpreter). Both split the cache over
+programs and pack the query heads of a KV head into one tile, and their splits merge in
+float32 in XLA. With ``implementation=None`` a Hopper GPU takes `mosaic_gpu` where it
+supports the call (`mosaic_gpu.unsupported`) once `HOPPER_BY_DEFAULT` is on, else
+`triton`. Off a GPU the XLA path
+(`reference`) runs unless kernels are asked for, as for every op (`interpret=`,
+``implementation="triton"``). Decoding has no backward: a gradient through the kernels
+raises.
 """
 
 from __future__ import annotations
@@ -19,13 +24,18 @@ import numpy as np
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.backends import check_implementation
 from jaxsoftmax._core.inputs import check_floating
-from jaxsoftmax.attention.decode import reference, triton
+from jaxsoftmax.attention.decode import mosaic_gpu, reference, triton
 from jaxsoftmax.attention.masks import check_window
 
 __all__ = ["decode_attention", "IMPLEMENTATIONS"]
 
-IMPLEMENTATIONS = (None, "triton", "xla")
+IMPLEMENTATIONS = (None, "mosaic_gpu", "triton", "xla")
 _OP = "decode_attention"
+# Whether implementation=None takes the Hopper kernel on a Hopper GPU where it runs the
+# call. Off until its GPU-marked tests pass on the H200: its first run there (with two
+# consumer warpgroups, since replaced by one) failed on long caches, and the
+# one-consumer kernel has not run on a GPU yet. implementation="mosaic_gpu" runs it.
+HOPPER_BY_DEFAULT = False
 
 
 def _check(query, key, value, lengths, block_table):
@@ -76,10 +86,19 @@ def _check(query, key, value, lengths, block_table):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _kernels(q, k, v, lengths, block_table, dims, scale, softcap, window_left, interpret):
-  o, m, log2_l = triton.forward(q, k, v, lengths, block_table, dims=dims, scale=scale,
-                                softcap=softcap, window_left=window_left,
-                                interpret=interpret)
+def _kernels(q, k, v, lengths, block_table, plan, scale, softcap, window_left, interpret):
+  """``plan``: a `mosaic_gpu.Plan` (the Hopper kernel), else the Triton kernel's
+  `triton.DecodeDims`."""
+  if isinstance(plan, mosaic_gpu.Plan):
+    dims = plan.dims
+    o, m, log2_l = mosaic_gpu.forward(q, k, v, lengths, block_table, plan=plan,
+                                      scale=scale, softcap=softcap,
+                                      window_left=window_left)
+  else:
+    dims = plan
+    o, m, log2_l = triton.forward(q, k, v, lengths, block_table, dims=dims, scale=scale,
+                                  softcap=softcap, window_left=window_left,
+                                  interpret=interpret)
   out, lse = triton.merge_splits(o, m, log2_l, dims=dims, scale=scale, softcap=softcap)
   return out.astype(q.dtype), lse
 
@@ -96,6 +115,18 @@ def _kernels_bwd(*_):
 
 
 _kernels.defvjp(_kernels_fwd, _kernels_bwd)
+
+
+def _backend(implementation, query, key, block_table, interpret: bool) -> str:
+  """The kernel that runs a call: "mosaic_gpu" where it is asked for (a ValueError says
+  why it cannot run the call), or where none is named and it can (with
+  `HOPPER_BY_DEFAULT`); else "triton"."""
+  if implementation == "triton" or (implementation is None and not HOPPER_BY_DEFAULT):
+    return "triton"
+  why = mosaic_gpu.unsupported(query, key, block_table, interpret=interpret)
+  if implementation == "mosaic_gpu" and why is not None:
+    raise ValueError(f"{_OP}: implementation='mosaic_gpu' cannot run this call: {why}")
+  return "triton" if why is not None else "mosaic_gpu"
 
 
 def decode_attention(query, key, value, lengths, *, block_table=None, scale=None,
@@ -124,8 +155,13 @@ def decode_attention(query, key, value, lengths, *, block_table=None, scale=None
       batch, the heads and the GPU's SM count.
     return_residual: also return the float32 lse (B, T, N), to merge with other
       partial results (`merge_attention_states`).
-    implementation: None (the kernels on a GPU, the XLA path elsewhere), "triton", or
-      "xla" (`reference`: plain jnp over the cache gathered into one array).
+    implementation: None (the kernels on a GPU: "mosaic_gpu" on a Hopper GPU where it
+      runs the call and `HOPPER_BY_DEFAULT` is on, else "triton"; the XLA path
+      elsewhere), "mosaic_gpu" (Hopper GPUs,
+      bfloat16 and float16, head dims of multiples of 64 up to 256, T·G <= 64 query rows
+      per KV head, page sizes that divide its block or are multiples of it: a ValueError
+      says why where it cannot run the call), "triton", or "xla" (`reference`: plain
+      jnp over the cache gathered into one array).
     interpret: run the kernels in Pallas interpret mode; see `jaxsoftmax.softmax`.
 
   Returns:
@@ -150,10 +186,14 @@ def decode_attention(query, key, value, lengths, *, block_table=None, scale=None
                                           block_table=block_table, scale=scale,
                                           logits_soft_cap=softcap, window_left=window_left)
   else:
-    dims = triton.DecodeDims.of(query, key, block_table, num_splits,
-                                cores=pallas.num_cores())
+    interpret = pallas.resolve_interpret(interpret)
+    if _backend(implementation, query, key, block_table, interpret) == "mosaic_gpu":
+      plan = mosaic_gpu.plan(query, key, block_table, num_splits, cores=pallas.num_cores())
+    else:
+      plan = triton.DecodeDims.of(query, key, block_table, num_splits,
+                                  cores=pallas.num_cores())
     query, key, value, lengths, block_table = pallas.vary_together(
         query, key, value, lengths, block_table)
-    out, lse = _kernels(query, key, value, lengths, block_table, dims, scale, softcap,
-                        window_left, pallas.resolve_interpret(interpret))
+    out, lse = _kernels(query, key, value, lengths, block_table, plan, scale, softcap,
+                        window_left, interpret)
   return (out, lse) if return_residual else out
