@@ -49,14 +49,47 @@ BACKENDS = REGISTRY.backends
 IMPLEMENTATIONS = REGISTRY.implementations
 
 
-def _forward(q, k, v, aux, call: Call, backend: str, *, for_backward: bool):
+def _forward(q, k, v, aux, sinks, call: Call, backend: str, *, for_backward: bool):
   """(o, lse, and with ``for_backward`` the residuals (o for delta, m, log2 l)). The
-  backward's delta = rowsum(dO ∘ O) wants O before rounding (see `triton.forward`)."""
-  outputs = REGISTRY[backend].fwd(
-      q, k, v, aux, call, float32_output=for_backward and q.dtype != jnp.float32)
-  o, m, log2_l, *o32 = outputs
+  backward's delta = rowsum(dO ∘ O) wants O before rounding (see `triton.forward`).
+  ``sinks``: None, or (B, N) logits joined after the kernel (`_join_sinks`)."""
+  float32_output = (for_backward or sinks is not None) and q.dtype != jnp.float32
+  o, m, log2_l, *o32 = REGISTRY[backend].fwd(q, k, v, aux, call,
+                                             float32_output=float32_output)
+  o32 = o32[0] if o32 else o
   lse = logits.lse(m, log2_l, scale=call.scale, softcap=call.softcap)
-  return (o, lse, o32[0] if o32 else o, m, log2_l) if for_backward else (o, lse)
+  if sinks is not None:
+    o32, lse, m, log2_l = _join_sinks(o32, lse, sinks, call)
+    o = o32.astype(q.dtype)
+  return (o, lse, o32, m, log2_l) if for_backward else (o, lse)
+
+
+def _join_sinks(o, lse, sinks, call: Call):
+  """Attention sinks (docs/math.md): each row's softmax over its keys and its head's
+  sink logit, which has no value. The keys' probabilities are the kernel's times
+  exp(lse - lse_total), lse_total = log(exp(lse) + exp(sink)), so the sink joins after
+  the kernel, in every backend alike: o scaled by that share, the lse replaced by
+  lse_total. The backward is then the plain one, with p = exp(s - lse_total) from the
+  statistics (m, log2 l) = (lse_total / factor, 0) (`logits.lse` maps them back), and
+  delta = rowsum(dO ∘ O) of the scaled O. Returns (o float32, lse_total, m, log2 l), the
+  statistics (B, N, T); a row with no allowed key gives o = 0 and lse_total = its sink."""
+  total = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, :, None])
+  # The keys' share; 0 for a row with no key and a sink of -inf (total -inf too).
+  share = jnp.where(total == -jnp.inf, 0.0, jnp.exp(lse - total))
+  o = o.astype(jnp.float32) * jnp.transpose(share, (0, 2, 1))[..., None]
+  factor = logits.Logits(call.scale, call.softcap, fused=False).factor
+  return o, total, total / factor, jnp.zeros_like(total)
+
+
+def _sink_tangent(o, lse, sinks, sinks_dot):
+  """The output's tangent (float32) for the sinks' tangent (B, N): dO/dsink = -O · p_sink,
+  with p_sink = exp(sink - lse_total) each row's probability of its sink, from the
+  scaled float32 O and lse_total (B, N, T). Plain jnp, linear in ``sinks_dot``: JAX
+  transposes it into dsinks = -Σ over rows of p_sink · rowsum(dO ∘ O)."""
+  sink = sinks.astype(jnp.float32)[:, :, None]
+  p_sink = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sink - lse))
+  scale = p_sink * sinks_dot.astype(jnp.float32)[:, :, None]
+  return -o * jnp.transpose(scale, (0, 2, 1))[..., None]
 
 
 # --- derivatives (`linear_map`) ------------------------------------------------------
@@ -78,7 +111,7 @@ def spec_window(spec) -> tuple[int, int] | None:
           far if spec.window_right is None else spec.window_right)
 
 
-def reference_attention(q, k, v, aux: AuxArrays, call: Call):
+def reference_attention(q, k, v, aux: AuxArrays, call: Call, sinks=None):
   """(out, lse (B, T, N) float32) of the reference attention for ``call``, its masks
   from `call.spec`."""
   spec = call.spec
@@ -86,13 +119,18 @@ def reference_attention(q, k, v, aux: AuxArrays, call: Call):
       q, k, v, scale=call.scale, is_causal=spec.is_causal,
       query_seq_lengths=aux.q_lengths, key_value_seq_lengths=aux.kv_lengths,
       local_window_size=spec_window(spec), logits_soft_cap=call.softcap,
-      q_segments=aux.q_segments, kv_segments=aux.kv_segments)
+      q_segments=aux.q_segments, kv_segments=aux.kv_segments, sinks=sinks)
 
 
+# The maps' residuals: (q, k, v, the 4 aux arrays, o for delta, m, log2 l, sinks (B, N)
+# or None); the map of (dq, dk, dv) holds the sinks fixed (their own tangent is
+# `_sink_tangent`).
 def _reference_of(res, call: Call):
   """(the reference output as a function of (q, k, v), (q, k, v)) from the residuals."""
   q, k, v, *aux = res[:7]
-  return lambda q, k, v: reference_attention(q, k, v, AuxArrays(*aux), call)[0], (q, k, v)
+  sinks = res[-1]
+  return (lambda q, k, v: reference_attention(q, k, v, AuxArrays(*aux), call, sinks)[0],
+          (q, k, v))
 
 
 def _tangent_twin(res, t, *, call: Call, backend: str):
@@ -102,7 +140,7 @@ def _tangent_twin(res, t, *, call: Call, backend: str):
 
 
 def _transpose_kernel(res, cts, *, call: Call, backend: str):
-  q, k, v, *aux, o, m, log2_l = res
+  q, k, v, *aux, o, m, log2_l, _ = res
   dq, dk, dv = select_backward(call, backend).bwd(q, k, v, o, m, log2_l, cts[0],
                                                   AuxArrays(*aux), call)
   return dq, dk, dv
@@ -119,20 +157,22 @@ _TANGENT = LinearMap("attention_tangent", kernel=_tangent_twin, twin=_tangent_tw
 
 
 def _output_tangent(primals, tangents, state, call: Call, backend: str):
-  """The output's tangent for (dq, dk, dv), from the forward's ``state``."""
-  q, k, v, aux = primals
-  _, _, o_delta, m, log2_l = state
-  do, = _TANGENT((q, k, v, *aux, o_delta, m, log2_l), tuple(tangents[:3]), call=call,
-                 backend=backend)
+  """The output's tangent for (dq, dk, dv) and the sinks', from the forward's ``state``."""
+  q, k, v, aux, sinks = primals
+  _, lse, o_delta, m, log2_l = state
+  do, = _TANGENT((q, k, v, *aux, o_delta, m, log2_l, sinks), tuple(tangents[:3]),
+                 call=call, backend=backend)
+  if sinks is not None:
+    do = do + _sink_tangent(o_delta, lse, sinks, tangents[4]).astype(do.dtype)
   return do
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
-def _state(q, k, v, aux, call: Call, backend: str):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
+def _state(q, k, v, aux, sinks, call: Call, backend: str):
   """(o, lse, o for delta, m, log2 l): the forward with the residuals of its derivatives.
   Its own derivatives are needed at second order only, where the maps' twins recompute
   from (q, k, v) and read none of the residuals: those move by 0."""
-  return _forward(q, k, v, aux, call, backend, for_backward=True)
+  return _forward(q, k, v, aux, sinks, call, backend, for_backward=True)
 
 
 @_state.defjvp
@@ -144,9 +184,9 @@ def _state_jvp(call: Call, backend: str, primals, tangents):
                  jnp.zeros_like(log2_l))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, aux, call: Call, backend: str):
-  return _forward(q, k, v, aux, call, backend, for_backward=False)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, aux, sinks, call: Call, backend: str):
+  return _forward(q, k, v, aux, sinks, call, backend, for_backward=False)
 
 
 @_attention.defjvp
@@ -157,7 +197,7 @@ def _attention_jvp(call: Call, backend: str, primals, tangents):
                     jnp.zeros_like(lse))
 
 
-_attention_jit = jax.jit(_attention, static_argnums=(4, 5))
+_attention_jit = jax.jit(_attention, static_argnums=(5, 6))
 
 
 def select_backward(call: Call, backend: str) -> BackwardBackend:
@@ -237,6 +277,20 @@ def _check_broadcasts(name: str, x, shape: tuple[int, ...]):
                      f"(B, N, T, S) = {shape}")
 
 
+def _check_sinks(sinks, query):
+  """None, or the sinks (N,) broadcast over the batch, (B, N): the derivatives' maps
+  take every array batch first (`LinearMap`)."""
+  if sinks is None:
+    return None
+  sinks = jnp.asarray(sinks)
+  B, _, N, _ = query.shape
+  if sinks.shape != (N,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"dot_product_attention: sinks must be a floating array of shape "
+                     f"(N,) = ({N},), one logit per query head, got {sinks.dtype} "
+                     f"{sinks.shape}")
+  return jnp.broadcast_to(sinks, (B, N))
+
+
 class _Plan(NamedTuple):
   """A checked attention call: the (batched) inputs, their aux arrays, and the kernel
   backend with its `Call`, or backend None for the reference path."""
@@ -313,7 +367,8 @@ def attention_kernels(query, key, value, bias=None, mask=None, **options) -> tup
   planned = ("scale", "query_seq_lengths", "key_value_seq_lengths", "local_window_size",
              "implementation", "logits_soft_cap", "segment_ids", "block_sizes",
              "interpret", "deterministic")
-  unknown = set(options) - set(planned) - {"is_causal", "return_residual", "residual_dtype"}
+  unknown = set(options) - set(planned) - {"is_causal", "return_residual", "residual_dtype",
+                                           "sinks"}
   if unknown:
     raise TypeError(f"attention_kernels: unexpected keywords {sorted(unknown)}; it takes "
                     "dot_product_attention's")
@@ -331,7 +386,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           logits_soft_cap=None, segment_ids=None,
                           block_sizes: BlockSizes | HopperBlockSizes | None = None,
                           residual_dtype=None, interpret: bool | None = None,
-                          deterministic: bool | None = None):
+                          deterministic: bool | None = None, sinks=None):
   """Scaled dot-product attention, as jax.nn.dot_product_attention.
 
   Args:
@@ -363,6 +418,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       dQ with atomic adds, whose order varies (results agree to float32 rounding);
       True takes dQ from a separate kernel instead. None: True when XLA_FLAGS holds
       ``--xla_gpu_deterministic_ops=true`` (or ``..._exclude_nondeterministic_ops``).
+    sinks: optional attention sinks, (N,) floating: one logit per query head that joins
+      each of its rows' softmax without a value (gpt-oss), in the logits' units (after
+      scale and soft cap). Differentiable; a row with no allowed key gives output 0 and
+      lse = its sink; the returned lse includes it.
 
   Returns:
     The output, shaped and typed like ``query``, and with ``return_residual`` the lse.
@@ -377,16 +436,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     raise TypeError("dot_product_attention: residual_dtype must be a floating dtype or "
                     f"None, got {residual_dtype!r}")
   query, key, value, unbatched = plan.query, plan.key, plan.value, plan.unbatched
+  sinks = _check_sinks(sinks, query)
   if plan.backend is None:
     q_len, kv_len, q_seg, kv_seg = plan.aux
     out, lse = reference.dot_product_attention(
         query, key, value, bias, mask, scale=plan.scale, is_causal=is_causal,
         query_seq_lengths=q_len, key_value_seq_lengths=kv_len, local_window_size=plan.window,
-        logits_soft_cap=logits_soft_cap, q_segments=q_seg, kv_segments=kv_seg)
+        logits_soft_cap=logits_soft_cap, q_segments=q_seg, kv_segments=kv_seg, sinks=sinks)
     lse = jax.lax.stop_gradient(lse)
   else:
-    query, key, value, aux = pallas.vary_together(query, key, value, plan.aux)
-    out, lse = _attention_jit(query, key, value, aux, plan.call, plan.backend.NAME)
+    query, key, value, aux, sinks = pallas.vary_together(query, key, value, plan.aux, sinks)
+    out, lse = _attention_jit(query, key, value, aux, sinks, plan.call, plan.backend.NAME)
     lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)))  # (B, N, T) -> (B, T, N)
   lse = lse.astype(query.dtype if residual_dtype is None else residual_dtype)
   if unbatched:

@@ -41,7 +41,8 @@ def attention_mask(T: int, S: int, *, is_causal=False, local_window_size=None,
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None,
                           key_value_seq_lengths=None, local_window_size=None,
-                          logits_soft_cap=None, q_segments=None, kv_segments=None):
+                          logits_soft_cap=None, q_segments=None, kv_segments=None,
+                          sinks=None):
   """Attention in layout B T N H (K/V heads dividing N), returning (out, lse).
 
   As jax.nn.dot_product_attention's XLA path: logits in float32 (float64 for float64
@@ -49,6 +50,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   product. One difference, by design: a query row with no allowed key (masked entirely)
   gives out = 0 and lse = -inf with zero gradients, where jax.nn averages the values.
   lse is float32, shape (B, T, N).
+
+  ``sinks``: optional logits broadcastable to (B, N), one per query head (attention
+  sinks, docs/math.md): each joins its rows' softmax without a value, so l gains
+  exp(sink - m) and every probability shrinks; lse includes it. A row with no allowed
+  key then gives out = 0 and lse = its sink.
   """
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
@@ -70,10 +76,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     logits = logits + jnp.broadcast_to(bias, (B, N, T, S)).reshape(
         B, K, N // K, T, S).astype(acc)
   logits = jnp.where(allowed, logits, -jnp.inf)
-  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
+  m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
+  if sinks is not None:  # (B, K, G, 1, 1), the logits' dtype
+    sinks = jnp.broadcast_to(sinks, (B, N)).reshape(B, K, N // K, 1, 1).astype(acc)
+    m = jnp.maximum(m, sinks)
+  m = jax.lax.stop_gradient(m)
   m = jnp.where(jnp.isfinite(m), m, 0)
   p = jnp.exp(logits - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
+  if sinks is not None:
+    l = l + jnp.exp(sinks - m)
   some = l != 0  # l = 0: no allowed key; NaN (from a NaN input) stays NaN
   probs = jnp.where(some, p / jnp.where(some, l, 1), 0)
   out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(value.dtype), value,
