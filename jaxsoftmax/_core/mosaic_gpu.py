@@ -21,7 +21,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxsoftmax._core.pallas import vary_over, varying_axes, varying_like
 
 __all__ = ["pl", "plgpu", "hopper_device", "device_description", "pad_to", "compiler_params",
-           "gpu_kernel", "warp_specialized_kernel", "rem32", "div32", "SMEM_BYTES"]
+           "gpu_kernel", "warp_specialized_kernel", "rem32", "div32", "wgmma_iota",
+           "per_row", "SMEM_BYTES"]
 
 # Shared memory an H100/H200 block may use, in bytes.
 SMEM_BYTES = 227 * 1024
@@ -58,6 +59,17 @@ def rem32(a, b):
 def div32(a, b):
   """lax.div on int32 operands (see `rem32`)."""
   return lax.div(lax.convert_element_type(a, jnp.int32), lax.convert_element_type(b, jnp.int32))
+
+
+def wgmma_iota(shape, dimension: int):
+  """int32 indices along ``dimension`` of a register tile in the wgmma layout (a tile's
+  rows or columns, for element masks)."""
+  return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
+
+
+def per_row(x, shape):
+  """A per-row vector broadcast along the columns of a (rows, columns) register tile."""
+  return lax.broadcast_in_dim(x, shape, [0])
 
 
 def gpu_kernel(body, *, out_type, **options):

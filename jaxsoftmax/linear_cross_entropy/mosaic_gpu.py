@@ -50,8 +50,8 @@ from jax import lax
 
 from jaxsoftmax._core import mosaic_gpu as device
 from jaxsoftmax._core import pallas
-from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, pl, plgpu, rem32,
-                                        warp_specialized_kernel)
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, per_row, pl, plgpu,
+                                        rem32, warp_specialized_kernel, wgmma_iota)
 from jaxsoftmax._core.state import LOG2E
 from jaxsoftmax.linear_cross_entropy.call import Call, ChunkDs
 from jaxsoftmax.linear_cross_entropy.logits import Rows, capped, merged_state, p_coefficient
@@ -348,15 +348,14 @@ def _dlogits_kernel(x_ref, w_ref, rowvals_ref, labels_ref, ds_ref, x_smem, w_sme
       label = load(labels_ref.at[rows])
       z = _tile_logits(ring, wg, t, bv)
       shape = z.shape
-      per_row = lambda v: lax.broadcast_in_dim(v, shape, [0])
+      by_row = functools.partial(per_row, shape=shape)
       s = z if softcap is None else softcap * jnp.tanh(z / softcap)
       # s - m first: exact where s is near m, which an lse rounded to float32 is not.
-      p = jnp.exp2((s - per_row(m)) * LOG2E - per_row(log2_l))
-      cols = tile * bv + plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                                layout=plgpu.Layout.WGMMA)
-      ds = (per_row(p_coef) * p
-            - jnp.where(cols == per_row(label), per_row(label_coef), 0.0)
-            - per_row(smoothing))
+      p = jnp.exp2((s - by_row(m)) * LOG2E - by_row(log2_l))
+      cols = tile * bv + wgmma_iota(shape, 1)
+      ds = (by_row(p_coef) * p
+            - jnp.where(cols == by_row(label), by_row(label_coef), 0.0)
+            - by_row(smoothing))
       if softcap is not None:  # ds/dz = 1 - tanh² = 1 - (s/c)²
         ds = ds * (1.0 - jnp.square(s / softcap))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's ds has left

@@ -56,8 +56,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax._core import mosaic_gpu as _device
-from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, pl, plgpu, rem32,
-                                        warp_specialized_kernel)
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, per_row, pl, plgpu,
+                                        rem32, warp_specialized_kernel, wgmma_iota)
 from jaxsoftmax.attention.decode.triton import DecodeDims
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import cdiv, walk_block_ranges
@@ -142,10 +142,6 @@ class Plan:
   def rows_out(self) -> int:
     """Rows of each item's output: T·G, padded to whole 8-row tiles."""
     return -(-self.dims.rows // 8) * 8
-
-  @property
-  def cache_blocks(self) -> int:
-    return pl.cdiv(self.dims.S, self.block_k)
 
   @property
   def copies(self) -> int:
@@ -245,13 +241,6 @@ def plan(query, key, block_table, num_splits: int | None, *, cores: int,
   return Plan(dims, blocks, cores)
 
 
-def _iota(shape, dimension: int):
-  return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
-
-
-def _per_row(x, shape):
-  """A per-row vector broadcast along the columns of a (rows, columns) tile."""
-  return lax.broadcast_in_dim(x, shape, [0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,8 +348,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, plan: Plan, logits: Logits,
           # Row r = t·G + g sits at base + t: it sees position p when p - base <= t,
           # i.e. (p - base)·G <= r, and with a window p >= base + t - w, i.e.
           # r < (p - base + w + 1)·G.
-          ahead = j * bk + _iota(shape, 1) - base
-          r = _iota(shape, 0)
+          ahead = j * bk + wgmma_iota(shape, 1) - base
+          r = wgmma_iota(shape, 0)
           allowed = ahead * G <= r
           if window_left is not None:
             allowed = allowed & (r < (ahead + (window_left + 1)) * G)
@@ -370,9 +359,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, plan: Plan, logits: Logits,
         # its p and alpha at 0 instead of NaN. Unmasked blocks hold one for every row.
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(logits.exponent(m, shift))
-        p = jnp.exp2(logits.exponent(x, shift, functools.partial(_per_row, shape=shape)))
+        p = jnp.exp2(logits.exponent(x, shift, functools.partial(per_row, shape=shape)))
         l = l * alpha + p.sum(axis=1)
-        acc = acc * _per_row(alpha, acc.shape)
+        acc = acc * per_row(alpha, acc.shape)
         p16 = p.astype(sc.v_smem.dtype)
         plgpu.barrier_wait(sc.v_loaded.at[s])
         if masked:
@@ -382,7 +371,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, plan: Plan, logits: Logits,
             # NaN, which a zero probability would not cancel.
             tile = sc.v_smem.at[s]
             v = tile[...]
-            tile[...] = jnp.where(_iota(v.shape, 0) < length - j * bk, v,
+            tile[...] = jnp.where(wgmma_iota(v.shape, 0) < length - j * bk, v,
                                   jnp.zeros_like(v))
             plgpu.commit_smem()
 
@@ -403,7 +392,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, plan: Plan, logits: Logits,
       # Rows with no allowed position (l = 0) give 0; a NaN l stays NaN (NaN != 0).
       some = l != 0
       inv_l = jnp.where(some, 1.0 / jnp.where(some, l, 1.0), 0.0)
-      o = acc * _per_row(inv_l, acc.shape)
+      o = acc * per_row(inv_l, acc.shape)
       rows = pl.ds(0, plan.rows_out)
       for c in range(dims.H // _CHUNK):  # 64 columns at a time through shared memory
         columns = pl.ds(c * _CHUNK, _CHUNK)

@@ -55,8 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, pl, plgpu, rem32,
-                                        warp_specialized_kernel)
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, per_row, pl, plgpu,
+                                        rem32, warp_specialized_kernel, wgmma_iota)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
@@ -133,9 +133,6 @@ def unsupported(head_dim: int, dtype, deterministic: bool = False) -> str | None
   return None
 
 
-def _iota(shape, dimension: int):
-  return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
-
 
 def _cols(x, shape):
   """A per-query vector broadcast along the keys (rows) of an Sᵀ tile."""
@@ -176,7 +173,7 @@ def _block_mask(spec: MaskSpec, shape, q0, key0, kv_length, q_seg_ref, b, k_seg)
     if q_seg_ref is not None:
       q_seg = _cols(plgpu.load(q_seg_ref.at[b, pl.ds(q0, shape[1])], layout=_COL,
                                optimized=False), shape)
-    return element_mask(spec, q0 + _iota(shape, 1), key0 + _iota(shape, 0), kv_length,
+    return element_mask(spec, q0 + wgmma_iota(shape, 1), key0 + wgmma_iota(shape, 0), kv_length,
                         q_seg, k_seg)
   return allowed
 
@@ -444,10 +441,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     lax.fori_loop(0, group, head, 0)
 
 
-def _per_row(x, shape):
-  """A per-query vector broadcast along the keys (columns) of an S tile."""
-  return lax.broadcast_in_dim(x, shape, [0])
-
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
                spec: MaskSpec, blocks: HopperBackwardBlockSizes, logits: Logits,
@@ -478,12 +471,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
     q_tile, do_tile = q_tiles.at[wg], do_tiles.at[wg]
     shape = (bq, bkv)
     rows = pl.ds(row0, bq)
-    lse2 = _per_row(plgpu.load(lse2_ref.at[b, n, rows], layout=_ROW, optimized=False), shape)
-    delta = _per_row(plgpu.load(delta_ref.at[b, n, rows], layout=_ROW, optimized=False),
+    lse2 = per_row(plgpu.load(lse2_ref.at[b, n, rows], layout=_ROW, optimized=False), shape)
+    delta = per_row(plgpu.load(delta_ref.at[b, n, rows], layout=_ROW, optimized=False),
                   shape)
     q_seg = None
     if q_seg_ref is not None:
-      q_seg = _per_row(plgpu.load(q_seg_ref.at[b, rows], layout=_ROW, optimized=False), shape)
+      q_seg = per_row(plgpu.load(q_seg_ref.at[b, rows], layout=_ROW, optimized=False), shape)
     plgpu.barrier_wait(q_loaded.at[wg])
 
     def compute(dq_acc):
@@ -503,7 +496,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
             k_seg = lax.broadcast_in_dim(
                 plgpu.load(kv_seg_ref.at[b, pl.ds(j * bkv, bkv)], layout=_COL,
                            optimized=False), shape, [1])
-          allowed = element_mask(spec, row0 + _iota(shape, 0), j * bkv + _iota(shape, 1),
+          allowed = element_mask(spec, row0 + wgmma_iota(shape, 0), j * bkv + wgmma_iota(shape, 1),
                                  kv_length, q_seg, k_seg)
           p = jnp.where(allowed, p, 0.0)
         plgpu.barrier_wait(v_loaded.at[s])

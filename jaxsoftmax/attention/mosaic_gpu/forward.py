@@ -38,8 +38,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax._core import pallas
-from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, pl, plgpu, rem32,
-                                        warp_specialized_kernel)
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, per_row, pl, plgpu,
+                                        rem32, warp_specialized_kernel, wgmma_iota)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
@@ -116,13 +116,6 @@ def wgmma_head_dim(head_dim: int) -> int:
   return -(-head_dim // 64) * 64
 
 
-def _iota(shape, dimension: int):
-  return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
-
-
-def _per_row(x, shape):
-  """A per-row vector broadcast along the columns of a (rows, columns) tile."""
-  return lax.broadcast_in_dim(x, shape, [0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +257,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
           k_seg = plgpu.load(kv_seg_ref.at[b, pl.ds(j * bkv, bkv)], layout=_COL,
                              optimized=False)
           k_seg = lax.broadcast_in_dim(k_seg, shape, [1])
-        allowed = element_mask(spec, row0 + _iota(shape, 0), j * bkv + _iota(shape, 1),
-                               kv_length, None if q_seg is None else _per_row(q_seg, shape),
+        allowed = element_mask(spec, row0 + wgmma_iota(shape, 0), j * bkv + wgmma_iota(shape, 1),
+                               kv_length, None if q_seg is None else per_row(q_seg, shape),
                                k_seg)
         return jnp.where(allowed, x, -jnp.inf)
 
@@ -276,7 +269,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
         # and alpha at exp2(-inf) = 0 instead of NaN. Unmasked blocks always hold one.
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(logits.exponent(m, shift))
-        p = jnp.exp2(logits.exponent(x, shift, functools.partial(_per_row, shape=x.shape)))
+        p = jnp.exp2(logits.exponent(x, shift, functools.partial(per_row, shape=x.shape)))
         return m_new, l * alpha + p.sum(axis=1), p.astype(v_smem.dtype), alpha
 
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), _ROW)
@@ -305,7 +298,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
           pl.when(j + 1 == hi)(lambda: plgpu.barrier_arrive(q_free.at[wg]))
         x = masked_logits(x, j, masked)
         m_new, l, p16, alpha = softmax(x, m, l, masked)
-        acc = acc * _per_row(alpha, acc.shape)
+        acc = acc * per_row(alpha, acc.shape)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_loaded.at[s])
@@ -336,7 +329,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
         some = some & (row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=_ROW)
                        < q_length)
       inv_l = jnp.where(some, 1.0 / jnp.where(some, l, 1.0), 0.0)
-      o = acc * _per_row(inv_l, acc.shape)
+      o = acc * per_row(inv_l, acc.shape)
       if o_smem is not None:  # the previous item's output has left shared memory
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       # With no output tiles, the query tile takes the output: all products are done.
