@@ -202,6 +202,35 @@ def test_sinks(key, backend, B, T, S, N, K, H, options):
                              np.asarray(tangent(ref), np.float32), rtol=2e-2, atol=2e-2)
 
 
+# (B, T, S, N, K, H, Hv, options): value head dims other than the queries' (MLA's 192 /
+# 128, and narrower and wider V), each padded to a power of two in the Triton tiles.
+VALUE_HEAD_CASES = [
+    pytest.param(1, 33, 47, 2, 1, 192, 128, dict(is_causal=True), id="H192-Hv128-causal"),
+    pytest.param(2, 29, 35, 4, 2, 128, 64, dict(key_value_seq_lengths=jnp.array([35, 0])),
+                 id="H128-Hv64-lengths-empty-row"),
+    pytest.param(1, 30, 30, 2, 2, 64, 128, dict(logits_soft_cap=2.0, local_window_size=(6, 3)),
+                 id="H64-Hv128-softcap-window"),
+    pytest.param(2, 1, 77, 4, 2, 40, 24, dict(key_value_seq_lengths=jnp.array([77, 5])),
+                 id="T1-H40-Hv24"),
+]
+
+
+@pytest.mark.parametrize("backend, B, T, S, N, K, H, Hv, options",
+                         _per_backend(VALUE_HEAD_CASES))
+def test_value_head_dim(key, backend, B, T, S, N, K, H, Hv, options):
+  # Output (B, T, N, Hv), lse and every gradient under the 2x rule; a backend that takes
+  # one head dim skips with its reason, which names both.
+  dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
+  q, k, _, _ = _inputs(key, B, T, S, N, K, H, dtype)
+  kv, kd = jax.random.split(jax.random.fold_in(key, 1))
+  v = jax.random.normal(kv, (B, S, K, Hv), jnp.float32).astype(dtype)
+  do = jax.random.normal(kd, (B, T, N, Hv), jnp.float32).astype(dtype)
+  interpret = _interpret(backend)
+  o = _check(q, k, v, do, backend=backend, interpret=interpret,
+             blocks=_tiles(backend, interpret), **options)[0]
+  assert o.shape == (B, T, N, Hv)
+
+
 # Unequal tiles in every kernel: interior (unmasked) and boundary blocks of different
 # sizes in the forward, dK/dV and dQ loops.
 MIXED_BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32,
@@ -606,6 +635,9 @@ def test_bad_input_names_the_argument():
     attention(q, jnp.zeros((2, 8, 3, 16)), jnp.zeros((2, 8, 3, 16)))
   with pytest.raises(ValueError, match="must match query"):
     attention(q, jnp.zeros((2, 8, 2, 32)), jnp.zeros((2, 8, 2, 32)))
+  with pytest.raises(ValueError, match=r"key \(2, 8, 2, 16\) and value \(2, 9, 2, 16\) "
+                                       r"must agree in \(B, S, K\)"):
+    attention(q, kv, jnp.zeros((2, 9, 2, 16)))
   with pytest.raises(TypeError, match="share a dtype"):
     attention(q, kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16))
   with pytest.raises(TypeError, match="query must be float32"):
@@ -668,6 +700,12 @@ def test_backend_declarations(monkeypatch):
   assert api.select_backend(None, _call(dtype="float32")) is triton
   assert "no interpret mode" in mosaic.unsupported(_call(interpret=True))
   assert "head dims up to 256" in mosaic.unsupported(_call(H=320))
+  asymmetric = dataclasses.replace(_call(H=192), Hv=128)
+  assert "192 (query, key) and 128 (value)" in mosaic.unsupported(asymmetric)
+  assert triton.unsupported(asymmetric) is None
+  assert api.select_backend(None, asymmetric) is triton
+  assert "256, got 128 (query, key), 320 (value)" in triton.unsupported(
+      dataclasses.replace(_call(), Hv=320))
   assert "shared memory" in mosaic.unsupported(
       _call(H=256, block_sizes=HopperBlockSizes(64, 128, 4)))
   # A backend's tiles pick it; the other backend refuses them.
@@ -708,6 +746,8 @@ def test_decode_backend_declarations():
         assert api.select_backward(call, "decode") is api.REGISTRY["triton"]
   assert "T=300" in decode.unsupported(_call())
   assert "head dims up to 256" in decode.unsupported(step(H=320))
+  assert "64 (query, key) and 32 (value)" in decode.unsupported(
+      dataclasses.replace(step(H=64), Hv=32))
   assert "block_sizes" in decode.unsupported(step(block_sizes=SMALL_BLOCKS))
   for name, spec in (("causal", dict(is_causal=True)), ("window", dict(window_left=3)),
                      ("segments", dict(has_segments=True))):

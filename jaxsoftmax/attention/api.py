@@ -252,9 +252,9 @@ def _check_inputs(query, key, value, op: str = "dot_product_attention"):
     raise TypeError(f"{op}: query, key and value must share a dtype, got "
                     f"{query.dtype}, {key.dtype}, {value.dtype}")
   B, _, N, H = query.shape
-  if key.shape != value.shape:
-    raise ValueError(f"{op}: key {key.shape} and value {value.shape} must "
-                     "have the same shape (B, S, K, H)")
+  if key.shape[:3] != value.shape[:3]:
+    raise ValueError(f"{op}: key {key.shape} and value {value.shape} must agree in "
+                     "(B, S, K); their head dims may differ (key H, value Hv)")
   if key.shape[0] != B or key.shape[3] != H:
     raise ValueError(f"{op}: key {key.shape} must match query "
                      f"{query.shape} in batch and head dim")
@@ -349,7 +349,8 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   if reference_path or default_xla or implementation == "xla":
     return _Plan(query, key, value, unbatched, aux, scale, window, None, None)
   window_left, window_right = window or (None, None)
-  call = Call(B=B, T=T, S=S, N=N, K=key.shape[2], H=H, dtype=jnp.dtype(query.dtype).name,
+  call = Call(B=B, T=T, S=S, N=N, K=key.shape[2], H=H, Hv=value.shape[3],
+              dtype=jnp.dtype(query.dtype).name,
               spec=MaskSpec(q_len=T, kv_len=S, is_causal=bool(is_causal),
                             window_left=window_left, window_right=window_right,
                             has_segments=q_seg is not None),
@@ -391,7 +392,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
   Args:
     query: (B, T, N, H) or (T, N, H); float32, bfloat16 or float16.
-    key, value: (B, S, K, H) or (S, K, H), with K dividing N.
+    key, value: (B, S, K, H) and (B, S, K, Hv) or unbatched, with K dividing N; the
+      value head dim Hv may differ from H (as MLA's 192 / 128), and the output takes it.
     bias, mask: optional, broadcastable to (B, N, T, S); handled on the reference path.
     scale: logits scale, 1/sqrt(H) by default.
     is_causal: key j is visible to query i when j <= i (top-left aligned when T != S).
@@ -424,7 +426,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       lse = its sink; the returned lse includes it.
 
   Returns:
-    The output, shaped and typed like ``query``, and with ``return_residual`` the lse.
+    The output (B, T, N, Hv), typed like ``query``, and with ``return_residual`` the lse.
   """
   plan = _plan(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                query_seq_lengths=query_seq_lengths,

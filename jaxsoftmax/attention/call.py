@@ -23,6 +23,7 @@ class Call:
   """B, T, N, H: the queries' shape (B T N H); S, K: the keys' length and heads.
 
   Attributes:
+    Hv: the values' head dim; None (given) means H, which it then holds.
     dtype: the inputs' dtype name.
     spec: the static masks (causal, window, whether segment ids are given).
     scale: the logits' scale; softcap: the soft cap, or None.
@@ -44,6 +45,11 @@ class Call:
   block_sizes: Any
   interpret: bool
   deterministic: bool = False
+  Hv: int | None = None
+
+  def __post_init__(self):
+    if self.Hv is None:
+      object.__setattr__(self, "Hv", self.H)
 
   @property
   def itemsize(self) -> int:

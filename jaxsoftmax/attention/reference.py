@@ -43,7 +43,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           key_value_seq_lengths=None, local_window_size=None,
                           logits_soft_cap=None, q_segments=None, kv_segments=None,
                           sinks=None):
-  """Attention in layout B T N H (K/V heads dividing N), returning (out, lse).
+  """Attention in layout B T N H (K/V heads dividing N; the values' head dim may differ
+  from the queries' and keys'), returning (out, lse).
 
   As jax.nn.dot_product_attention's XLA path: logits in float32 (float64 for float64
   inputs), softmax in float32, probabilities cast to the value dtype for the second
@@ -92,4 +93,4 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                    preferred_element_type=acc, precision=jax.lax.Precision.HIGHEST)
   lse = jnp.where(some, m + jnp.log(jnp.where(some, l, 1)), -jnp.inf)[..., 0]
   lse = lse.reshape(B, N, T).transpose(0, 2, 1).astype(jnp.float32)
-  return out.reshape(B, T, N, H).astype(query.dtype), lse
+  return out.reshape(B, T, N, value.shape[3]).astype(query.dtype), lse

@@ -539,6 +539,9 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
                     "float16")
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
+  if value.shape[3] != H:
+    raise ValueError(f"{op}: value {value.shape} must have the head dim of key "
+                     f"{key.shape}; dot_product_attention takes different ones")
   if layout not in LAYOUTS:
     raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
   if strategy not in STRATEGIES:

@@ -34,6 +34,9 @@ def unsupported(call: Call) -> str | None:
     return f"it takes bfloat16 or float16 inputs, got {call.dtype}"
   if call.H > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM}, got {call.H}"
+  if call.Hv != call.H:
+    return (f"one head dim for query, key and value; got {call.H} (query, key) and "
+            f"{call.Hv} (value), which the Triton backend runs")
   if call.block_sizes is not None and not isinstance(call.block_sizes, HopperBlockSizes):
     return (f"block_sizes is a {type(call.block_sizes).__name__}; the Mosaic GPU kernel "
             "takes jaxsoftmax.HopperBlockSizes")

@@ -1,6 +1,7 @@
 """The portable backend: FlashAttention-2 forward and backward kernels through Pallas'
 Triton lowering. Runs on any recent NVIDIA GPU, and interpreted on any device; every
-feature of `dot_product_attention` except ``bias`` and ``mask`` (the reference path)."""
+feature of `dot_product_attention` except ``bias`` and ``mask`` (the reference path),
+including a value head dim other than the query's (``Hv != H``)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,18 @@ def unsupported(call: Call) -> str | None:
   if call.block_sizes is not None and not isinstance(call.block_sizes, BlockSizes):
     return (f"block_sizes is a {type(call.block_sizes).__name__}; the Triton kernels "
             "take jaxsoftmax.BlockSizes")
-  if call.H > MAX_HEAD_DIM:
-    return f"head dims up to {MAX_HEAD_DIM}, got {call.H}"
+  if max(call.H, call.Hv) > MAX_HEAD_DIM:
+    return f"head dims up to {MAX_HEAD_DIM}, got {call.H} (query, key), {call.Hv} (value)"
   return None
 
 
 def blocks(call: Call) -> BlockSizes:
-  """The caller's Triton tiles, else the defaults for the call's shape."""
+  """The caller's Triton tiles, else the defaults for the call's shape (for the wider of
+  the two head dims, whose tiles take the most registers)."""
   if isinstance(call.block_sizes, BlockSizes):
     return call.block_sizes
-  return BlockSizes.default(call.T, call.S, call.H, call.dtype, call.spec.is_causal)
+  return BlockSizes.default(call.T, call.S, max(call.H, call.Hv), call.dtype,
+                            call.spec.is_causal)
 
 
 def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):

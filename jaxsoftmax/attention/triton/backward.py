@@ -54,10 +54,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
   group = dims.N // dims.K
   k0 = pl.program_id(0) * bk
   k_idx, kv_ok = block_rows(k0, bk, dims.S)
-  h_ok = dims.head_ok()
-  kv_mask = dims.tile_mask(kv_ok, h_ok, bk)
-  k = pallas.load(k_ref, mask=kv_mask, other=0)
-  v = pallas.load(v_ref, mask=kv_mask, other=0)
+  h_ok, hv_ok = dims.head_ok(), dims.head_ok(value=True)
+  k_mask = dims.tile_mask(kv_ok, h_ok, bk)
+  v_mask = dims.tile_mask(kv_ok, hv_ok, bk, value=True)
+  k = pallas.load(k_ref, mask=k_mask, other=0)
+  v = pallas.load(v_ref, mask=v_mask, other=0)
   q_length, kv_length = load_scalar(q_len_ref), load_scalar(kv_len_ref)
   k_seg = None if kv_seg_ref is None else pallas.load(kv_seg_ref, mask=kv_ok, other=-2)
 
@@ -66,10 +67,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     q0 = i * bq
     q_idx, q_ok = block_rows(q0, bq, dims.T)
     q_mask = dims.tile_mask(q_ok, h_ok, bq)
+    do_mask = dims.tile_mask(q_ok, hv_ok, bq, value=True)
     rows = pl.ds(q0, bq)
     # Query rows past T load as 0 with m = +inf: their P is 0, no element mask needed.
     q = pallas.load(q_ref.at[rows, g, :], mask=q_mask, other=0)
-    do = pallas.load(do_ref.at[rows, g, :], mask=q_mask, other=0)
+    do = pallas.load(do_ref.at[rows, g, :], mask=do_mask, other=0)
     m = _max_or_inf(pallas.load(m_ref.at[g, rows], mask=q_ok, other=-jnp.inf))
     log2_l = pallas.load(log2_l_ref.at[g, rows], mask=q_ok, other=0)
     delta = pallas.load(delta_ref.at[g, rows], mask=q_ok, other=0)
@@ -98,30 +100,30 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     return dk, dv
 
   ranges = query_block_ranges(spec, k0, bq, bk, kv_length, q_length, pl.cdiv(dims.T, bq))
-  zeros = jnp.zeros((bk, dims.H_pad), jnp.float32)
+  zeros = (jnp.zeros((bk, dims.H_pad), jnp.float32),
+           jnp.zeros((bk, dims.Hv_pad), jnp.float32))
   if chunk is None:
     def head(g, carry):
       return walk_block_ranges(ranges, functools.partial(step, g=g), carry)
 
-    dk, dv = final(*lax.fori_loop(0, group, head, (zeros, zeros)))
-    pallas.store(dk_ref, dk.astype(dk_ref.dtype), mask=kv_mask)
-    pallas.store(dv_ref, dv.astype(dv_ref.dtype), mask=kv_mask)
+    dk, dv = final(*lax.fori_loop(0, group, head, zeros))
+    pallas.store(dk_ref, dk.astype(dk_ref.dtype), mask=k_mask)
+    pallas.store(dv_ref, dv.astype(dv_ref.dtype), mask=v_mask)
     return
 
   # float32: the sums over the query rows kept in the (float32) outputs, see
   # _walk_in_chunks.
-  pallas.store(dk_ref, zeros, mask=kv_mask)
-  pallas.store(dv_ref, zeros, mask=kv_mask)
+  pallas.store(dk_ref, zeros[0], mask=k_mask)
+  pallas.store(dv_ref, zeros[1], mask=v_mask)
 
   def add_to_outputs(part):
     barrier()  # the tiles the last add stored, whichever threads stored them
     dk, dv = final(*part)
-    pallas.store(dk_ref, pallas.load(dk_ref, mask=kv_mask, other=0) + dk, mask=kv_mask)
-    pallas.store(dv_ref, pallas.load(dv_ref, mask=kv_mask, other=0) + dv, mask=kv_mask)
+    pallas.store(dk_ref, pallas.load(dk_ref, mask=k_mask, other=0) + dk, mask=k_mask)
+    pallas.store(dv_ref, pallas.load(dv_ref, mask=v_mask, other=0) + dv, mask=v_mask)
 
   def head_in_chunks(g, unused):
-    _walk_in_chunks(ranges, functools.partial(step, g=g), (zeros, zeros), chunk,
-                    add_to_outputs)
+    _walk_in_chunks(ranges, functools.partial(step, g=g), zeros, chunk, add_to_outputs)
     return unused
 
   lax.fori_loop(0, group, head_in_chunks, 0)
@@ -166,18 +168,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   q0 = q_block(pl.program_id(0)) * bq
   block = query_block(q_ref, aux_refs, q0=q0, block_q=bq, dims=dims)
-  q_idx, q_ok, h_ok, q_mask, q = block.idx, block.ok, block.h_ok, block.mask, block.tile
+  q_idx, q_ok, q_mask, q = block.idx, block.ok, block.mask, block.tile
   q_length, kv_length, q_seg = block.q_length, block.kv_length, block.segments
-  do = pallas.load(do_ref, mask=q_mask, other=0)
+  do = pallas.load(do_ref, mask=block.o_mask, other=0)
   m = _max_or_inf(pallas.load(m_ref, mask=q_ok, other=-jnp.inf))
   log2_l = pallas.load(log2_l_ref, mask=q_ok, other=0)
   delta = pallas.load(delta_ref, mask=q_ok, other=0)
 
   def step(j, dq, *, masked: bool):
     k0 = j * bk
-    k_idx, kv_mask = key_block(k0, bk, dims, h_ok, masked=masked)
-    k = pallas.load(k_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
-    v = pallas.load(v_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
+    k_idx, k_mask, v_mask = key_block(k0, bk, dims, masked=masked)
+    k = pallas.load(k_ref.at[pl.ds(k0, bk), :], mask=k_mask, other=0)
+    v = pallas.load(v_ref.at[pl.ds(k0, bk), :], mask=v_mask, other=0)
     x, tanh = scores(logits, q, k)
     p = exp2(logits.exponent_from_stats(x, m[:, None], log2_l[:, None]))
     if masked:
@@ -201,7 +203,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
   (float32 for partial gradients that are summed afterwards, as context parallelism's).
   ``delta``: rowsum(dO ∘ O) (B, N, T) where the caller has it (then o is not read)."""
   grad_dtype = q.dtype if grad_dtype is None else grad_dtype
-  dims = Dims.of(q, k)
+  dims = Dims.of(q, k, v)
   aux, aux_arrays = Aux.of(aux_arrays)
   group = dims.N // dims.K
   if delta is None:  # one fused XLA pass over O and dO
@@ -216,8 +218,11 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
   bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
   n_k_blocks = pl.cdiv(dims.S, bk)
   q_rows = pl.cdiv(dims.T, bq) * bq
-  q_group = pl.BlockSpec((None, q_rows, group, dims.H_pad), lambda j, b, h: (b, 0, h, 0))
-  kv_tile = pl.BlockSpec((None, bk, None, dims.H_pad), lambda j, b, h: (b, j, h, 0))
+  q_group, do_group = (pl.BlockSpec((None, q_rows, group, width),
+                                    lambda j, b, h: (b, 0, h, 0))
+                       for width in (dims.H_pad, dims.Hv_pad))
+  k_tile, v_tile = (pl.BlockSpec((None, bk, None, width), lambda j, b, h: (b, j, h, 0))
+                    for width in (dims.H_pad, dims.Hv_pad))
   stat_group = pl.BlockSpec((None, group, q_rows), lambda j, b, h: (b, h, 0))
   # float32: dK and dV summed 8 query blocks (256 rows) at a time, see _walk_in_chunks.
   chunk = 8 if q.dtype == grad_dtype == jnp.float32 else None
@@ -226,10 +231,10 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
                         **statics),
       name="attention_backward_dkdv",
       grid=(n_k_blocks, dims.B, dims.K),
-      in_specs=[q_group, kv_tile, kv_tile, q_group, stat_group, stat_group, stat_group,
+      in_specs=[q_group, k_tile, v_tile, do_group, stat_group, stat_group, stat_group,
                 *aux.specs(q_rows=q_rows, q_index=lambda j, b, h: (b, 0), kv_rows=bk,
                            kv_index=lambda j, b, h: (b, j), batch_index=lambda j, b, h: b)],
-      out_specs=[kv_tile, kv_tile],
+      out_specs=[k_tile, v_tile],
       out_shape=[jax.ShapeDtypeStruct(k.shape, grad_dtype),
                  jax.ShapeDtypeStruct(v.shape, grad_dtype)],
       **common,
@@ -242,7 +247,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
   dq = pallas.pallas_call(
       functools.partial(_dq_kernel, q_block=launch.q_block, **statics),
       name="attention_backward_dq", grid=launch.grid,
-      in_specs=[q_tile, launch.kv_all, launch.kv_all, q_tile, stat_tile, stat_tile,
+      in_specs=[q_tile, launch.kv_all, launch.v_all, launch.o_tile, stat_tile, stat_tile,
                 stat_tile, *launch.aux_specs],
       out_specs=q_tile,
       out_shape=jax.ShapeDtypeStruct(q.shape, grad_dtype),

@@ -42,14 +42,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
   bq, bk = blocks.block_q, blocks.block_k
   q0 = q_block(pl.program_id(0)) * bq
   block = query_block(q_ref, aux_refs, q0=q0, block_q=bq, dims=dims)
-  q_idx, q_ok, h_ok, q_tile_mask, q = block.idx, block.ok, block.h_ok, block.mask, block.tile
+  q_idx, q_ok, o_mask, q = block.idx, block.ok, block.o_mask, block.tile
   q_length, kv_length, q_seg = block.q_length, block.kv_length, block.segments
 
   def step(j, carry, *, masked: bool):
     m, l, acc = carry
     k0 = j * bk
-    k_idx, kv_mask = key_block(k0, bk, dims, h_ok, masked=masked)
-    k = pallas.load(k_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
+    k_idx, k_mask, v_mask = key_block(k0, bk, dims, masked=masked)
+    k = pallas.load(k_ref.at[pl.ds(k0, bk), :], mask=k_mask, other=0)
     x, _ = scores(logits, q, k)
     if masked:
       allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
@@ -59,13 +59,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
     shift = safe_shift(m_new)
     p = exp2(logits.exponent(x, shift[:, None]))
     alpha = exp2(logits.exponent(m, shift))
-    v = pallas.load(v_ref.at[pl.ds(k0, bk), :], mask=kv_mask, other=0)
+    v = pallas.load(v_ref.at[pl.ds(k0, bk), :], mask=v_mask, other=0)
     acc = acc * alpha[:, None] + pallas.dot(p.astype(v.dtype), v)
     return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
   ranges = key_block_ranges(spec, q0, bq, bk, kv_length, q_length)
   carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
-           jnp.zeros((bq, dims.H_pad), jnp.float32))
+           jnp.zeros((bq, dims.Hv_pad), jnp.float32))
   m, l, acc = walk_block_ranges(ranges, step, carry)
 
   some = l != 0  # rows with an allowed key; a NaN input's NaN l stays NaN (NaN != 0)
@@ -73,9 +73,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
     some = some & (q_idx < q_length)
   l_safe = jnp.where(some, l, 1.0)
   o = jnp.where(some[:, None], acc / l_safe[:, None], 0.0)
-  pallas.store(o_ref, o.astype(o_ref.dtype), mask=q_tile_mask)
+  pallas.store(o_ref, o.astype(o_ref.dtype), mask=o_mask)
   if o32_ref:
-    pallas.store(o32_ref[0], o, mask=q_tile_mask)
+    pallas.store(o32_ref[0], o, mask=o_mask)
   # A NaN l makes m NaN too: the GPU's max may skip NaN, and lse and the backward's P
   # must carry it (docs/numerics.md).
   pallas.store(m_ref, jnp.where(some, jnp.where(l == l, m, jnp.nan), -jnp.inf), mask=q_ok)
@@ -84,12 +84,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
 
 def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: float,
             softcap: float | None, interpret: bool, float32_output: bool = False):
-  """(o (B, T, N, H), m (B, N, T), log2_l (B, N, T)) for q (B, T, N, H), k and v
-  (B, S, K, H); `logits.lse` combines the last two. With ``float32_output`` (16-bit inputs,
+  """(o (B, T, N, Hv), m (B, N, T), log2_l (B, N, T)) for q (B, T, N, H), k (B, S, K, H)
+  and v (B, S, K, Hv); `logits.lse` combines the last two. With ``float32_output`` (16-bit inputs,
   for the backward) also o in float32: delta = rowsum(dO ∘ O) from the rounded o loses
   the cancellation in dP - delta when attention is nearly one-hot (large logits), which
   made bfloat16 dQ 3x less accurate than XLA's."""
-  dims = Dims.of(q, k)
+  dims = Dims.of(q, k, v)
   aux, aux_arrays = Aux.of(aux_arrays)
   launch = query_block_launch(dims, aux, block_q=blocks.block_q, block_k=blocks.block_k,
                               last_first=spec.is_causal)
@@ -98,12 +98,13 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: f
   kernel = functools.partial(_forward_kernel, dims=dims, spec=spec, blocks=blocks, aux=aux,
                              logits=logits, q_block=launch.q_block,
                              exp2=pallas.exp2(interpret))
-  q_tile, stat_tile = launch.q_tile, launch.stat_tile
+  o_tile, stat_tile = launch.o_tile, launch.stat_tile
+  o_shape = (*q.shape[:3], dims.Hv)
   return pallas.pallas_call(
       kernel, name="attention_forward", grid=launch.grid,
-      in_specs=[q_tile, launch.kv_all, launch.kv_all, *launch.aux_specs],
-      out_specs=[q_tile, stat_tile, stat_tile] + [q_tile] * float32_output,
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), stat_shape, stat_shape]
-      + [jax.ShapeDtypeStruct(q.shape, jnp.float32)] * float32_output,
+      in_specs=[launch.q_tile, launch.kv_all, launch.v_all, *launch.aux_specs],
+      out_specs=[o_tile, stat_tile, stat_tile] + [o_tile] * float32_output,
+      out_shape=[jax.ShapeDtypeStruct(o_shape, q.dtype), stat_shape, stat_shape]
+      + [jax.ShapeDtypeStruct(o_shape, jnp.float32)] * float32_output,
       num_warps=blocks.num_warps, num_stages=blocks.num_stages, interpret=interpret,
   )(q, k, v, *aux_arrays)

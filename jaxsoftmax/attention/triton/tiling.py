@@ -123,7 +123,8 @@ def pow2_head_dim(head_dim: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Dims:
-  """B, T, N, H of the query and S, K of the keys; H_pad the padded head dim."""
+  """B, T, N, H of the query and S, K of the keys; Hv the values' head dim (H but for
+  asymmetric heads, as MLA's 192 / 128); H_pad and Hv_pad the padded head dims."""
 
   B: int
   T: int
@@ -132,26 +133,33 @@ class Dims:
   K: int
   H: int
   H_pad: int
+  Hv: int
+  Hv_pad: int
 
   @classmethod
-  def of(cls, q, k) -> "Dims":
+  def of(cls, q, k, v) -> "Dims":
     B, T, N, H = q.shape
-    return cls(B, T, k.shape[1], N, k.shape[2], H, pow2_head_dim(H))
+    Hv = v.shape[3]
+    return cls(B, T, k.shape[1], N, k.shape[2], H, pow2_head_dim(H), Hv, pow2_head_dim(Hv))
 
-  def head_ok(self):
-    """Which of the padded head dims are real (None when none is padding)."""
-    if self.H_pad == self.H:
+  def head_ok(self, *, value: bool = False):
+    """Which of the padded head dims of Q/K (of V, O with ``value``) are real (None when
+    none is padding)."""
+    real, padded = (self.Hv, self.Hv_pad) if value else (self.H, self.H_pad)
+    if padded == real:
       return None
-    return jnp.arange(self.H_pad, dtype=jnp.int32) < self.H
+    return jnp.arange(padded, dtype=jnp.int32) < real
 
-  def tile_mask(self, row_ok, h_ok, rows: int):
-    """The (rows, H_pad) load/store mask from its row and head-dim parts (None: none)."""
+  def tile_mask(self, row_ok, h_ok, rows: int, *, value: bool = False):
+    """The (rows, H_pad) load/store mask ((rows, Hv_pad) with ``value``) from its row and
+    head-dim parts (None: none)."""
+    cols = self.Hv_pad if value else self.H_pad
     if row_ok is None and h_ok is None:
       return None
     if row_ok is None:
-      return jnp.broadcast_to(h_ok[None, :], (rows, self.H_pad))
+      return jnp.broadcast_to(h_ok[None, :], (rows, cols))
     if h_ok is None:
-      return jnp.broadcast_to(row_ok[:, None], (rows, self.H_pad))
+      return jnp.broadcast_to(row_ok[:, None], (rows, cols))
     return row_ok[:, None] & h_ok[None, :]
 
 
@@ -184,8 +192,10 @@ class QueryBlockLaunch(NamedTuple):
 
   q_block: Callable[[Any], Any]  # program index -> query block
   grid: tuple[int, int, int]
-  q_tile: Any  # BlockSpec of a (block_q, H_pad) tile of q, o, dO or dQ
-  kv_all: Any  # BlockSpec of all key rows of the K/V head of the program's query head
+  q_tile: Any  # BlockSpec of a (block_q, H_pad) tile of q or dQ
+  o_tile: Any  # BlockSpec of a (block_q, Hv_pad) tile of o or dO
+  kv_all: Any  # BlockSpec of all key rows of the K head of the program's query head
+  v_all: Any  # the same of V, (kv_rows, Hv_pad)
   stat_tile: Any  # BlockSpec of a block_q slice of a (B, N, T) row statistic
   aux_specs: list  # BlockSpecs of the given lengths and segment ids
 
@@ -200,13 +210,15 @@ def query_block_launch(dims: Dims, aux: Aux, *, block_q: int, block_k: int,
   q_block = (lambda i: n_q_blocks - 1 - i) if last_first else (lambda i: i)
   group = dims.N // dims.K
   kv_rows = pl.cdiv(dims.S, block_k) * block_k  # whole key blocks, for interpret mode
+  q_tile = lambda width: pl.BlockSpec((None, block_q, None, width),
+                                      lambda i, b, n: (b, q_block(i), n, 0))
+  kv_all = lambda width: pl.BlockSpec((None, kv_rows, None, width),
+                                      lambda i, b, n: (b, 0, n // group, 0))
   return QueryBlockLaunch(
       q_block=q_block,
       grid=(n_q_blocks, dims.B, dims.N),
-      q_tile=pl.BlockSpec((None, block_q, None, dims.H_pad),
-                          lambda i, b, n: (b, q_block(i), n, 0)),
-      kv_all=pl.BlockSpec((None, kv_rows, None, dims.H_pad),
-                          lambda i, b, n: (b, 0, n // group, 0)),
+      q_tile=q_tile(dims.H_pad), o_tile=q_tile(dims.Hv_pad),
+      kv_all=kv_all(dims.H_pad), v_all=kv_all(dims.Hv_pad),
       stat_tile=pl.BlockSpec((None, None, block_q), lambda i, b, n: (b, n, q_block(i))),
       aux_specs=aux.specs(q_rows=block_q, q_index=lambda i, b, n: (b, q_block(i)),
                           kv_rows=kv_rows, kv_index=lambda i, b, n: (b, 0),
@@ -233,6 +245,7 @@ class QueryBlock(NamedTuple):
   ok: Any  # (block_q,) rows inside T
   h_ok: Any  # (H_pad,) real head dims
   mask: Any  # (block_q, H_pad) load/store mask of the query tile
+  o_mask: Any  # (block_q, Hv_pad) the same of an output (or dO) tile
   tile: Any  # (block_q, H_pad) the queries
   q_length: Any  # the batch row's query length
   kv_length: Any  # the batch row's key length
@@ -245,19 +258,23 @@ def query_block(q_ref, aux_refs: AuxArrays, *, q0, block_q: int, dims: Dims) -> 
   q_idx, q_ok = block_rows(q0, block_q, dims.T)
   h_ok = dims.head_ok()
   q_mask = dims.tile_mask(q_ok, h_ok, block_q)
+  o_mask = dims.tile_mask(q_ok, dims.head_ok(value=True), block_q, value=True)
   q_seg_ref = aux_refs.q_segments
   return QueryBlock(
-      idx=q_idx, ok=q_ok, h_ok=h_ok, mask=q_mask,
+      idx=q_idx, ok=q_ok, h_ok=h_ok, mask=q_mask, o_mask=o_mask,
       tile=pallas.load(q_ref, mask=q_mask, other=0),
       q_length=load_scalar(aux_refs.q_lengths), kv_length=load_scalar(aux_refs.kv_lengths),
       segments=None if q_seg_ref is None else pallas.load(q_seg_ref, mask=q_ok, other=-1))
 
 
-def key_block(k0, block_k: int, dims: Dims, h_ok, *, masked: bool):
-  """(key indices, load mask of the (block_k, H_pad) K/V tiles) of the key block at k0.
-  Only boundary (masked) blocks can reach past S: interior blocks end before it."""
+def key_block(k0, block_k: int, dims: Dims, *, masked: bool):
+  """(key indices, load masks of the (block_k, H_pad) K tile and the (block_k, Hv_pad)
+  V tile) of the key block at k0. Only boundary (masked) blocks can reach past S:
+  interior blocks end before it."""
   k_idx, kv_ok = block_rows(k0, block_k, dims.S)
-  return k_idx, dims.tile_mask(kv_ok if masked else None, h_ok, block_k)
+  rows_ok = kv_ok if masked else None
+  return (k_idx, dims.tile_mask(rows_ok, dims.head_ok(), block_k),
+          dims.tile_mask(rows_ok, dims.head_ok(value=True), block_k, value=True))
 
 
 def scores(logits: Logits, a, b):
