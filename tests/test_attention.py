@@ -231,6 +231,107 @@ def test_value_head_dim(key, backend, B, T, S, N, K, H, Hv, options):
   assert o.shape == (B, T, N, Hv)
 
 
+# (B, T, S, N, K, H, bias shape or None, mask shape or None, ALiBi, options): the score
+# terms the Triton kernels read by tiles, each broadcast form of a bias (dbias summed
+# over its broadcast axes in the kernel and after it), masks with whole tiles masked
+# (skipped), ALiBi, and their mixes with the position masks.
+SCORE_TERM_CASES = [
+    pytest.param(2, 37, 45, 4, 2, 24, (2, 4, 37, 45), None, False, dict(is_causal=True),
+                 id="bias-full-causal"),
+    pytest.param(2, 29, 35, 4, 2, 16, (4, 29, 35), None, False,
+                 dict(key_value_seq_lengths=jnp.array([35, 9])), id="bias-heads-lengths"),
+    pytest.param(2, 30, 33, 2, 1, 16, (2, 1, 1, 33), None, False, dict(logits_soft_cap=2.0),
+                 id="bias-keys-softcap"),
+    pytest.param(1, 33, 40, 2, 2, 16, (1, 1, 33, 1), None, False,
+                 dict(local_window_size=(9, 4)), id="bias-queries-window"),
+    pytest.param(2, 37, 45, 4, 2, 16, None, (2, 1, 37, 45), False, {}, id="mask-batch"),
+    pytest.param(2, 34, 34, 2, 1, 16, (2, 1, 1, 34), (1, 2, 34, 34), False, dict(is_causal=True),
+                 id="mask-heads-and-bias-keys-causal"),
+    pytest.param(2, 37, 45, 4, 2, 16, None, None, True, dict(is_causal=True),
+                 id="alibi-causal"),
+    pytest.param(1, 30, 30, 2, 1, 16, (2, 30, 30), (30, 30), True,
+                 dict(local_window_size=5), id="alibi-bias-mask-window"),
+    pytest.param(2, 1, 77, 4, 2, 64, (2, 1, 1, 77), (2, 1, 1, 77), True,
+                 dict(key_value_seq_lengths=jnp.array([77, 5])), id="T1-decode"),
+]
+
+
+def _score_terms(key, B, T, S, N, bias_shape, mask_shape, alibi):
+  """(bias, mask, slopes), each None unless asked for; the mask leaves tiles of keys
+  16-31 (every 16 x 16 tile there) entirely masked, and some rows entirely."""
+  kb, km = jax.random.split(jax.random.fold_in(key, 7))
+  bias = None if bias_shape is None else 2 * jax.random.normal(kb, bias_shape)
+  mask = None
+  if mask_shape is not None:
+    mask = jax.random.bernoulli(km, 0.7, mask_shape)
+    if mask_shape[-1] > 32:
+      mask = mask.at[..., 16:32].set(False)
+    if mask_shape[-2] > 3:
+      mask = mask.at[..., 3, :].set(False)
+  slopes = 2.0 ** -jnp.arange(1, N + 1, dtype=jnp.float32) if alibi else None
+  return bias, mask, slopes
+
+
+@pytest.mark.parametrize("backend, B, T, S, N, K, H, bias_shape, mask_shape, alibi, options",
+                         _per_backend(SCORE_TERM_CASES))
+def test_score_terms(key, backend, B, T, S, N, K, H, bias_shape, mask_shape, alibi,
+                     options):
+  # Output, lse, dq, dk, dv and dbias (the bias's shape) under the 2x rule.
+  dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
+  q, k, v, do = _inputs(key, B, T, S, N, K, H, dtype)
+  bias, mask, slopes = _score_terms(key, B, T, S, N, bias_shape, mask_shape, alibi)
+  interpret = _interpret(backend)
+  wrt = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
+
+  def run(attention, q, k, v, bias, do):
+    (o, lse), vjp = jax.vjp(lambda *x: attention(*x, *(bias,) * (len(x) == 3)),
+                            *(q, k, v, bias)[:len(wrt)])
+    return (o, lse, *vjp((do, jnp.zeros_like(lse))))
+
+  ours = lambda q, k, v, bias: js.dot_product_attention(
+      q, k, v, bias, mask, alibi_slopes=slopes, return_residual=True,
+      residual_dtype=jnp.float32, implementation=backend, interpret=interpret,
+      block_sizes=_tiles(backend, interpret), **options)
+  ref = lambda q, k, v, bias: reference.dot_product_attention(
+      q, k, v, bias, mask, alibi_slopes=slopes, **options)
+  try:
+    got = jax.jit(functools.partial(run, ours))(q, k, v, bias, do)
+  except ValueError as e:
+    if "cannot run this call" not in str(e):
+      raise
+    pytest.skip(str(e))
+  in_dtype = jax.jit(functools.partial(run, ref))(q, k, v, bias, do)
+  exact = truth(functools.partial(run, ref), q, k, v, bias, do)
+  for what, a, b, c in zip(("output", "lse", "dq", "dk", "dv", "dbias"), got, in_dtype,
+                           exact):
+    assert_2x(a, b, c, what=what)
+  if bias is not None:
+    assert got[5].shape == bias.shape and got[5].dtype == bias.dtype
+
+
+def test_score_terms_run_in_the_kernels(key):
+  # The bias, mask and slopes are kernel inputs, never a T x S array of XLA's: no
+  # operation of the step makes one bigger than the inputs; dbias is the dQ kernel's
+  # second output only where the bias is differentiated.
+  B, T, S, N = 2, 64, 96, 4
+  q, k, v, _ = _inputs(key, B, T, S, N, 2, 16, jnp.float32)
+  bias = jax.random.normal(key, (B, 1, 1, S))
+  mask = jax.random.bernoulli(key, 0.8, (B, 1, T, S))
+  slopes = jnp.ones((N,))
+
+  def loss(q, k, v, bias):
+    return jnp.sum(js.dot_product_attention(q, k, v, bias, mask, alibi_slopes=slopes,
+                                            implementation="triton", interpret=True) ** 2)
+
+  for argnums, dq_outputs in (((0, 1, 2), 1), ((0, 1, 2, 3), 2)):
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums))(q, k, v, bias)
+    calls = dict(pallas_calls(jaxpr.jaxpr))
+    assert calls["attention_forward"] == 3 and calls["attention_backward_dq"] == dq_outputs
+    big = [eqn for eqn in jaxpr.jaxpr.eqns for out in eqn.outvars
+           if getattr(out.aval, "size", 0) >= B * N * T * S]
+    assert not big, big
+
+
 # Unequal tiles in every kernel: interior (unmasked) and boundary blocks of different
 # sizes in the forward, dK/dV and dQ loops.
 MIXED_BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32,
@@ -447,7 +548,7 @@ def test_hopper_forward_lowers_for_cuda(H, options, persistent):
   def forward(q, k, v, *aux_arrays):
     arrays = iter(aux_arrays)
     return mosaic_forward.forward(
-        q, k, v, tuple(None if a is None else next(arrays) for a in aux), spec=spec,
+        q, k, v, AuxArrays(*(None if a is None else next(arrays) for a in aux)), spec=spec,
         blocks=blocks, scale=0.1, softcap=None, float32_output=True)
 
   bf16 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
@@ -481,7 +582,7 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_
   def backward(q, k, v, o, m, log2_l, do, *aux_arrays):
     arrays = iter(aux_arrays)
     return mosaic_backward.backward(
-        q, k, v, o, m, log2_l, do, tuple(None if a is None else next(arrays) for a in aux),
+        q, k, v, o, m, log2_l, do, AuxArrays(*(None if a is None else next(arrays) for a in aux)),
         spec=spec, scale=0.1, softcap=None, deterministic=deterministic,
         grad_dtype=grad_dtype)
 
@@ -572,7 +673,7 @@ def test_empty_inputs_as_jax_nn():
   assert js.dot_product_attention(kv, q, q).shape == (1, 0, 2, 16)
 
 
-def test_bias_and_mask_take_the_reference_path(key):
+def test_bias_and_mask_as_jax_nn(key):
   q, k, v, _ = _inputs(key, 2, 12, 12, 2, 2, 16, jnp.float32)
   bias = jax.random.normal(key, (1, 2, 12, 12))
   mask = jax.random.uniform(key, (2, 1, 12, 12)) > 0.2
@@ -653,6 +754,13 @@ def test_bad_input_names_the_argument():
     attention(q, kv, kv, segment_ids=jnp.zeros((2, 5), jnp.int32))
   with pytest.raises(TypeError, match="mask must be boolean"):
     attention(q, kv, kv, mask=jnp.ones((8, 8)))
+  with pytest.raises(TypeError, match="bias must be floating, got int32"):
+    attention(q, kv, kv, bias=jnp.ones((8, 8), jnp.int32))
+  with pytest.raises(ValueError, match=r"bias of shape \(3, 8, 8\) must broadcast to"):
+    attention(q, kv, kv, bias=jnp.ones((3, 8, 8)))
+  with pytest.raises(ValueError, match=r"alibi_slopes must be a floating array of shape "
+                                       r"\(N,\) = \(4,\)"):
+    attention(q, kv, kv, alibi_slopes=jnp.ones((2,)))
   with pytest.raises(ValueError, match=r"sinks must be a floating array of shape \(N,\) = "
                                        r"\(4,\)"):
     attention(q, kv, kv, sinks=jnp.zeros(2))
@@ -773,8 +881,12 @@ def test_named_backend_says_why_it_cannot_run():
     js.dot_product_attention(q, q, q, implementation="mosaic_gpu")
   with pytest.raises(ValueError, match="no kernel backend can run this call"):
     js.dot_product_attention(q, q, q, block_sizes=HopperBlockSizes())
-  with pytest.raises(ValueError, match="bias, mask, float64 and empty inputs take the"):
-    js.dot_product_attention(q, q, q, mask=jnp.ones((8, 8), bool), implementation="triton")
+  with pytest.raises(ValueError, match="float64 and empty inputs take the reference path"):
+    empty = jnp.zeros((1, 0, 2, 64), jnp.bfloat16)
+    js.dot_product_attention(empty, q, q, implementation="triton")
+  with pytest.raises(ValueError, match="implementation='mosaic_gpu' cannot run this call: "
+                                       "it needs a Hopper GPU"):
+    js.dot_product_attention(q, q, q, mask=jnp.ones((8, 8), bool), implementation="mosaic_gpu")
 
 
 def test_flax_nnx_multi_head_attention(key):
@@ -800,7 +912,8 @@ def test_flax_nnx_multi_head_attention(key):
 def test_attention_kernels_names_what_runs(monkeypatch):
   q = jnp.zeros((1, 8, 2, 128), jnp.bfloat16)
   assert js.attention_kernels(q, q, q, interpret=True) == ("triton", "triton")
-  assert js.attention_kernels(q, q, q, mask=jnp.ones((8, 8), bool)) == ("xla", "xla")
+  mask = jnp.ones((8, 8), bool)
+  assert js.attention_kernels(q, q, q, mask=mask, interpret=True) == ("triton", "triton")
   assert js.attention_kernels(q, q, q, implementation="xla") == ("xla", "xla")
   # On a Hopper GPU (declared here): the Hopper kernels both ways up to head dim 128.
   monkeypatch.setattr(mosaic_device, "hopper_device", lambda: True)
@@ -808,6 +921,10 @@ def test_attention_kernels_names_what_runs(monkeypatch):
       "mosaic_gpu", "mosaic_gpu")
   assert js.attention_kernels(q, q, q, interpret=False, deterministic=True) == (
       "mosaic_gpu", "mosaic_gpu")
+  # A bias, a mask array or ALiBi slopes: the Triton kernels, which read them.
+  for terms in (dict(mask=mask), dict(bias=jnp.zeros((8, 8))),
+                dict(alibi_slopes=jnp.ones((2,)))):
+    assert js.attention_kernels(q, q, q, interpret=False, **terms) == ("triton", "triton")
   wide = jnp.zeros((1, 8, 2, 256), jnp.bfloat16)
   assert js.attention_kernels(wide, wide, wide, interpret=False) == (
       "mosaic_gpu", "mosaic_gpu")

@@ -340,18 +340,25 @@ def test_flax_attention_fn_options_stick(key):
 
 
 def test_flax_masks(key):
-  # A concrete causal mask (nnx.make_causal_mask) becomes is_causal=True, silently; a
-  # mask the kernels cannot take warns that it costs the reference path.
+  # A concrete causal mask (nnx.make_causal_mask) becomes is_causal=True; any other mask
+  # reaches the kernels as it is, silently, and gives nnx's output on every row that
+  # has a key (a row without one gives 0 where nnx averages the values).
   from flax import nnx
   x = jax.random.normal(key, (2, 11, 32))
-  layer = _mha(js.flax_attention)
+  layer = _mha(js.flax_attention_fn(implementation="triton", interpret=True))
+  causal = nnx.make_causal_mask(x[..., 0])
+  padding = jnp.broadcast_to(
+      nnx.make_attention_mask(jnp.arange(11) < 7, jnp.arange(11) < 7), (2, 1, 11, 11))
   with warnings.catch_warnings():
     warnings.simplefilter("error", UserWarning)
-    got = layer(x, mask=nnx.make_causal_mask(x[..., 0]))
-  np.testing.assert_allclose(got, _mha()(x, is_causal=True), rtol=2e-5, atol=2e-5)
-  padding = nnx.make_attention_mask(jnp.arange(11) < 7, jnp.arange(11) < 7)
-  with pytest.warns(UserWarning, match="reference path"):
-    layer(x, mask=jnp.broadcast_to(padding, (2, 1, 11, 11)))
+    got_causal = layer(x, mask=causal)
+    got_padding = layer(x, mask=padding)
+    kernels = js.attention_kernels(*(jnp.zeros((2, 11, 2, 16)),) * 3, mask=padding > 0,
+                                   implementation="triton", interpret=True)
+  np.testing.assert_allclose(got_causal, _mha()(x, is_causal=True), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(got_padding[:, :7], _mha()(x, mask=padding)[:, :7], rtol=2e-5,
+                             atol=2e-5)
+  assert kernels == ("triton", "triton")
 
 
 def test_nnx_norms_take_a_residual(key):

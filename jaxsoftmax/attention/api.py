@@ -6,8 +6,9 @@ log2 l, see `triton.forward`), nothing of size T x S (below, "derivatives").
 Layout B T N H (or T N H, unbatched); K/V heads K dividing N (GQA, MQA). Beyond jax.nn:
 ``logits_soft_cap``, ``segment_ids`` for packed sequences, and ``block_sizes``. A query
 row with no allowed key gets output 0, lse -inf and zero gradients (jax.nn averages the
-values instead). ``bias`` and ``mask`` take the pure-jnp path of `reference`, slower and
-O(T·S) in memory, with exact values and gradients (dbias included).
+values instead). ``bias``, ``mask`` and ``alibi_slopes`` run in the Triton kernels, read
+by tiles (`triton.tiling.ScoreTerms`); dbias comes from the dQ kernel when the bias is
+differentiated (the tangent's symbolic zero says when it is not).
 
 Backends: each kernel backend (a folder beside this module, an `AttentionBackend`)
 declares what it can run (``unsupported(call)`` gives the reason it cannot) and runs the
@@ -26,6 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from jaxsoftmax.attention import reference
 from jaxsoftmax._core import pallas
@@ -111,58 +113,90 @@ def spec_window(spec) -> tuple[int, int] | None:
           far if spec.window_right is None else spec.window_right)
 
 
-def reference_attention(q, k, v, aux: AuxArrays, call: Call, sinks=None):
+def reference_attention(q, k, v, aux: AuxArrays, call: Call, sinks=None, bias=None):
   """(out, lse (B, T, N) float32) of the reference attention for ``call``, its masks
-  from `call.spec`."""
+  from `call.spec` and the arrays in ``aux`` (``bias`` in place of aux's, if given)."""
   spec = call.spec
+  bias = aux.bias if bias is None else bias
+  mask = None if aux.mask is None else aux.mask != 0
   return reference.dot_product_attention(
-      q, k, v, scale=call.scale, is_causal=spec.is_causal,
+      q, k, v, bias, mask, scale=call.scale, is_causal=spec.is_causal,
       query_seq_lengths=aux.q_lengths, key_value_seq_lengths=aux.kv_lengths,
       local_window_size=spec_window(spec), logits_soft_cap=call.softcap,
-      q_segments=aux.q_segments, kv_segments=aux.kv_segments, sinks=sinks)
+      q_segments=aux.q_segments, kv_segments=aux.kv_segments, sinks=sinks,
+      alibi_slopes=aux.alibi_slopes)
 
 
-# The maps' residuals: (q, k, v, the 4 aux arrays, o for delta, m, log2 l, sinks (B, N)
-# or None); the map of (dq, dk, dv) holds the sinks fixed (their own tangent is
-# `_sink_tangent`).
-def _reference_of(res, call: Call):
-  """(the reference output as a function of (q, k, v), (q, k, v)) from the residuals."""
-  q, k, v, *aux = res[:7]
-  sinks = res[-1]
-  return (lambda q, k, v: reference_attention(q, k, v, AuxArrays(*aux), call, sinks)[0],
-          (q, k, v))
+# The maps' residuals: (q, k, v, the aux arrays (`AuxArrays`, the bias among them), o
+# for delta, m, log2 l, sinks (B, N) or None); the map of (dq, dk, dv), and of dbias
+# where the bias is differentiated (``bias_grad``), holds the sinks fixed (their own
+# tangent is `_sink_tangent`).
+_N_AUX = len(AuxArrays._fields)
 
 
-def _tangent_twin(res, t, *, call: Call, backend: str):
+def _reference_of(res, call: Call, bias_grad: bool):
+  """(the reference output as a function of (q, k, v[, bias]), those inputs) from the
+  residuals."""
+  q, k, v, *aux = res[:3 + _N_AUX]
+  aux, sinks = AuxArrays(*aux), res[-1]
+  inputs = (q, k, v, aux.bias) if bias_grad else (q, k, v)
+  return (lambda q, k, v, *bias: reference_attention(q, k, v, aux, call, sinks, *bias)[0],
+          inputs)
+
+
+def _tangent_twin(res, t, *, call: Call, backend: str, bias_grad: bool):
   del backend
-  fn, qkv = _reference_of(res, call)
-  return (jax.jvp(fn, qkv, t)[1],)
+  fn, inputs = _reference_of(res, call, bias_grad)
+  return (jax.jvp(fn, inputs, t)[1],)
 
 
-def _transpose_kernel(res, cts, *, call: Call, backend: str):
+def _transpose_kernel(res, cts, *, call: Call, backend: str, bias_grad: bool):
   q, k, v, *aux, o, m, log2_l, _ = res
-  dq, dk, dv = select_backward(call, backend).bwd(q, k, v, o, m, log2_l, cts[0],
-                                                  AuxArrays(*aux), call)
-  return dq, dk, dv
+  aux = AuxArrays(*aux)
+  if bias_grad:  # the Triton backward: the one that runs a bias (`triton.unsupported`)
+    return triton.bwd(q, k, v, o, m, log2_l, cts[0], aux, call, with_dbias=True)
+  return select_backward(call, backend).bwd(q, k, v, o, m, log2_l, cts[0], aux, call)
 
 
-def _transpose_twin(res, cts, *, call: Call, backend: str):
+def _transpose_twin(res, cts, *, call: Call, backend: str, bias_grad: bool):
   del backend
-  fn, qkv = _reference_of(res, call)
-  return jax.vjp(fn, *qkv)[1](cts[0])
+  fn, inputs = _reference_of(res, call, bias_grad)
+  return jax.vjp(fn, *inputs)[1](cts[0])
 
 
-_TANGENT = LinearMap("attention_tangent", kernel=_tangent_twin, twin=_tangent_twin).pair(
-    LinearMap("attention_transpose", kernel=_transpose_kernel, twin=_transpose_twin))
+def _folds_rows(*, call: Call, backend: str, bias_grad: bool) -> bool:
+  """Whether vmap may fold its axis into the batch: not with a mask, bias or slopes,
+  whose leading axes are not the batch's (`LinearMap.fold_rows`)."""
+  del backend, bias_grad
+  return not call.score_terms
+
+
+_TANGENT = LinearMap("attention_tangent", kernel=_tangent_twin, twin=_tangent_twin,
+                     fold_rows=_folds_rows).pair(
+    LinearMap("attention_transpose", kernel=_transpose_kernel, twin=_transpose_twin,
+              fold_rows=_folds_rows))
+
+
+def _dense(tangent, primal):
+  """A tangent as an array: zeros for JAX's symbolic zero (an input not differentiated)."""
+  if isinstance(tangent, SymbolicZero):
+    return jnp.zeros(primal.shape, primal.dtype)
+  return tangent
 
 
 def _output_tangent(primals, tangents, state, call: Call, backend: str):
-  """The output's tangent for (dq, dk, dv) and the sinks', from the forward's ``state``."""
+  """The output's tangent for (dq, dk, dv), the bias's where it is differentiated, and
+  the sinks', from the forward's ``state``. The bias's tangent takes part only when
+  given: its transpose, dbias, is the dQ kernel's extra output."""
   q, k, v, aux, sinks = primals
   _, lse, o_delta, m, log2_l = state
-  do, = _TANGENT((q, k, v, *aux, o_delta, m, log2_l, sinks), tuple(tangents[:3]),
-                 call=call, backend=backend)
-  if sinks is not None:
+  t = tuple(_dense(t, x) for t, x in zip(tangents[:3], (q, k, v)))
+  bias_grad = aux.bias is not None and not isinstance(tangents[3].bias, SymbolicZero)
+  if bias_grad:
+    t = t + (tangents[3].bias,)
+  do, = _TANGENT((q, k, v, *aux, o_delta, m, log2_l, sinks), t, call=call,
+                 backend=backend, bias_grad=bias_grad)
+  if sinks is not None and not isinstance(tangents[4], SymbolicZero):
     do = do + _sink_tangent(o_delta, lse, sinks, tangents[4]).astype(do.dtype)
   return do
 
@@ -175,7 +209,7 @@ def _state(q, k, v, aux, sinks, call: Call, backend: str):
   return _forward(q, k, v, aux, sinks, call, backend, for_backward=True)
 
 
-@_state.defjvp
+@functools.partial(_state.defjvp, symbolic_zeros=True)
 def _state_jvp(call: Call, backend: str, primals, tangents):
   state = _state(*primals, call, backend)
   _, lse, o_delta, m, log2_l = state
@@ -189,7 +223,7 @@ def _attention(q, k, v, aux, sinks, call: Call, backend: str):
   return _forward(q, k, v, aux, sinks, call, backend, for_backward=False)
 
 
-@_attention.defjvp
+@functools.partial(_attention.defjvp, symbolic_zeros=True)
 def _attention_jvp(call: Call, backend: str, primals, tangents):
   state = _state(*primals, call, backend)
   o, lse = state[:2]
@@ -277,6 +311,25 @@ def _check_broadcasts(name: str, x, shape: tuple[int, ...]):
                      f"(B, N, T, S) = {shape}")
 
 
+def _rank4(x):
+  """``x`` (broadcastable to (B, N, T, S)) with its leading 1s made explicit."""
+  x = jnp.asarray(x)
+  return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def _check_alibi(slopes, N: int):
+  """None, or the ALiBi slopes (N,) as float32 constants (no gradient, as FlashAttention
+  and cuDNN take them)."""
+  if slopes is None:
+    return None
+  slopes = jnp.asarray(slopes)
+  if slopes.shape != (N,) or not jnp.issubdtype(slopes.dtype, jnp.floating):
+    raise ValueError(f"dot_product_attention: alibi_slopes must be a floating array of "
+                     f"shape (N,) = ({N},), one slope per query head, got {slopes.dtype} "
+                     f"{slopes.shape}")
+  return jax.lax.stop_gradient(slopes.astype(jnp.float32))
+
+
 def _check_sinks(sinks, query):
   """None, or the sinks (N,) broadcast over the batch, (B, N): the derivatives' maps
   take every array batch first (`LinearMap`)."""
@@ -308,7 +361,7 @@ class _Plan(NamedTuple):
 
 def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
           key_value_seq_lengths, local_window_size, implementation, logits_soft_cap,
-          segment_ids, block_sizes, interpret, deterministic) -> _Plan:
+          segment_ids, block_sizes, interpret, deterministic, alibi_slopes=None) -> _Plan:
   """Checks a `dot_product_attention` call and picks what runs it."""
   query, key, value = (jnp.asarray(a) for a in (query, key, value))
   unbatched = query.ndim == 3
@@ -324,8 +377,12 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
     raise TypeError(f"dot_product_attention: mask must be boolean (True: attend), got "
                     f"{jnp.asarray(mask).dtype}")
+  if bias is not None and not jnp.issubdtype(jnp.asarray(bias).dtype, jnp.floating):
+    raise TypeError(f"dot_product_attention: bias must be floating, got "
+                    f"{jnp.asarray(bias).dtype}")
   for name, x in (("bias", bias), ("mask", mask)):
     _check_broadcasts(name, x, (B, query.shape[2], T, S))
+  alibi_slopes = _check_alibi(alibi_slopes, N)
   if block_sizes is not None and not isinstance(block_sizes, (BlockSizes, HopperBlockSizes)):
     raise TypeError("dot_product_attention: block_sizes must be a BlockSizes or a "
                     f"HopperBlockSizes, got {block_sizes!r}")
@@ -334,18 +391,21 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   kv_len = _lengths(key_value_seq_lengths, B, "key_value_seq_lengths")
   q_seg, kv_seg = _segments(segment_ids, B, T, S)
   scale = float(1 / np.sqrt(H) if scale is None else scale)
-  aux = AuxArrays(q_len, kv_len, q_seg, kv_seg)
+  # The kernels read a mask and a bias as rank-4 arrays whose axes are 1 or full; the
+  # mask as int8 (a boolean ref is not a Triton load).
+  aux = AuxArrays(q_len, kv_len, q_seg, kv_seg,
+                  mask=None if mask is None else _rank4(mask).astype(jnp.int8),
+                  bias=None if bias is None else _rank4(bias), alibi_slopes=alibi_slopes)
 
-  reference_path = (bias is not None or mask is not None or query.dtype == jnp.float64
-                    or query.size == 0 or key.size == 0)
+  reference_path = query.dtype == jnp.float64 or query.size == 0 or key.size == 0
   # Off a GPU the default is the XLA path too (`pallas.xla_by_default`); naming a
   # kernel backend or its tiles runs the kernels there (interpreted).
   default_xla = implementation is None and pallas.xla_by_default(
       interpret, kernel_asked=block_sizes is not None)
   if reference_path and implementation not in (None, "xla"):
     raise ValueError(f"dot_product_attention: implementation={implementation!r} cannot run "
-                     "this call: bias, mask, float64 and empty inputs take the reference "
-                     "path (implementation=None or 'xla')")
+                     "this call: float64 and empty inputs take the reference path "
+                     "(implementation=None or 'xla')")
   if reference_path or default_xla or implementation == "xla":
     return _Plan(query, key, value, unbatched, aux, scale, window, None, None)
   window_left, window_right = window or (None, None)
@@ -353,10 +413,11 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
               dtype=jnp.dtype(query.dtype).name,
               spec=MaskSpec(q_len=T, kv_len=S, is_causal=bool(is_causal),
                             window_left=window_left, window_right=window_right,
-                            has_segments=q_seg is not None),
+                            has_segments=q_seg is not None, has_mask=mask is not None),
               scale=scale, softcap=logits_soft_cap, block_sizes=block_sizes,
               interpret=pallas.resolve_interpret(interpret),
-              deterministic=pallas.resolve_deterministic(deterministic))
+              deterministic=pallas.resolve_deterministic(deterministic),
+              has_bias=bias is not None, has_alibi=alibi_slopes is not None)
   return _Plan(query, key, value, unbatched, aux, scale, window, call,
                select_backend(implementation, call))
 
@@ -367,7 +428,7 @@ def attention_kernels(query, key, value, bias=None, mask=None, **options) -> tup
   "xla" (the reference path). Errors as `dot_product_attention` raises them."""
   planned = ("scale", "query_seq_lengths", "key_value_seq_lengths", "local_window_size",
              "implementation", "logits_soft_cap", "segment_ids", "block_sizes",
-             "interpret", "deterministic")
+             "interpret", "deterministic", "alibi_slopes")
   unknown = set(options) - set(planned) - {"is_causal", "return_residual", "residual_dtype",
                                            "sinks"}
   if unknown:
@@ -387,14 +448,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           logits_soft_cap=None, segment_ids=None,
                           block_sizes: BlockSizes | HopperBlockSizes | None = None,
                           residual_dtype=None, interpret: bool | None = None,
-                          deterministic: bool | None = None, sinks=None):
+                          deterministic: bool | None = None, sinks=None,
+                          alibi_slopes=None):
   """Scaled dot-product attention, as jax.nn.dot_product_attention.
 
   Args:
     query: (B, T, N, H) or (T, N, H); float32, bfloat16 or float16.
     key, value: (B, S, K, H) and (B, S, K, Hv) or unbatched, with K dividing N; the
       value head dim Hv may differ from H (as MLA's 192 / 128), and the output takes it.
-    bias, mask: optional, broadcastable to (B, N, T, S); handled on the reference path.
+    bias: optional additive logits, floating, broadcastable to (B, N, T, S), added after
+      the scale and soft cap; read by tiles in the Triton kernels (never broadcast to
+      T x S), differentiable (dbias summed over its broadcast axes).
+    mask: optional boolean (True: attend), broadcastable to (B, N, T, S); read by tiles
+      in the Triton kernels, which skip the tiles it masks entirely.
     scale: logits scale, 1/sqrt(H) by default.
     is_causal: key j is visible to query i when j <= i (top-left aligned when T != S).
     query_seq_lengths, key_value_seq_lengths: optional (B,) int lengths.
@@ -424,6 +490,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       each of its rows' softmax without a value (gpt-oss), in the logits' units (after
       scale and soft cap). Differentiable; a row with no allowed key gives output 0 and
       lse = its sink; the returned lse includes it.
+    alibi_slopes: optional (N,) ALiBi slopes: logit (i, j) of head n gains
+      -slope_n · |i - j| (positions aligned at the first key, as ``is_causal``),
+      computed in the Triton kernels; constants, without a gradient.
 
   Returns:
     The output (B, T, N, Hv), typed like ``query``, and with ``return_residual`` the lse.
@@ -433,18 +502,20 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                key_value_seq_lengths=key_value_seq_lengths,
                local_window_size=local_window_size, implementation=implementation,
                logits_soft_cap=logits_soft_cap, segment_ids=segment_ids,
-               block_sizes=block_sizes, interpret=interpret, deterministic=deterministic)
+               block_sizes=block_sizes, interpret=interpret, deterministic=deterministic,
+               alibi_slopes=alibi_slopes)
   if residual_dtype is not None and not jnp.issubdtype(residual_dtype, jnp.floating):
     raise TypeError("dot_product_attention: residual_dtype must be a floating dtype or "
                     f"None, got {residual_dtype!r}")
   query, key, value, unbatched = plan.query, plan.key, plan.value, plan.unbatched
   sinks = _check_sinks(sinks, query)
   if plan.backend is None:
-    q_len, kv_len, q_seg, kv_seg = plan.aux
+    q_len, kv_len, q_seg, kv_seg = plan.aux.lengths_and_segments
     out, lse = reference.dot_product_attention(
         query, key, value, bias, mask, scale=plan.scale, is_causal=is_causal,
         query_seq_lengths=q_len, key_value_seq_lengths=kv_len, local_window_size=plan.window,
-        logits_soft_cap=logits_soft_cap, q_segments=q_seg, kv_segments=kv_seg, sinks=sinks)
+        logits_soft_cap=logits_soft_cap, q_segments=q_seg, kv_segments=kv_seg, sinks=sinks,
+        alibi_slopes=plan.aux.alibi_slopes)
     lse = jax.lax.stop_gradient(lse)
   else:
     query, key, value, aux, sinks = pallas.vary_together(query, key, value, plan.aux, sinks)

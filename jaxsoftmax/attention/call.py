@@ -24,8 +24,10 @@ class Call:
 
   Attributes:
     Hv: the values' head dim; None (given) means H, which it then holds.
+    has_bias, has_alibi: an additive bias array, ALiBi slopes are given.
     dtype: the inputs' dtype name.
-    spec: the static masks (causal, window, whether segment ids are given).
+    spec: the static masks (causal, window, whether segment ids or a mask array are
+      given).
     scale: the logits' scale; softcap: the soft cap, or None.
     block_sizes: the caller's tiles for a backend, or None for its defaults.
     interpret: run the kernels in Pallas interpret mode.
@@ -46,6 +48,8 @@ class Call:
   interpret: bool
   deterministic: bool = False
   Hv: int | None = None
+  has_bias: bool = False
+  has_alibi: bool = False
 
   def __post_init__(self):
     if self.Hv is None:
@@ -55,20 +59,39 @@ class Call:
   def itemsize(self) -> int:
     return jnp.dtype(self.dtype).itemsize
 
+  @property
+  def score_terms(self) -> tuple[str, ...]:
+    """The arguments that change the scores beyond the masks' positions: "bias",
+    "mask", "alibi_slopes", those given (the Triton kernels run them)."""
+    return tuple(name for name, here in (("bias", self.has_bias),
+                                         ("mask", self.spec.has_mask),
+                                         ("alibi_slopes", self.has_alibi)) if here)
+
 
 class AuxArrays(NamedTuple):
   """The optional arrays of one attention call, each None when not given: query and key
-  lengths (B,) and query and key segment ids (B, T) and (B, S), all int32. The one form
-  both backends use: the arrays, and in every kernel its refs (`split_refs`); the kernels
-  take the present ones as inputs in this order."""
+  lengths (B,) and query and key segment ids (B, T) and (B, S), all int32; the score
+  terms of the Triton kernels: a user ``mask`` (int8, 0 = masked) and an additive
+  ``bias`` (its own float dtype), each rank 4 and broadcastable to (B, N, T, S) with
+  every axis 1 or full, and ALiBi slopes (N,) float32. The one form every backend uses:
+  the arrays, and in every kernel its refs (`split_refs`); the kernels take the present
+  ones as inputs in this order."""
 
   q_lengths: Any = None
   kv_lengths: Any = None
   q_segments: Any = None
   kv_segments: Any = None
+  mask: Any = None
+  bias: Any = None
+  alibi_slopes: Any = None
 
   @property
-  def present(self) -> tuple[bool, bool, bool, bool]:
+  def lengths_and_segments(self) -> tuple:
+    """(q_lengths, kv_lengths, q_segments, kv_segments): all the Hopper kernels take."""
+    return tuple(self[:4])
+
+  @property
+  def present(self) -> tuple[bool, ...]:
     """Which are given: the static part, what a kernel needs to split its refs."""
     return tuple(a is not None for a in self)
 

@@ -13,18 +13,17 @@ Options of our own (``is_causal``, ``local_window_size``, ``segment_ids``, ...) 
 through `flax_attention_fn`. ``functools.partial(flax_attention, is_causal=True)`` does
 not work: nnx passes its own ``is_causal`` on every call, which wins over the partial's.
 
-Masks: the kernels take the masks they can describe (causal, windows, lengths,
-segments), not an arbitrary (B, N, T, S) array, which takes the O(T·S) reference path. A
-mask known when the layer runs (not traced) that is all True or exactly the causal mask
-(``nnx.make_causal_mask``) becomes no mask or ``is_causal=True``; any other mask warns
-once per call site that it costs the reference path. Inside ``jax.jit`` a mask is traced
-and cannot be read: call the layer with ``is_causal=True`` (or use
-``flax_attention_fn(is_causal=True)``) instead of passing ``nnx.make_causal_mask``.
+Masks: a mask array goes to the kernels, which read it by tiles (the Triton backend;
+`dot_product_attention`'s ``mask``). A mask known when the layer runs (not traced) that
+is all True or exactly the causal mask (``nnx.make_causal_mask``) becomes no mask or
+``is_causal=True``, which the Hopper kernels also run and which skips whole blocks
+without reading a mask. Inside ``jax.jit`` a mask is traced and cannot be read: call the
+layer with ``is_causal=True`` (or use ``flax_attention_fn(is_causal=True)``) for a
+causal one. A row that a mask leaves without any key gives 0, where nnx's own attention
+averages the values.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import jax
 import numpy as np
@@ -66,12 +65,6 @@ def flax_attention(query, key, value, bias=None, mask=None, *, broadcast_dropout
   if mask is not None:  # Flax's masks (nnx.make_causal_mask, ...) are 0/1 floats
     mask, causal = _read_mask(mask.astype(bool), query.shape[-3], key.shape[-3])
     is_causal = is_causal or causal
-    if mask is not None:
-      warnings.warn(
-          "flax_attention: an attention mask array takes the O(T·S) reference path, not "
-          "the kernels; for a causal mask call the layer with is_causal=True (or use "
-          "jaxsoftmax.flax_attention_fn(is_causal=True)), for padding pass lengths or "
-          "segment_ids through flax_attention_fn", stacklevel=2)
   return dot_product_attention(query, key, value, bias, mask, is_causal=is_causal, **kwargs)
 
 

@@ -76,7 +76,12 @@ def row_delta(o, do):
 def score_grad(p, dp, delta, tanh):
   """dS = P ∘ (dP - delta), times 1 - tanh² under a soft cap (``tanh`` from
   `Logits.cap`, else None)."""
-  ds = p * (dp - delta)
+  return cap_grad(p * (dp - delta), tanh)
+
+
+def cap_grad(ds, tanh):
+  """The gradient of the scores before the soft cap from ``ds``, the logits' (which is
+  also a bias's: it is added after the cap): times 1 - tanh², or ds without a cap."""
   return ds if tanh is None else ds * (1 - tanh * tanh)
 
 

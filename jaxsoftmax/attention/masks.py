@@ -6,6 +6,7 @@ Query i may attend to key j when all the masks in use allow it:
     local window    i - left <= j <= i + right
     key lengths     j < key_value_seq_lengths[b]
     segments        segment_ids_q[b, i] == segment_ids_kv[b, j]
+    mask array      mask[b, n, i, j] (broadcast), read by tiles in the Triton kernels
     padding         j < S                       (the last key block may run past S)
 
 Query rows at or past query_seq_lengths[b] use no key at all: their output is 0 and their
@@ -52,6 +53,7 @@ class MaskSpec:
   window_left: int | None = None
   window_right: int | None = None
   has_segments: bool = False
+  has_mask: bool = False  # a mask array (B, N, T, S) or broadcast: every block reads it
 
 
 # Block arithmetic on non-negative int32 scalars, where truncation is the floor. The
@@ -92,8 +94,8 @@ def key_block_ranges(spec: MaskSpec, q0, block_q: int, block_k: int, kv_length, 
   if kv_length is not None:
     hi = jnp.minimum(hi, cdiv(kv_length, block_k))
     full_hi = jnp.minimum(full_hi, _floor_div(kv_length, block_k))
-  if spec.has_segments:
-    full_hi = full_lo  # every block compares segment ids
+  if spec.has_segments or spec.has_mask:
+    full_hi = full_lo  # every block compares segment ids or reads the mask
   if q_length is not None:  # queries past the length use no key
     hi = jnp.where(q0 < q_length, hi, lo)
   hi = jnp.maximum(hi, lo)
@@ -124,8 +126,8 @@ def query_block_ranges(spec: MaskSpec, k0, block_q: int, block_k: int, kv_length
   if spec.window_right is not None:  # i >= j - right
     lo = jnp.maximum(lo, _floor_div(jnp.maximum(k0 - spec.window_right, 0), block_q))
     full_lo = jnp.maximum(full_lo, cdiv(jnp.maximum(k_last - spec.window_right, 0), block_q))
-  if spec.has_segments:
-    full_hi = full_lo  # every block compares segment ids
+  if spec.has_segments or spec.has_mask:
+    full_hi = full_lo  # every block compares segment ids or reads the mask
   if kv_length is not None:  # the whole key block past the length: nothing to do
     hi = jnp.where(k0 < kv_length, hi, lo)
   if q_length is not None:

@@ -42,7 +42,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           is_causal=False, query_seq_lengths=None,
                           key_value_seq_lengths=None, local_window_size=None,
                           logits_soft_cap=None, q_segments=None, kv_segments=None,
-                          sinks=None):
+                          sinks=None, alibi_slopes=None):
   """Attention in layout B T N H (K/V heads dividing N; the values' head dim may differ
   from the queries' and keys'), returning (out, lse).
 
@@ -56,6 +56,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   sinks, docs/math.md): each joins its rows' softmax without a value, so l gains
   exp(sink - m) and every probability shrinks; lse includes it. A row with no allowed
   key then gives out = 0 and lse = its sink.
+
+  ``alibi_slopes``: optional (N,) slopes: logit (i, j) gains -slope · |i - j| (ALiBi,
+  positions aligned at the first key, as the causal mask), added with the bias.
   """
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
@@ -76,6 +79,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   if bias is not None:
     logits = logits + jnp.broadcast_to(bias, (B, N, T, S)).reshape(
         B, K, N // K, T, S).astype(acc)
+  if alibi_slopes is not None:
+    distance = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(S)[None, :]).astype(acc)
+    logits = logits - (jnp.asarray(alibi_slopes).astype(acc).reshape(1, K, N // K, 1, 1)
+                       * distance[None, None, None])
   logits = jnp.where(allowed, logits, -jnp.inf)
   m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
   if sinks is not None:  # (B, K, G, 1, 1), the logits' dtype

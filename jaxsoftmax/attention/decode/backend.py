@@ -42,6 +42,8 @@ def unsupported(call: Call) -> str | None:
     return "block_sizes tune the training kernels; the decode kernel takes none"
   if call.H > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM}, got {call.H}"
+  if call.score_terms:
+    return f"{', '.join(call.score_terms)} run in the Triton kernels"
   if call.Hv != call.H:
     return (f"one head dim for query, key and value; got {call.H} (query, key) and "
             f"{call.Hv} (value)")

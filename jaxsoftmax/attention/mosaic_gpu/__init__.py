@@ -34,6 +34,9 @@ def unsupported(call: Call) -> str | None:
     return f"it takes bfloat16 or float16 inputs, got {call.dtype}"
   if call.H > MAX_HEAD_DIM:
     return f"head dims up to {MAX_HEAD_DIM}, got {call.H}"
+  if call.score_terms:
+    return (f"{', '.join(call.score_terms)} run in the Triton kernels, not the Hopper "
+            "ones")
   if call.Hv != call.H:
     return (f"one head dim for query, key and value; got {call.H} (query, key) and "
             f"{call.Hv} (value), which the Triton backend runs")

@@ -201,8 +201,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   from registers (their arrays padded to whole key tiles), instead of through K and V's
   shared memory in the inputs' dtype. Head dims above `SPLIT_KEYS_HEAD_DIM` take the
   wide design (`ds_free` given; k_smem and v_smem hold one block of keys)."""
-  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), refs = AuxArrays.split_refs(refs,
-                                                                               aux_present)
+  aux_refs, refs = AuxArrays.split_refs(refs, aux_present)
+  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   dq_ref, dk_ref, dv_ref = refs if atomic_dq else (None, *refs)
 
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
@@ -450,8 +450,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
   layout (a producer streaming K/V blocks, two consumers of block_q rows each), with
   S = Q Kᵀ, P, dP = dO Vᵀ, dS and dQ += dS K per key block. ``float32_grads`` as
   `_dkdv_kernel`."""
-  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), (dq_ref,) = AuxArrays.split_refs(
-      refs, aux_present)
+  aux_refs, (dq_ref,) = AuxArrays.split_refs(refs, aux_present)
+  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
   wg = lax.axis_index("wg")
   b, n = lax.axis_index("batch"), lax.axis_index("heads")
@@ -581,7 +581,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   T8, S8 = -(-T // 8) * 8, -(-S // 8) * 8
   q, do = (pad_to(pad_to(x, 1, T8), 3, H_pad) for x in (q, do))
   k, v = (pad_to(pad_to(x, 1, S8), 3, H_pad) for x in (k, v))
-  q_len, kv_len, q_seg, kv_seg = aux_arrays
+  q_len, kv_len, q_seg, kv_seg = aux_arrays.lengths_and_segments
   n_kv_tiles = pl.cdiv(S, keys_per_tile)
   if q_seg is not None:  # vector loads from global memory have no bounds
     q_seg = pad_to(q_seg, 1, T_pad, -1)

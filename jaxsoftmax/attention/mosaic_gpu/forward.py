@@ -198,8 +198,8 @@ class _Scratch(NamedTuple):
 
 def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, logits: Logits,
             group: int, work: _Work, scratch_names: tuple[str, ...], float32_output: bool):
-  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), refs = AuxArrays.split_refs(refs,
-                                                                               aux_present)
+  aux_refs, refs = AuxArrays.split_refs(refs, aux_present)
+  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   o_ref, m_ref, log2_l_ref, *refs = refs
   o32_ref = refs.pop(0) if float32_output else None
   scratch = _Scratch(**dict(zip(scratch_names, refs, strict=True)))
@@ -400,7 +400,7 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   bq, bkv = blocks.block_q, blocks.block_kv
   n_q_tiles = pl.cdiv(T, _CONSUMERS * bq)
   T_pad = n_q_tiles * _CONSUMERS * bq
-  q_len, kv_len, q_seg, kv_seg = aux_arrays
+  q_len, kv_len, q_seg, kv_seg = aux_arrays.lengths_and_segments
   # Vector loads from global memory have no bounds: segment ids are padded to whole
   # tiles (the padding keys are masked by position anyway).
   if q_seg is not None:

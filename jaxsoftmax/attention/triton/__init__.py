@@ -1,7 +1,8 @@
 """The portable backend: FlashAttention-2 forward and backward kernels through Pallas'
 Triton lowering. Runs on any recent NVIDIA GPU, and interpreted on any device; every
-feature of `dot_product_attention` except ``bias`` and ``mask`` (the reference path),
-including a value head dim other than the query's (``Hv != H``)."""
+feature of `dot_product_attention`: the position masks, a value head dim other than the
+query's (``Hv != H``), and the score terms read by tiles (``bias`` with its gradient,
+``mask`` arrays, whose fully masked tiles are skipped, and ALiBi slopes)."""
 
 from __future__ import annotations
 
@@ -47,11 +48,13 @@ def backward_unsupported(call: Call) -> str | None:
 
 
 def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call, *, grad_dtype=None,
-        delta=None):
-  """(dq, dk, dv) from any backend's forward residuals; see `triton.backward`."""
+        delta=None, with_dbias: bool = False):
+  """(dq, dk, dv) from any backend's forward residuals, and with ``with_dbias`` the
+  bias's gradient; see `triton.backward`."""
   return _backward.backward(q, k, v, o, m, log2_l, do, aux_arrays, spec=call.spec,
                             blocks=blocks(call), scale=call.scale, softcap=call.softcap,
-                            interpret=call.interpret, grad_dtype=grad_dtype, delta=delta)
+                            interpret=call.interpret, grad_dtype=grad_dtype, delta=delta,
+                            with_dbias=with_dbias)
 
 
 __all__ = ["NAME", "BlockSizes", "unsupported", "fwd", "backward_unsupported", "bwd"]

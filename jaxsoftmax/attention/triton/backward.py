@@ -23,7 +23,9 @@ float16 each kernel adds one product for dS, see `logits.score_grad_terms`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +34,14 @@ from jax import lax
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
-from jaxsoftmax.attention.logits import Logits, row_delta, score_grad, score_grad_terms
+from jaxsoftmax.attention.logits import (Logits, cap_grad, row_delta, score_grad,
+                                         score_grad_terms)
 from jaxsoftmax.attention.masks import (MaskSpec, cdiv, element_mask, key_block_ranges,
                                         query_block_ranges, walk_block_ranges)
-from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, block_rows,
-                                                key_block, key_block_allowed, load_scalar,
-                                                query_block, query_block_launch, scores)
+from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, Plane, ScoreTerms,
+                                                block_rows, key_block, key_block_allowed,
+                                                load_scalar, query_block, query_block_launch,
+                                                query_plane_spec, scores, when_any)
 
 
 def _max_or_inf(m):
@@ -48,8 +52,8 @@ def _max_or_inf(m):
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
                  spec: MaskSpec, blocks: BlockSizes, aux: Aux, logits: Logits, exp2,
                  chunk: int | None, barrier):
-  (q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref), (dk_ref, dv_ref) = AuxArrays.split_refs(
-      refs, aux.present)
+  aux_refs, (dk_ref, dv_ref) = AuxArrays.split_refs(refs, aux.present)
+  q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
   group = dims.N // dims.K
   k0 = pl.program_id(0) * bk
@@ -61,35 +65,45 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
   v = pallas.load(v_ref, mask=v_mask, other=0)
   q_length, kv_length = load_scalar(q_len_ref), load_scalar(kv_len_ref)
   k_seg = None if kv_seg_ref is None else pallas.load(kv_seg_ref, mask=kv_ok, other=-2)
+  terms = ScoreTerms(aux, aux_refs, logits.factor, dims, transposed=True)
 
   def step(i, carry, *, g, masked: bool):
-    dk, dv = carry
     q0 = i * bq
     q_idx, q_ok = block_rows(q0, bq, dims.T)
-    q_mask = dims.tile_mask(q_ok, h_ok, bq)
-    do_mask = dims.tile_mask(q_ok, hv_ok, bq, value=True)
     rows = pl.ds(q0, bq)
-    # Query rows past T load as 0 with m = +inf: their P is 0, no element mask needed.
-    q = pallas.load(q_ref.at[rows, g, :], mask=q_mask, other=0)
-    do = pallas.load(do_ref.at[rows, g, :], mask=do_mask, other=0)
-    m = _max_or_inf(pallas.load(m_ref.at[g, rows], mask=q_ok, other=-jnp.inf))
-    log2_l = pallas.load(log2_l_ref.at[g, rows], mask=q_ok, other=0)
-    delta = pallas.load(delta_ref.at[g, rows], mask=q_ok, other=0)
-    x_t, tanh_t = scores(logits, k, q)  # (bk, bq)
-    p_t = exp2(logits.exponent_from_stats(x_t, m[None, :], log2_l[None, :]))
-    if masked:
-      q_seg = None
-      if q_seg_ref is not None:
-        q_seg = pallas.load(q_seg_ref.at[rows], mask=q_idx < dims.T, other=-1)
-      allowed = element_mask(spec, q_idx[None, :], k_idx[:, None], kv_length,
-                             None if q_seg is None else q_seg[None, :],
-                             None if k_seg is None else k_seg[:, None])
-      p_t = jnp.where(allowed, p_t, 0.0)
-    dv = dv + pallas.dot(p_t.astype(do.dtype), do)
-    dp_t = pallas.dot(v, do, trans_b=True)
-    ds_t = score_grad(p_t, dp_t, delta[None, :], tanh_t)
-    dk = dk + _score_grad_dot(ds_t, q)
-    return dk, dv
+    place = dict(q_idx=q_idx, k_idx=k_idx, rows=rows, cols=pl.ds(0, bk), head=g)
+    user_mask = terms.mask((bk, bq), **place)
+
+    def block(carry):
+      dk, dv = carry
+      q_mask = dims.tile_mask(q_ok, h_ok, bq)
+      do_mask = dims.tile_mask(q_ok, hv_ok, bq, value=True)
+      # Query rows past T load as 0 with m = +inf: their P is 0, no element mask needed.
+      q = pallas.load(q_ref.at[rows, g, :], mask=q_mask, other=0)
+      do = pallas.load(do_ref.at[rows, g, :], mask=do_mask, other=0)
+      m = _max_or_inf(pallas.load(m_ref.at[g, rows], mask=q_ok, other=-jnp.inf))
+      log2_l = pallas.load(log2_l_ref.at[g, rows], mask=q_ok, other=0)
+      delta = pallas.load(delta_ref.at[g, rows], mask=q_ok, other=0)
+      x_t, tanh_t = scores(logits, k, q)  # (bk, bq)
+      x_t = terms.add(x_t, **place, slope=terms.slope(g))
+      p_t = exp2(logits.exponent_from_stats(x_t, m[None, :], log2_l[None, :]))
+      if masked:
+        q_seg = None
+        if q_seg_ref is not None:
+          q_seg = pallas.load(q_seg_ref.at[rows], mask=q_idx < dims.T, other=-1)
+        allowed = element_mask(spec, q_idx[None, :], k_idx[:, None], kv_length,
+                               None if q_seg is None else q_seg[None, :],
+                               None if k_seg is None else k_seg[:, None])
+        if user_mask is not None:
+          allowed = allowed & user_mask
+        p_t = jnp.where(allowed, p_t, 0.0)
+      dv = dv + pallas.dot(p_t.astype(do.dtype), do)
+      dp_t = pallas.dot(v, do, trans_b=True)
+      ds_t = score_grad(p_t, dp_t, delta[None, :], tanh_t)
+      dk = dk + _score_grad_dot(ds_t, q)
+      return dk, dv
+
+    return when_any(user_mask, block, carry)
 
   def final(dk, dv):
     """dK scaled; keys past the length (not masked in the interior) get 0."""
@@ -163,7 +177,7 @@ def _score_grad_dot(ds, x):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
                spec: MaskSpec, blocks: BlockSizes, aux: Aux, logits: Logits, q_block, exp2):
-  aux_refs, (dq_ref,) = AuxArrays.split_refs(refs, aux.present)
+  aux_refs, (dq_ref, *dbias_ref) = AuxArrays.split_refs(refs, aux.present)
   kv_seg_ref = aux_refs.kv_segments
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   q0 = q_block(pl.program_id(0)) * bq
@@ -174,36 +188,113 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   m = _max_or_inf(pallas.load(m_ref, mask=q_ok, other=-jnp.inf))
   log2_l = pallas.load(log2_l_ref, mask=q_ok, other=0)
   delta = pallas.load(delta_ref, mask=q_ok, other=0)
+  terms = ScoreTerms(aux, aux_refs, logits.factor, dims)
+  slope = terms.slope()
+  dbias = _DBiasPartial(dbias_ref[0], aux.bias, q_idx, bq, dims) if dbias_ref else None
 
-  def step(j, dq, *, masked: bool):
+  def step(j, carry, *, masked: bool):
     k0 = j * bk
     k_idx, k_mask, v_mask = key_block(k0, bk, dims, masked=masked)
-    k = pallas.load(k_ref.at[pl.ds(k0, bk), :], mask=k_mask, other=0)
-    v = pallas.load(v_ref.at[pl.ds(k0, bk), :], mask=v_mask, other=0)
-    x, tanh = scores(logits, q, k)
-    p = exp2(logits.exponent_from_stats(x, m[:, None], log2_l[:, None]))
-    if masked:
-      allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
-                                  q_idx=q_idx, q_segments=q_seg, kv_length=kv_length)
-      p = jnp.where(allowed, p, 0.0)
-    dp = pallas.dot(do, v, trans_b=True)
-    ds = score_grad(p, dp, delta[:, None], tanh)
-    return dq + _score_grad_dot(ds, k)
+    place = dict(q_idx=q_idx, k_idx=k_idx, rows=pl.ds(0, bq), cols=pl.ds(k0, bk))
+    user_mask = terms.mask((bq, bk), **place)
 
-  dq = walk_block_ranges(key_block_ranges(spec, q0, bq, bk, kv_length, q_length), step,
-                         jnp.zeros((bq, dims.H_pad), jnp.float32))
+    def block(carry):
+      dq, dbias_sum = carry
+      k = pallas.load(k_ref.at[pl.ds(k0, bk), :], mask=k_mask, other=0)
+      v = pallas.load(v_ref.at[pl.ds(k0, bk), :], mask=v_mask, other=0)
+      x, tanh = scores(logits, q, k)
+      x = terms.add(x, **place, slope=slope)
+      p = exp2(logits.exponent_from_stats(x, m[:, None], log2_l[:, None]))
+      if masked:
+        allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
+                                    q_idx=q_idx, q_segments=q_seg, kv_length=kv_length)
+        if user_mask is not None:
+          allowed = allowed & user_mask
+        p = jnp.where(allowed, p, 0.0)
+      dp = pallas.dot(do, v, trans_b=True)
+      ds = score_grad(p, dp, delta[:, None], None)  # the logits' (and the bias's)
+      if dbias is not None:
+        dbias_sum = dbias.add(ds, dbias_sum, k0=k0, k_idx=k_idx, block_k=bk)
+      return dq + _score_grad_dot(cap_grad(ds, tanh), k), dbias_sum
+
+    return when_any(user_mask, block, carry)
+
+  carry = (jnp.zeros((bq, dims.H_pad), jnp.float32),
+           None if dbias is None else dbias.start(bk))
+  dq, dbias_sum = walk_block_ranges(
+      key_block_ranges(spec, q0, bq, bk, kv_length, q_length), step, carry)
   pallas.store(dq_ref, (dq * logits.scale).astype(dq_ref.dtype), mask=q_mask)
+  if dbias is not None:
+    dbias.finish(dbias_sum)
+
+
+class _DBiasPartial(NamedTuple):
+  """dbias in a dQ program, summed over the axes the bias broadcasts along: stored per
+  key block where the bias has a key axis (its block zeroed first, for the blocks the
+  walk skips), else summed across the walk and stored once; one row per query block
+  where it has no query axis (the sum over query blocks, batch rows and heads is XLA's,
+  `_dbias`)."""
+
+  ref: Any
+  plane: Plane
+  q_idx: Any
+  block_q: int
+  dims: Dims
+
+  def _rows(self, ds):
+    return ds if self.plane.rows else jnp.sum(ds, axis=0, keepdims=True)
+
+  def _row_ok(self, cols: int):
+    if not self.plane.rows:
+      return None
+    return jnp.broadcast_to((self.q_idx < self.dims.T)[:, None], (self.block_q, cols))
+
+  def start(self, block_k: int):
+    """The walk's carry (None, or the running sum over keys), after zeroing the block."""
+    if not self.plane.cols:
+      return jnp.zeros((self.block_q if self.plane.rows else 1, 1), jnp.float32)
+    rows = self.block_q if self.plane.rows else 1
+
+    def zero(j, unused):
+      k_idx = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+      ok = jnp.broadcast_to((k_idx < self.dims.S)[None, :], (rows, block_k))
+      row_ok = self._row_ok(block_k)
+      pallas.store(self.ref.at[:, pl.ds(j * block_k, block_k)],
+                   jnp.zeros((rows, block_k), jnp.float32),
+                   mask=ok if row_ok is None else ok & row_ok)
+      return unused
+
+    lax.fori_loop(0, pl.cdiv(self.dims.S, block_k), zero, 0)
+    return None
+
+  def add(self, ds, total, *, k0, k_idx, block_k: int):
+    """Takes the key block's ds (block_q, block_k) into dbias; returns the carry."""
+    if not self.plane.cols:
+      return total + jnp.sum(self._rows(ds), axis=1, keepdims=True)
+    tile = self._rows(ds)
+    ok = jnp.broadcast_to((k_idx < self.dims.S)[None, :], tile.shape)
+    row_ok = self._row_ok(block_k)
+    pallas.store(self.ref.at[:, pl.ds(k0, block_k)], tile,
+                 mask=ok if row_ok is None else ok & row_ok)
+    return total
+
+  def finish(self, total):
+    if not self.plane.cols:
+      row_ok = self._row_ok(1)
+      pallas.store(self.ref, total, mask=row_ok)
 
 
 def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes,
              scale: float, softcap: float | None, interpret: bool, grad_dtype=None,
-             delta=None):
+             delta=None, with_dbias: bool = False):
   """(dq, dk, dv) for the forward's inputs, its output o (float32 where it has one) and
   its row statistics m and log2_l (B, N, T); in the inputs' dtype, or in ``grad_dtype``
   (float32 for partial gradients that are summed afterwards, as context parallelism's).
-  ``delta``: rowsum(dO ∘ O) (B, N, T) where the caller has it (then o is not read)."""
+  ``delta``: rowsum(dO ∘ O) (B, N, T) where the caller has it (then o is not read).
+  ``with_dbias``: also dbias, the bias's shape and dtype, from the dQ kernel."""
   grad_dtype = q.dtype if grad_dtype is None else grad_dtype
   dims = Dims.of(q, k, v)
+  aux_arrays_in = aux_arrays
   aux, aux_arrays = Aux.of(aux_arrays)
   group = dims.N // dims.K
   if delta is None:  # one fused XLA pass over O and dO
@@ -233,7 +324,9 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
       grid=(n_k_blocks, dims.B, dims.K),
       in_specs=[q_group, k_tile, v_tile, do_group, stat_group, stat_group, stat_group,
                 *aux.specs(q_rows=q_rows, q_index=lambda j, b, h: (b, 0), kv_rows=bk,
-                           kv_index=lambda j, b, h: (b, j), batch_index=lambda j, b, h: b)],
+                           kv_index=lambda j, b, h: (b, j), batch_index=lambda j, b, h: b,
+                           plane_spec=lambda p: _key_plane_spec(p, group, q_rows, bk),
+                           slopes_spec=pl.BlockSpec((group,), lambda j, b, h: (h,)))],
       out_specs=[k_tile, v_tile],
       out_shape=[jax.ShapeDtypeStruct(k.shape, grad_dtype),
                  jax.ShapeDtypeStruct(v.shape, grad_dtype)],
@@ -244,14 +337,48 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
   launch = query_block_launch(dims, aux, block_q=blocks.block_q_dq,
                               block_k=blocks.block_k_dq, last_first=spec.is_causal)
   q_tile, stat_tile = launch.q_tile, launch.stat_tile
-  dq = pallas.pallas_call(
+  out_specs, out_shape = [q_tile], [jax.ShapeDtypeStruct(q.shape, grad_dtype)]
+  if with_dbias:
+    partial = _dbias_partial_shape(aux.bias, dims, blocks.block_q_dq)
+    plane = dataclasses.replace(aux.bias, batch=True, heads=True)  # one block per program
+    out_specs.append(query_plane_spec(
+        plane, blocks.block_q_dq, pl.cdiv(dims.S, blocks.block_k_dq) * blocks.block_k_dq,
+        launch.q_block, row_blocks=True))
+    out_shape.append(jax.ShapeDtypeStruct(partial, jnp.float32))
+  dq, *dbias = pallas.pallas_call(
       functools.partial(_dq_kernel, q_block=launch.q_block, **statics),
       name="attention_backward_dq", grid=launch.grid,
       in_specs=[q_tile, launch.kv_all, launch.v_all, launch.o_tile, stat_tile, stat_tile,
                 stat_tile, *launch.aux_specs],
-      out_specs=q_tile,
-      out_shape=jax.ShapeDtypeStruct(q.shape, grad_dtype),
+      out_specs=out_specs, out_shape=out_shape,
       **common,
   )(q, k, v, do, m, log2_l, delta, *aux_arrays)
-  return dq, dk, dv
+  if not with_dbias:
+    return dq, dk, dv
+  bias = AuxArrays(*aux_arrays_in).bias
+  return dq, dk, dv, _dbias(dbias[0], aux.bias).astype(bias.dtype)
+
+
+def _key_plane_spec(plane: Plane, group: int, q_rows: int, block_k: int):
+  """The BlockSpec of a mask or bias plane in the dK/dV kernel: the group's heads (one
+  where N broadcasts), every query row, the program's key block."""
+  return pl.BlockSpec(
+      (None, group if plane.heads else 1, q_rows if plane.rows else 1,
+       block_k if plane.cols else 1),
+      lambda j, b, h: (b if plane.batch else 0, h if plane.heads else 0, 0,
+                       j if plane.cols else 0))
+
+
+def _dbias_partial_shape(plane: Plane, dims: Dims, block_q: int) -> tuple[int, ...]:
+  """The dQ kernel's dbias partial sums: (B, N, T or one row per query block, S or 1)."""
+  return (dims.B, dims.N, dims.T if plane.rows else pl.cdiv(dims.T, block_q),
+          dims.S if plane.cols else 1)
+
+
+def _dbias(partial, plane: Plane):
+  """dbias, the bias's shape, from the dQ kernel's partial sums: summed over the query
+  blocks, batch rows and heads along which the bias broadcasts."""
+  axes = tuple(axis for axis, full in enumerate((plane.batch, plane.heads, plane.rows))
+               if not full)
+  return jnp.sum(partial, axis=axes, keepdims=True)
 

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
@@ -164,26 +165,111 @@ class Dims:
 
 
 @dataclasses.dataclass(frozen=True)
+class Plane:
+  """Which axes of a rank-4 mask or bias array broadcast to (B, N, T, S) are full (True)
+  rather than 1: a kernel reads a tile of it, a row, a column or one value."""
+
+  batch: bool
+  heads: bool
+  rows: bool
+  cols: bool
+
+  @classmethod
+  def of(cls, x) -> "Plane | None":
+    return None if x is None else cls(*(d != 1 for d in x.shape))
+
+
+@dataclasses.dataclass(frozen=True)
 class Aux:
-  """Which of (query lengths, key lengths, query segment ids, key segment ids) are given.
+  """Which of the optional arrays (`AuxArrays`: lengths, segment ids, mask, bias, ALiBi
+  slopes) are given, and the broadcast shapes of the mask and bias."""
 
-  Lengths are (B,) int32, segment ids (B, T) and (B, S) int32; absent ones are None.
-  """
-
-  present: tuple[bool, bool, bool, bool]
+  present: tuple[bool, ...]
+  mask: Plane | None = None
+  bias: Plane | None = None
 
   @classmethod
   def of(cls, arrays) -> tuple["Aux", list[jax.Array]]:
-    """The static description of the 4 optional arrays, and the ones that are given."""
-    return cls(AuxArrays(*arrays).present), [a for a in arrays if a is not None]
+    """The static description of the optional arrays, and the ones that are given."""
+    arrays = AuxArrays(*arrays)
+    return (cls(arrays.present, Plane.of(arrays.mask), Plane.of(arrays.bias)),
+            [a for a in arrays if a is not None])
 
-  def specs(self, *, q_rows: int, q_index, kv_rows: int, kv_index, batch_index):
+  def specs(self, *, q_rows: int, q_index, kv_rows: int, kv_index, batch_index,
+            plane_spec, slopes_spec):
     """BlockSpecs: lengths as one (1,) element per batch row; segment ids as tiles of
-    ``q_rows`` / ``kv_rows`` placed by the index maps (grid -> (batch row, block))."""
+    ``q_rows`` / ``kv_rows`` placed by the index maps (grid -> (batch row, block)); the
+    mask and bias by ``plane_spec(plane)``, the slopes by ``slopes_spec``."""
     length = pl.BlockSpec((1,), lambda *g: (batch_index(*g),))
+    planes = [None if p is None else plane_spec(p) for p in (self.mask, self.bias)]
     candidates = (length, length, pl.BlockSpec((None, q_rows), q_index),
-                  pl.BlockSpec((None, kv_rows), kv_index))
+                  pl.BlockSpec((None, kv_rows), kv_index), *planes, slopes_spec)
     return [spec for spec, here in zip(candidates, self.present) if here]
+
+
+class ScoreTerms(NamedTuple):
+  """What one program adds to its scores beyond the position masks (`masks`): the bias
+  and the ALiBi term, in x's units (logits = x · factor, `logits.Logits`), and the mask
+  array's tile. Tiles are (block_q, block_k), or (block_k, block_q) when ``transposed``
+  (the dK/dV kernel)."""
+
+  aux: Aux
+  refs: AuxArrays
+  factor: float
+  dims: Dims
+  transposed: bool = False
+
+  def _tile(self, ref, plane: Plane, head, rows, cols, q_idx, k_idx, shape):
+    """A plane's tile for the queries q_idx at ``rows`` of the ref's block and the keys
+    k_idx at ``cols``; a broadcast axis reads its one element. ``head``: the head's
+    index in a block of several (the dK/dV kernel's group), or None."""
+    row_ok = (q_idx < self.dims.T)[:, None] if plane.rows else None
+    col_ok = (k_idx < self.dims.S)[None, :] if plane.cols else None
+    tile_shape = (q_idx.shape[0] if plane.rows else 1, k_idx.shape[0] if plane.cols else 1)
+    ok = (row_ok if col_ok is None else col_ok if row_ok is None else row_ok & col_ok)
+    index = (rows if plane.rows else pl.ds(0, 1), cols if plane.cols else pl.ds(0, 1))
+    if head is not None:
+      index = (head if plane.heads else jnp.int32(0), *index)
+    tile = pallas.load(ref.at[index], mask=None if ok is None
+                       else jnp.broadcast_to(ok, tile_shape), other=0)
+    return jnp.broadcast_to(tile.T if self.transposed else tile, shape)
+
+  def slope(self, head=None):
+    """The ALiBi slope of the program's head (of ``head`` in a block of the group's),
+    or None."""
+    ref = self.refs.alibi_slopes
+    if ref is None:
+      return None
+    return jnp.max(pallas.load(ref if head is None else ref.at[pl.ds(head, 1)]))
+
+  def add(self, x, *, q_idx, k_idx, rows, cols, head=None, slope=None):
+    """x plus the bias and ALiBi terms: x is the tile of the queries q_idx, the rows
+    ``rows`` of the refs' blocks, and the keys k_idx, their columns ``cols``; ``slope``
+    from `slope`."""
+    if self.refs.bias is not None:
+      bias = self._tile(self.refs.bias, self.aux.bias, head, rows, cols, q_idx, k_idx,
+                        x.shape)
+      x = x + bias.astype(jnp.float32) * (1 / self.factor)
+    if slope is not None:  # ALiBi: -slope · |i - j|
+      distance = jnp.abs(q_idx[:, None] - k_idx[None, :]).astype(jnp.float32)
+      x = x - (slope / self.factor) * (distance.T if self.transposed else distance)
+    return x
+
+  def mask(self, shape, *, q_idx, k_idx, rows, cols, head=None):
+    """The mask array's tile (bool, True: attend) of ``shape``, placed as in `add`; None
+    without a mask array."""
+    if self.refs.mask is None:
+      return None
+    return self._tile(self.refs.mask, self.aux.mask, head, rows, cols, q_idx, k_idx,
+                      shape) != 0
+
+
+def when_any(allowed, body, carry):
+  """``body(carry)`` unless the mask tile ``allowed`` (None: no mask array) allows no
+  pair: a tile that the mask array masks entirely is skipped."""
+  if allowed is None:
+    return body(carry)
+  return lax.cond(jnp.max(allowed.astype(jnp.int32)) > 0, body, lambda c: c, carry)
 
 
 class QueryBlockLaunch(NamedTuple):
@@ -222,7 +308,20 @@ def query_block_launch(dims: Dims, aux: Aux, *, block_q: int, block_k: int,
       stat_tile=pl.BlockSpec((None, None, block_q), lambda i, b, n: (b, n, q_block(i))),
       aux_specs=aux.specs(q_rows=block_q, q_index=lambda i, b, n: (b, q_block(i)),
                           kv_rows=kv_rows, kv_index=lambda i, b, n: (b, 0),
-                          batch_index=lambda i, b, n: b))
+                          batch_index=lambda i, b, n: b,
+                          plane_spec=lambda p: query_plane_spec(p, block_q, kv_rows, q_block),
+                          slopes_spec=pl.BlockSpec((1,), lambda i, b, n: (n,))))
+
+
+def query_plane_spec(plane: Plane, block_q: int, kv_rows: int, q_block, *,
+                     row_blocks: bool = False):
+  """The BlockSpec of a mask or bias plane in a query-block kernel: the program's query
+  rows (one row where T broadcasts) by every key. ``row_blocks``: dbias's partial sums,
+  whose one row per query block is the program's."""
+  return pl.BlockSpec(
+      (None, None, block_q if plane.rows else 1, kv_rows if plane.cols else 1),
+      lambda i, b, n: (b if plane.batch else 0, n if plane.heads else 0,
+                       q_block(i) if plane.rows or row_blocks else 0, 0))
 
 
 def load_scalar(ref):
