@@ -14,6 +14,7 @@ import json
 import sys
 
 import bench_attention
+import bench_decode_attention
 import bench_linear_cross_entropy
 import harness
 
@@ -22,6 +23,8 @@ _TFLOPS_REPORTS = {
     "linear_cross_entropy": (bench_linear_cross_entropy.FLOPS_DOC, None),
 }
 _ATTENTION = (harness.ATTENTION_FLOPS, bench_attention.vs_best_peer)
+# The GB/s reports' closing tables.
+_GBPS_SUMMARIES = {"decode_attention": bench_decode_attention.vs_best_peer}
 
 
 def main(out_dir: str, name: str, paths: list[str]):
@@ -38,7 +41,7 @@ def main(out_dir: str, name: str, paths: list[str]):
   if len(units) != 1:
     sys.exit(f"cannot merge reports with units {units}")
   unit = units.pop()
-  flops_doc, summary = harness.ATTENTION_FLOPS, None
+  flops_doc, summary = harness.ATTENTION_FLOPS, _GBPS_SUMMARIES.get(name)
   if unit == "TFLOP/s":  # attention's unless the report is one of the others
     flops_doc, summary = _TFLOPS_REPORTS.get(name, _ATTENTION)
   merged = harness.Report(name, total=len(rows), out_dir=out_dir, unit=unit,

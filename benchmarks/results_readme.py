@@ -73,6 +73,11 @@ OTHER = {
     "accuracy_linear_cross_entropy.log": "per-row loss errors of both forward kernels and "
                                          "of XLA's product, H = 4096 and 8192 "
                                          "(`benchmarks/accuracy_linear_cross_entropy.py`)",
+    "attention_features.*": "what attention sinks, ALiBi, a bias and a mask array cost "
+                            "beside the plain kernel and beside cuDNN with the same bias "
+                            "and mask (`benchmarks/bench_attention_features.py`; the "
+                            "2026-12-03 run ended before the causal bias-heads and mask "
+                            "rows)",
     "command_buffers.log": "the example's training step with XLA's command buffers (CUDA "
                            "graphs) on and off, and the thunks they hold "
                            "(`benchmarks/command_buffers.py`)",

@@ -23,6 +23,8 @@
 #   attn-bench              bench_attention.py (ATTN_ONLY="0,1" picks shapes, ATTN_NAME
 #                           names the results, ATTN_MODES="fwd" measures the forward alone)
 #   attn-bench-bwd          bench_attention_backward.py: the backwards alone (ATTN_ONLY)
+#   attn-features           bench_attention_features.py: sinks, ALiBi, bias and mask
+#                           arrays against the plain kernels and cuDNN (ATTN_ONLY)
 #   attn-ncu                Nsight Compute counters of one forward (NCU_SOURCE=1 adds the
 #                           per-instruction stall samples on the SASS)
 #   attn-resources          ptxas' registers and spills of the Mosaic GPU kernels
@@ -60,7 +62,7 @@
 set -uo pipefail
 stages=${STAGES:-tests tune bench}
 known="tests tune bench rows-profile attn-tests attn-tune attn-tune-hopper attn-bench
-  attn-bench-bwd attn-ncu attn-resources pytest lce-tests lce-bench lce-profile lce-accuracy
+  attn-bench-bwd attn-features attn-ncu attn-resources pytest lce-tests lce-bench lce-profile lce-accuracy
   tune-lce norm-tests norm-bench tune-norms norm-ncu decode-tests decode-bench ring-tests
   ring-bench ring-profile ring-example accuracy-rows command-buffers example"
 if [ "${1:-}" = --help ] || [ "${1:-}" = -h ]; then
@@ -172,6 +174,10 @@ for stage in $stages; do
       timeout 400 $python benchmarks/bench_attention_backward.py --out "$out" \
         ${ATTN_ONLY:+--only "$ATTN_ONLY"} 2>&1 \
         | tee -a "$out/attn_bench_bwd.log" | tail -n 2 | tee -a "$out/summary.log" ;;
+    attn-features)
+      timeout 400 $python benchmarks/bench_attention_features.py --out "$out" \
+        ${ATTN_ONLY:+--only "$ATTN_ONLY"} 2>&1 \
+        | tee -a "$out/attn_features.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     attn-ncu)
       # Nsight Compute on one forward of each of PROFILE_IMPLS (default: ours on Hopper
       # and cuDNN) at PROFILE_SHAPE: throughput, tensor-pipe use, stall reasons.

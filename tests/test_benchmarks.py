@@ -145,6 +145,18 @@ def test_bench_attention_backward_smoke(tmp_path):
   assert all(r["note"] for r in rows if r["median_us"] is None)
 
 
+def test_bench_attention_features_smoke(tmp_path):
+  rows = _smoke_rows(tmp_path, "bench_attention_features", "attention_features")
+  # Every feature on the Triton kernels, each with its error; the cost table at the end.
+  triton = {r["impl"] for r in rows if r["impl"].startswith("jaxsoftmax triton")
+            and r["median_us"] is not None and r["max_rel_err"] < 0.05}
+  assert triton == {f"jaxsoftmax triton {f}" for f in
+                    ("plain", "sinks", "alibi", "bias keys", "bias heads", "mask")}
+  assert all(r["note"] for r in rows if r["median_us"] is None)
+  with open(tmp_path / "attention_features.md") as f:
+    assert "## Cost of each feature" in f.read()
+
+
 def test_tune_norms_smoke(tmp_path):
   rows = _smoke_rows(tmp_path, "tune_norms", "tune_norms")
   # Both ops, plain and with the residual, the forward and the backward alone, each on

@@ -32,9 +32,10 @@ __all__ = ["decode_attention", "IMPLEMENTATIONS"]
 IMPLEMENTATIONS = (None, "mosaic_gpu", "triton", "xla")
 _OP = "decode_attention"
 # Whether implementation=None takes the Hopper kernel on a Hopper GPU where it runs the
-# call. Off until its GPU-marked tests pass on the H200: its first run there (with two
-# consumer warpgroups, since replaced by one) failed on long caches, and the
-# one-consumer kernel has not run on a GPU yet. implementation="mosaic_gpu" runs it.
+# call. Off: it passes its GPU tests on the H200 but is not faster than the Triton
+# kernel everywhere (slower by 3-7% on the large batches of
+# benchmarks/results/decode_attention.md, faster by 2-4% at T = 4 and B = 1).
+# implementation="mosaic_gpu" runs it.
 HOPPER_BY_DEFAULT = False
 
 

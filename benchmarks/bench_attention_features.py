@@ -1,0 +1,137 @@
+"""What each attention feature costs: the same kernel with and without attention sinks,
+ALiBi slopes, a bias (broadcast along the queries, or full per head) and a mask array,
+beside cuDNN with the same bias and mask, in one run on the same inputs.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_attention_features.py --out DIR
+
+Shapes (B, T, N, K, H): 4x4096x16x16x128, full and causal, bfloat16. Rows:
+  - `jaxsoftmax triton`: the Triton kernels (which read bias, masks and slopes by
+    tiles), plain, with each feature;
+  - `jaxsoftmax mosaic_gpu`: the Hopper kernels, plain and with sinks (joined after the
+    kernel); they run no bias, mask array or ALiBi;
+  - `cudnn`: ``jax.nn.dot_product_attention(implementation="cudnn")``, plain and with
+    the same bias and mask (it takes no sinks or ALiBi slopes).
+Features: `sinks` (N,) logits; `alibi` slopes 2^-(n+1); `bias keys` (B, 1, 1, S) (a
+key-padding bias); `bias heads` (1, N, T, S) (a relative-position bias); `mask`
+(B, 1, T, S) booleans, 10% False, with every key past 3/4 of S masked for batch row 1
+(whole tiles the kernels skip). The mode fwd+bwd differentiates q, k and v (the bias and
+mask held fixed, as a model's frozen bias would be).
+
+Errors against the float64 truth of the same feature on batch row 0 and the query heads
+of K/V head 0 (`bench_attention.truth_slices`). FLOPs: the plain call's, 4·B·N·T·S·H
+(halved when causal; 3.5x for forward + backward), so a feature's TFLOP/s against the
+plain row's is its cost. The table ends with each feature's time over its kernel's
+plain row (`feature_costs`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import harness
+import jaxsoftmax as js
+from bench_attention import case_inputs, fwd_bwd
+from jaxsoftmax.attention import reference
+
+SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
+          ((4, 4096, 16, 16, 128, True), jnp.bfloat16)]
+SMOKE_SHAPES = [((2, 64, 2, 1, 32, True), jnp.bfloat16)]
+FEATURES = ("plain", "sinks", "alibi", "bias keys", "bias heads", "mask")
+# Which features each implementation runs.
+RUNS = {"jaxsoftmax triton": FEATURES,
+        "jaxsoftmax mosaic_gpu": ("plain", "sinks"),
+        "cudnn": ("plain", "bias keys", "bias heads", "mask")}
+
+
+def feature_arrays(feature: str, B: int, T: int, N: int):
+  """The keyword arguments of ``feature`` for the whole problem, and a function that
+  takes them to the truth's part (batch row 0, the query heads of K/V head 0, `group`
+  of them)."""
+  key = jax.random.PRNGKey(1)
+  if feature == "plain":
+    return {}, lambda kw, group: {}
+  if feature == "sinks":
+    return ({"sinks": jnp.linspace(-2.0, 2.0, N)},
+            lambda kw, group: {"sinks": kw["sinks"][:group]})
+  if feature == "alibi":
+    slopes = 2.0 ** -jnp.arange(1, N + 1, dtype=jnp.float32)
+    return ({"alibi_slopes": slopes},
+            lambda kw, group: {"alibi_slopes": kw["alibi_slopes"][:group]})
+  if feature == "bias keys":
+    return ({"bias": jax.random.normal(key, (B, 1, 1, T), jnp.float32)},
+            lambda kw, group: {"bias": kw["bias"][:1]})
+  if feature == "bias heads":
+    return ({"bias": jax.random.normal(key, (1, N, T, T), jnp.bfloat16)},
+            lambda kw, group: {"bias": kw["bias"][:, :group]})
+  assert feature == "mask", feature
+  mask = jax.random.bernoulli(key, 0.9, (B, 1, T, T))
+  mask = mask.at[1, :, :, 3 * T // 4:].set(False)
+  return {"mask": mask}, lambda kw, group: {"mask": kw["mask"][:1]}
+
+
+def attention_fn(impl: str, causal: bool, kw: dict):
+  if impl == "cudnn":
+    return lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, kw.get("bias"), kw.get("mask"), is_causal=causal, implementation="cudnn")
+  backend = impl.split()[-1]
+  return lambda q, k, v: js.dot_product_attention(q, k, v, is_causal=causal,
+                                                  implementation=backend, **kw)
+
+
+def bench_shape(report: harness.Report, case, dtype):
+  B, T, N, K, H, causal = case
+  group = N // K
+  (q, k, v, do), common, flops = case_inputs(case, dtype)
+  part_q = lambda a: a[:1, :, :group]
+  part_kv = lambda a: a[:1, :, :1]
+  compare_bwd = lambda g: (part_q(g[0]), part_kv(g[1]), part_kv(g[2]))
+  for feature in FEATURES:
+    kw, part = feature_arrays(feature, B, T, N)
+    kw_part = part(kw, group)
+    ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal,
+                                                          **kw_part)[0]
+    truth = {"fwd": harness.float64_truth(ref, part_q(q), part_kv(k), part_kv(v))}
+    if "fwd+bwd" in report.modes:
+      truth["fwd+bwd"] = harness.float64_truth(fwd_bwd(ref), part_q(q), part_kv(k),
+                                               part_kv(v), part_q(do))
+    for impl, runs in RUNS.items():
+      if feature not in runs:
+        continue
+      attention = attention_fn(impl, causal, kw)
+      for mode in report.modes:
+        fn, args = ((attention, (q, k, v)) if mode == "fwd"
+                    else (fwd_bwd(attention), (q, k, v, do)))
+        report.measure(mode=mode, impl=f"{impl} {feature}", fn=fn, arg_sets=[args],
+                       flops=flops * (1 if mode == "fwd" else 3.5), truth=truth[mode],
+                       compare=part_q if mode == "fwd" else compare_bwd, **common)
+
+
+def feature_costs(rows) -> str:
+  """Markdown: each feature's device time over the plain row of the same implementation,
+  shape and mode."""
+  plain = {(r.op, r.shape, r.mode, r.impl.rsplit(" ", 1)[0]): r.median_us for r in rows
+           if r.impl.endswith(" plain") and r.median_us is not None}
+  lines = ["", "## Cost of each feature", "",
+           "Device time with the feature over the same implementation's plain call.", "",
+           "| op | shape | mode | impl | feature | time / plain |", "|---|---|---|---|---|---|"]
+  for r in rows:
+    if r.median_us is None or r.impl.endswith(" plain"):
+      continue
+    for feature in FEATURES:
+      if r.impl.endswith(" " + feature):
+        impl = r.impl[:-len(feature) - 1]
+        base = plain.get((r.op, r.shape, r.mode, impl))
+        if base:
+          lines.append(f"| {r.op} | {r.shape} | {r.mode} | {impl} | {feature} | "
+                       f"{r.median_us / base:.3f}x |")
+  return "\n".join(lines) + "\n"
+
+
+def _rows(case, dtype, modes):
+  return sum(len(runs) for runs in RUNS.values()) * len(modes)
+
+
+if __name__ == "__main__":
+  harness.run("attention_features", __doc__, SHAPES, SMOKE_SHAPES, bench_shape, _rows,
+              unit="TFLOP/s", summary=feature_costs)
