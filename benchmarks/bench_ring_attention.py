@@ -57,14 +57,17 @@ SMOKE_SHAPES = [(128, 4, 2)]
 H, SMOKE_H = 128, 16
 
 
-def wall_us(fn, args) -> float:
-  """Median over three runs of the wall time per call of CALLS back-to-back calls."""
+def wall_us(fn, args, smoke: bool = False) -> float:
+  """Median over three runs of the wall time per call of CALLS back-to-back calls; one
+  call for a --smoke run, which checks the script and the results, not the speed (its
+  interpreted kernels take seconds a call)."""
   jax.block_until_ready(fn(*args))
+  calls, repeats = (1, 1) if smoke else (CALLS, 3)
   runs = []
-  for _ in range(3):
+  for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready([fn(*args) for _ in range(CALLS)])
-    runs.append((time.perf_counter() - start) * 1e6 / CALLS)
+    jax.block_until_ready([fn(*args) for _ in range(calls)])
+    runs.append((time.perf_counter() - start) * 1e6 / calls)
   return statistics.median(runs)
 
 
@@ -146,7 +149,7 @@ def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype,
   single = timed(functools.partial(js.dot_product_attention, is_causal=causal))
   inputs = (q, k, v) if mode == "fwd" else (q, k, v, do)
   rows = []
-  base = wall_us(single, inputs)
+  base = wall_us(single, inputs, smoke)
   # The error column: the context-parallel results (the output, or dq, dk and dv) against
   # one GPU's, in natural order on the host.
   expected = [np.asarray(x, np.float32) for x in jax.tree.leaves(single(*inputs))]
@@ -169,7 +172,7 @@ def bench(T: int, N: int, K: int, head_dim: int, causal: bool, mode: str, dtype,
                           layout=layout, strategy=strategy),
         mesh=mesh, in_specs=(tokens,) * 3, out_specs=tokens, check_vma=False)
     fn = timed(attention, compiler_options).lower(*placed).compile()
-    t = wall_us(fn, placed)
+    t = wall_us(fn, placed, smoke)
     impl = f"{P} devices {strategy} {layout}" + (", LHS" if compiler_options else "")
     got = [np.asarray(js.zigzag_unpermute(x, P) if causal else x, np.float32)
            for x in jax.tree.leaves(fn(*placed))]
