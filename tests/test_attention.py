@@ -333,6 +333,85 @@ def test_score_terms_run_in_the_kernels(key):
     assert not big, big
 
 
+# (B, T, S, N, K, H, Hv, bias shape or None, sinks, options): forward mode through the
+# tangent kernel, with the tangents of q, k, v, and of a bias and the sinks where given.
+FORWARD_MODE_CASES = [
+    pytest.param(2, 37, 45, 4, 2, 24, 24, None, False, dict(is_causal=True), id="gqa-causal"),
+    pytest.param(2, 29, 35, 4, 2, 32, 16, (1, 4, 29, 35), True,
+                 dict(logits_soft_cap=2.0, key_value_seq_lengths=jnp.array([35, 0])),
+                 id="Hv16-bias-sinks-softcap-empty-row"),
+    pytest.param(1, 30, 30, 2, 1, 16, 16, None, False,
+                 dict(local_window_size=(6, 3), segment_ids=jnp.repeat(
+                     jnp.arange(3), 10)[None]), id="mqa-window-segments"),
+    pytest.param(2, 1, 77, 4, 2, 64, 64, None, True,
+                 dict(key_value_seq_lengths=jnp.array([77, 5])), id="T1-decode-sinks"),
+]
+
+
+@pytest.mark.parametrize("backend, B, T, S, N, K, H, Hv, bias_shape, sinks, options",
+                         _per_backend(FORWARD_MODE_CASES))
+def test_forward_mode(key, backend, B, T, S, N, K, H, Hv, bias_shape, sinks, options):
+  # jax.jvp's output tangent under the 2x rule against the reference's jvp, float64
+  # truth; every input moves.
+  dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
+  keys = jax.random.split(jax.random.fold_in(key, 3), 8)
+  normal = lambda i, shape, dt=dtype: jax.random.normal(keys[i], shape, jnp.float32).astype(dt)
+  primals = [normal(0, (B, T, N, H)), normal(1, (B, S, K, H)), normal(2, (B, S, K, Hv))]
+  tangents = [normal(3, (B, T, N, H)), normal(4, (B, S, K, H)), normal(5, (B, S, K, Hv))]
+  if bias_shape is not None:
+    primals.append(normal(6, bias_shape, jnp.float32))
+    tangents.append(normal(7, bias_shape, jnp.float32))
+  sink_values = jnp.linspace(-1.0, 3.0, N) if sinks else None
+  options = dict(options)  # the case's own dict is shared by every backend's run
+  segments = options.pop("segment_ids", None)
+  interpret = _interpret(backend)
+
+  def args(x):
+    bias = x[3] if bias_shape is not None else None
+    return x[:3], dict(bias=bias, **options)
+
+  def ours(*x):
+    qkv, kw = args(x)
+    return js.dot_product_attention(
+        *qkv, **kw, sinks=sink_values, segment_ids=segments, implementation=backend,
+        interpret=interpret, block_sizes=_tiles(backend, interpret))
+
+  def ref(*x):
+    qkv, kw = args(x)
+    return reference.dot_product_attention(
+        *qkv, **kw, sinks=sink_values, q_segments=segments, kv_segments=segments)[0]
+
+  def tangent_of(f):
+    return lambda *pt: jax.jvp(f, pt[:len(pt) // 2], pt[len(pt) // 2:])
+
+  try:
+    got = jax.jit(tangent_of(ours))(*primals, *tangents)
+  except ValueError as e:
+    if "cannot run this call" not in str(e):
+      raise
+    pytest.skip(str(e))
+  in_dtype = jax.jit(tangent_of(ref))(*primals, *tangents)
+  exact = truth(tangent_of(ref), *primals, *tangents)
+  for what, a, b, c in zip(("output", "tangent"), got, in_dtype, exact):
+    assert_2x(a, b, c, what=what)
+
+
+def test_forward_mode_runs_the_tangent_kernel(key):
+  # jax.jvp and jax.linearize: the forward and the tangent kernel, nothing T x S.
+  B, T, S, N = 2, 64, 96, 4
+  q, k, v, _ = _inputs(key, B, T, S, N, 2, 16, jnp.float32)
+  attention = lambda q, k, v: js.dot_product_attention(q, k, v, is_causal=True,
+                                                       implementation="triton",
+                                                       interpret=True)
+  for jaxpr in (jax.make_jaxpr(lambda *t: jax.jvp(attention, (q, k, v), t))(q, k, v),
+                jax.make_jaxpr(lambda *t: jax.linearize(attention, q, k, v)[1](*t))(q, k, v)):
+    assert sorted(set(dict(pallas_calls(jaxpr.jaxpr)))) == ["attention_forward",
+                                                            "attention_tangent"]
+    big = [out for eqn in jaxpr.jaxpr.eqns for out in eqn.outvars
+           if getattr(out.aval, "size", 0) >= B * N * T * S]
+    assert not big, big
+
+
 # Unequal tiles in every kernel: interior (unmasked) and boundary blocks of different
 # sizes in the forward, dK/dV and dQ loops.
 MIXED_BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32,

@@ -238,8 +238,10 @@ def test_forward_mode_and_second_order(key, name, interpret=True):
       with pytest.raises(NotImplementedError, match="reverse mode .* only"):
         transform(ours)
     return
-  # The attention's Hessian at one query (of 19 keys): 256 x 256 entries.
-  assert_same_derivatives(ours, theirs, first, hessian_at=first[:, :1] if attention else None)
+  # The attention's jacobian and Hessian at one query (of 19 keys): 256 tangents, which
+  # the tangent kernel takes as a batch (256 x 256 Hessian entries).
+  one_query = first[:, :1] if attention else None
+  assert_same_derivatives(ours, theirs, first, hessian_at=one_query, jacobian_at=one_query)
 
 
 def test_ring_attention_reverse_mode_only(key):

@@ -69,13 +69,16 @@ def assert_2x(actual, in_dtype, exact, *, what: str):
       f"+ floor {floor:.1e}")
 
 
-def assert_same_derivatives(ours, theirs, x, *, hessian_at=None):
-  """jax.jvp, jax.jacfwd, jvp-of-grad and jax.hessian (at ``hessian_at``, default x) of
-  the scalar functions ``ours`` and ``theirs`` agree, and ours are finite: the
-  forward-mode and second-order checks of an op against its jax.nn / optax twin."""
+def assert_same_derivatives(ours, theirs, x, *, hessian_at=None, jacobian_at=None):
+  """jax.jvp, jax.jacfwd (at ``jacobian_at``, default x), jvp-of-grad and jax.hessian
+  (at ``hessian_at``, default x) of the scalar functions ``ours`` and ``theirs`` agree,
+  and ours are finite: the forward-mode and second-order checks of an op against its
+  jax.nn / optax twin. A smaller point keeps the jacobian's and Hessian's batches of
+  tangents small where interpreted kernels evaluate them."""
   hessian_at = x if hessian_at is None else hessian_at
+  jacobian_at = x if jacobian_at is None else jacobian_at
   for transform in (lambda f: jax.jvp(f, (x,), (jnp.cos(x),))[1],
-                    lambda f: jax.jacfwd(f)(x),
+                    lambda f: jax.jacfwd(f)(jacobian_at),
                     lambda f: jax.jvp(jax.grad(f), (x,), (jnp.cos(x),))[1],
                     lambda f: jax.hessian(f)(hessian_at)):
     got, want = transform(ours), transform(theirs)

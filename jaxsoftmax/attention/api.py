@@ -1,7 +1,8 @@
 """`dot_product_attention`: jax.nn.dot_product_attention's signature on FlashAttention
-kernels, differentiable in every mode: a custom JVP whose tangent map, transposed,
-is the backward kernels, from (q, k, v, o) and the log-sum-exp (as its parts m and
-log2 l, see `triton.forward`), nothing of size T x S (below, "derivatives").
+kernels, differentiable in every mode: a custom JVP whose tangent map is a kernel
+(forward mode) and, transposed, the backward kernels, from (q, k, v, o) and the
+log-sum-exp (as its parts m and log2 l, see `triton.forward`), nothing of size T x S
+(below, "derivatives").
 
 Layout B T N H (or T N H, unbatched); K/V heads K dividing N (GQA, MQA). Beyond jax.nn:
 ``logits_soft_cap``, ``segment_ids`` for packed sequences, and ``block_sizes``. A query
@@ -98,9 +99,11 @@ def _sink_tangent(o, lse, sinks, sinks_dot):
 # The output's tangent is a linear map of (dq, dk, dv) with the residuals (q, k, v, the
 # aux arrays, and the forward's o, m, log2 l). Reverse mode transposes it into the
 # backward kernels, from the residuals a custom VJP would save; forward mode (jax.jvp,
-# jacfwd) and second order go through the map's twin, the reference attention's own
-# derivatives in XLA, whose memory is O(T·S). The public lse has no derivative (a
-# stop_gradient, as in jax.nn).
+# jax.linearize, jacfwd) evaluates it: the Triton tangent kernel (`triton.tangent`), from
+# the same residuals. Second order (a Hessian-vector product) differentiates the maps in
+# their residuals, through their twin: the reference attention's own derivatives in XLA,
+# whose memory is O(T·S). The public lse has no derivative (a stop_gradient, as in
+# jax.nn).
 
 
 def spec_window(spec) -> tuple[int, int] | None:
@@ -144,6 +147,13 @@ def _reference_of(res, call: Call, bias_grad: bool):
           inputs)
 
 
+def _tangent_kernel(res, t, *, call: Call, backend: str, bias_grad: bool):
+  """Forward mode: the Triton tangent kernel, which takes any forward's residuals."""
+  del backend, bias_grad
+  q, k, v, *aux, o, m, log2_l, _ = res
+  return (triton.jvp(q, k, v, o, m, log2_l, t, AuxArrays(*aux), call),)
+
+
 def _tangent_twin(res, t, *, call: Call, backend: str, bias_grad: bool):
   del backend
   fn, inputs = _reference_of(res, call, bias_grad)
@@ -171,7 +181,7 @@ def _folds_rows(*, call: Call, backend: str, bias_grad: bool) -> bool:
   return not call.score_terms
 
 
-_TANGENT = LinearMap("attention_tangent", kernel=_tangent_twin, twin=_tangent_twin,
+_TANGENT = LinearMap("attention_tangent", kernel=_tangent_kernel, twin=_tangent_twin,
                      fold_rows=_folds_rows).pair(
     LinearMap("attention_transpose", kernel=_transpose_kernel, twin=_transpose_twin,
               fold_rows=_folds_rows))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from jaxsoftmax.attention.call import Call
 from jaxsoftmax.attention.triton import backward as _backward
 from jaxsoftmax.attention.triton import forward as _forward
+from jaxsoftmax.attention.triton import tangent as _tangent
 from jaxsoftmax.attention.triton.tiling import BlockSizes
 
 NAME = "triton"
@@ -57,4 +58,14 @@ def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call, *, grad_dtype=None,
                             with_dbias=with_dbias)
 
 
-__all__ = ["NAME", "BlockSizes", "unsupported", "fwd", "backward_unsupported", "bwd"]
+def jvp(q, k, v, o, m, log2_l, tangents, aux_arrays, call: Call):
+  """The output's tangent for ``tangents`` (q̇, k̇, v̇[, the bias's]) from any backend's
+  forward residuals; see `triton.tangent`."""
+  q_dot, k_dot, v_dot, *bias_dot = tangents
+  return _tangent.tangent(q, k, v, o, m, log2_l, q_dot, k_dot, v_dot, aux_arrays,
+                          spec=call.spec, blocks=blocks(call), scale=call.scale,
+                          softcap=call.softcap, interpret=call.interpret,
+                          bias_dot=bias_dot[0] if bias_dot else None)
+
+
+__all__ = ["NAME", "BlockSizes", "unsupported", "fwd", "backward_unsupported", "bwd", "jvp"]

@@ -44,7 +44,7 @@ from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, Plane, Sc
                                                 query_plane_spec, scores, when_any)
 
 
-def _max_or_inf(m):
+def max_or_inf(m):
   """m with -inf (no allowed key) read as +inf, so that exp(s - lse) is exactly 0."""
   return jnp.where(m == -jnp.inf, jnp.inf, m)
 
@@ -81,7 +81,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
       # Query rows past T load as 0 with m = +inf: their P is 0, no element mask needed.
       q = pallas.load(q_ref.at[rows, g, :], mask=q_mask, other=0)
       do = pallas.load(do_ref.at[rows, g, :], mask=do_mask, other=0)
-      m = _max_or_inf(pallas.load(m_ref.at[g, rows], mask=q_ok, other=-jnp.inf))
+      m = max_or_inf(pallas.load(m_ref.at[g, rows], mask=q_ok, other=-jnp.inf))
       log2_l = pallas.load(log2_l_ref.at[g, rows], mask=q_ok, other=0)
       delta = pallas.load(delta_ref.at[g, rows], mask=q_ok, other=0)
       x_t, tanh_t = scores(logits, k, q)  # (bk, bq)
@@ -185,7 +185,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   q_idx, q_ok, q_mask, q = block.idx, block.ok, block.mask, block.tile
   q_length, kv_length, q_seg = block.q_length, block.kv_length, block.segments
   do = pallas.load(do_ref, mask=block.o_mask, other=0)
-  m = _max_or_inf(pallas.load(m_ref, mask=q_ok, other=-jnp.inf))
+  m = max_or_inf(pallas.load(m_ref, mask=q_ok, other=-jnp.inf))
   log2_l = pallas.load(log2_l_ref, mask=q_ok, other=0)
   delta = pallas.load(delta_ref, mask=q_ok, other=0)
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims)

@@ -219,7 +219,7 @@ class ScoreTerms(NamedTuple):
   dims: Dims
   transposed: bool = False
 
-  def _tile(self, ref, plane: Plane, head, rows, cols, q_idx, k_idx, shape):
+  def plane_tile(self, ref, plane: Plane, head, rows, cols, q_idx, k_idx, shape):
     """A plane's tile for the queries q_idx at ``rows`` of the ref's block and the keys
     k_idx at ``cols``; a broadcast axis reads its one element. ``head``: the head's
     index in a block of several (the dK/dV kernel's group), or None."""
@@ -247,8 +247,8 @@ class ScoreTerms(NamedTuple):
     ``rows`` of the refs' blocks, and the keys k_idx, their columns ``cols``; ``slope``
     from `slope`."""
     if self.refs.bias is not None:
-      bias = self._tile(self.refs.bias, self.aux.bias, head, rows, cols, q_idx, k_idx,
-                        x.shape)
+      bias = self.plane_tile(self.refs.bias, self.aux.bias, head, rows, cols, q_idx,
+                             k_idx, x.shape)
       x = x + bias.astype(jnp.float32) * (1 / self.factor)
     if slope is not None:  # ALiBi: -slope · |i - j|
       distance = jnp.abs(q_idx[:, None] - k_idx[None, :]).astype(jnp.float32)
@@ -260,8 +260,8 @@ class ScoreTerms(NamedTuple):
     without a mask array."""
     if self.refs.mask is None:
       return None
-    return self._tile(self.refs.mask, self.aux.mask, head, rows, cols, q_idx, k_idx,
-                      shape) != 0
+    return self.plane_tile(self.refs.mask, self.aux.mask, head, rows, cols, q_idx, k_idx,
+                           shape) != 0
 
 
 def when_any(allowed, body, carry):
