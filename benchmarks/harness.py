@@ -157,14 +157,20 @@ def time_call(fn: Callable, arg_sets: Sequence[tuple]):
   call, and the timer used.
 
   ``arg_sets``: input sets the iterations rotate through (see `rotations`). Without a
-  GPU (a smoke run of the scripts) the device time is the wall time, timer "wall".
+  GPU (a smoke run of the scripts, which checks them and their results, not speed: its
+  interpreted kernels take up to seconds a call) one call's wall time is both, timer
+  "wall".
   """
   jitted = jax.jit(fn)
+  if jax.default_backend() != "gpu":
+    jax.block_until_ready(jitted(*arg_sets[0]))
+    start = time.perf_counter()
+    jax.block_until_ready(jitted(*arg_sets[0]))
+    wall = (time.perf_counter() - start) * 1e6
+    return wall, wall, "wall"
   for _ in range(WARMUP):
     jax.block_until_ready(jitted(*arg_sets[0]))
   walls = [_pipelined_wall_us(jitted, arg_sets) for _ in range(3)]
-  if jax.default_backend() != "gpu":
-    return statistics.median(walls), statistics.median(walls), "wall"
   try:
     device, timer = _cupti_times(fn, arg_sets, ITERATIONS), "cupti"
   except Exception as cupti_error:  # noqa: BLE001 - fall back, and say why below
