@@ -65,6 +65,23 @@ def _segments(key, B, T, S):
           jnp.sort(jax.random.randint(kk, (B, S), 0, 3), axis=1))
 
 
+def _against_truth(ours, ref, args, names):
+  """``ours(*args)`` (jitted) against ``ref(*args)`` in the inputs' dtype and in float64,
+  output by output under the 2x rule (``names`` name them); returns ours. A backend that
+  cannot run the call skips the test with its reason."""
+  try:
+    got = jax.jit(ours)(*args)
+  except ValueError as e:
+    if "cannot run this call" not in str(e):
+      raise
+    pytest.skip(str(e))
+  in_dtype = jax.jit(ref)(*args)
+  exact = truth(ref, *args)
+  for what, a, b, c in zip(names, got, in_dtype, exact, strict=True):
+    assert_2x(a, b, c, what=what)
+  return got
+
+
 def _check(q, k, v, do, *, backend=None, blocks=None, interpret=True, segments=None,
            deterministic=None, **options):
   """Output, lse and (dq, dk, dv) of the kernels against the float64 truth (2x rule).
@@ -86,17 +103,8 @@ def _check(q, k, v, do, *, backend=None, blocks=None, interpret=True, segments=N
     return reference.dot_product_attention(q, k, v, q_segments=q_seg, kv_segments=kv_seg,
                                            **options)
 
-  try:
-    got = jax.jit(functools.partial(run, ours))(q, k, v, do)
-  except ValueError as e:
-    if "cannot run this call" not in str(e):
-      raise
-    pytest.skip(str(e))
-  in_dtype = jax.jit(functools.partial(run, ref))(q, k, v, do)
-  exact = truth(functools.partial(run, ref), q, k, v, do)
-  for what, a, b, c in zip(("output", "lse", "dq", "dk", "dv"), got, in_dtype, exact):
-    assert_2x(a, b, c, what=what)
-  return got
+  return _against_truth(functools.partial(run, ours), functools.partial(run, ref),
+                        (q, k, v, do), ("output", "lse", "dq", "dk", "dv"))
 
 
 # (B, T, S, N, K, H, options): the path each one exercises, with 16 x 16 blocks.
@@ -182,17 +190,8 @@ def test_sinks(key, backend, B, T, S, N, K, H, options):
       **options)
   ref = lambda q, k, v, sinks: reference.dot_product_attention(q, k, v, sinks=sinks,
                                                                **options)
-  try:
-    got = jax.jit(functools.partial(run, ours))(q, k, v, sinks, do)
-  except ValueError as e:
-    if "cannot run this call" not in str(e):
-      raise
-    pytest.skip(str(e))
-  in_dtype = jax.jit(functools.partial(run, ref))(q, k, v, sinks, do)
-  exact = truth(functools.partial(run, ref), q, k, v, sinks, do)
-  for what, a, b, c in zip(("output", "lse", "dq", "dk", "dv", "dsinks"), got, in_dtype,
-                           exact):
-    assert_2x(a, b, c, what=what)
+  got = _against_truth(functools.partial(run, ours), functools.partial(run, ref),
+                       (q, k, v, sinks, do), ("output", "lse", "dq", "dk", "dv", "dsinks"))
   lengths = options.get("key_value_seq_lengths")
   if lengths is not None and not lengths.all():
     empty = np.asarray(lengths) == 0
@@ -295,17 +294,9 @@ def test_score_terms(key, backend, B, T, S, N, K, H, bias_shape, mask_shape, ali
       block_sizes=_tiles(backend, interpret), **options)
   ref = lambda q, k, v, bias: reference.dot_product_attention(
       q, k, v, bias, mask, alibi_slopes=slopes, **options)
-  try:
-    got = jax.jit(functools.partial(run, ours))(q, k, v, bias, do)
-  except ValueError as e:
-    if "cannot run this call" not in str(e):
-      raise
-    pytest.skip(str(e))
-  in_dtype = jax.jit(functools.partial(run, ref))(q, k, v, bias, do)
-  exact = truth(functools.partial(run, ref), q, k, v, bias, do)
-  for what, a, b, c in zip(("output", "lse", "dq", "dk", "dv", "dbias"), got, in_dtype,
-                           exact):
-    assert_2x(a, b, c, what=what)
+  names = ("output", "lse", "dq", "dk", "dv", "dbias")[:2 + len(wrt)]
+  got = _against_truth(functools.partial(run, ours), functools.partial(run, ref),
+                       (q, k, v, bias, do), names)
   if bias is not None:
     assert got[5].shape == bias.shape and got[5].dtype == bias.dtype
 
@@ -384,16 +375,8 @@ def test_forward_mode(key, backend, B, T, S, N, K, H, Hv, bias_shape, sinks, opt
   def tangent_of(f):
     return lambda *pt: jax.jvp(f, pt[:len(pt) // 2], pt[len(pt) // 2:])
 
-  try:
-    got = jax.jit(tangent_of(ours))(*primals, *tangents)
-  except ValueError as e:
-    if "cannot run this call" not in str(e):
-      raise
-    pytest.skip(str(e))
-  in_dtype = jax.jit(tangent_of(ref))(*primals, *tangents)
-  exact = truth(tangent_of(ref), *primals, *tangents)
-  for what, a, b, c in zip(("output", "tangent"), got, in_dtype, exact):
-    assert_2x(a, b, c, what=what)
+  _against_truth(tangent_of(ours), tangent_of(ref), (*primals, *tangents),
+                 ("output", "tangent"))
 
 
 def test_forward_mode_runs_the_tangent_kernel(key):

@@ -40,13 +40,9 @@ from jaxsoftmax.attention.masks import (MaskSpec, cdiv, element_mask, key_block_
                                         query_block_ranges, walk_block_ranges)
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, Plane, ScoreTerms,
                                                 block_rows, key_block, key_block_allowed,
-                                                load_scalar, query_block, query_block_launch,
+                                                load_scalar, max_or_inf, probabilities,
+                                                query_block, query_block_launch,
                                                 query_plane_spec, scores, when_any)
-
-
-def max_or_inf(m):
-  """m with -inf (no allowed key) read as +inf, so that exp(s - lse) is exactly 0."""
-  return jnp.where(m == -jnp.inf, jnp.inf, m)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
@@ -86,7 +82,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
       delta = pallas.load(delta_ref.at[g, rows], mask=q_ok, other=0)
       x_t, tanh_t = scores(logits, k, q)  # (bk, bq)
       x_t = terms.add(x_t, **place, slope=terms.slope(g))
-      p_t = exp2(logits.exponent_from_stats(x_t, m[None, :], log2_l[None, :]))
+      allowed = None
       if masked:
         q_seg = None
         if q_seg_ref is not None:
@@ -96,7 +92,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
                                None if k_seg is None else k_seg[:, None])
         if user_mask is not None:
           allowed = allowed & user_mask
-        p_t = jnp.where(allowed, p_t, 0.0)
+      p_t = probabilities(logits, exp2, x_t, m[None, :], log2_l[None, :], allowed)
       dv = dv + pallas.dot(p_t.astype(do.dtype), do)
       dp_t = pallas.dot(v, do, trans_b=True)
       ds_t = score_grad(p_t, dp_t, delta[None, :], tanh_t)
@@ -204,13 +200,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
       v = pallas.load(v_ref.at[pl.ds(k0, bk), :], mask=v_mask, other=0)
       x, tanh = scores(logits, q, k)
       x = terms.add(x, **place, slope=slope)
-      p = exp2(logits.exponent_from_stats(x, m[:, None], log2_l[:, None]))
+      allowed = None
       if masked:
         allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
-                                    q_idx=q_idx, q_segments=q_seg, kv_length=kv_length)
-        if user_mask is not None:
-          allowed = allowed & user_mask
-        p = jnp.where(allowed, p, 0.0)
+                                    q_idx=q_idx, q_segments=q_seg, kv_length=kv_length,
+                                    user_mask=user_mask)
+      p = probabilities(logits, exp2, x, m[:, None], log2_l[:, None], allowed)
       dp = pallas.dot(do, v, trans_b=True)
       ds = score_grad(p, dp, delta[:, None], None)  # the logits' (and the bias's)
       if dbias is not None:

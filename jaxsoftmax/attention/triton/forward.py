@@ -61,9 +61,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
       x = terms.add(x, **place, slope=slope)
       if masked:
         allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
-                                    q_idx=q_idx, q_segments=q_seg, kv_length=kv_length)
-        if user_mask is not None:
-          allowed = allowed & user_mask
+                                    q_idx=q_idx, q_segments=q_seg, kv_length=kv_length,
+                                    user_mask=user_mask)
         x = jnp.where(allowed, x, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(x, axis=1))
       shift = safe_shift(m_new)

@@ -27,11 +27,11 @@ from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, cap_grad
 from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
-from jaxsoftmax.attention.triton.backward import max_or_inf
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, ScoreTerms,
-                                                key_block, key_block_allowed, query_block,
-                                                query_block_launch, query_plane_spec, scores,
-                                                when_any)
+                                                key_block, key_block_allowed, max_or_inf,
+                                                probabilities, query_block,
+                                                query_block_launch, query_plane_spec,
+                                                scores, when_any)
 
 
 def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref, m_ref,
@@ -61,14 +61,12 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
       k = pallas.load(k_ref.at[pl.ds(k0, bk), :], mask=k_mask, other=0)
       x, tanh = scores(logits, q, k)
       x = terms.add(x, **place, slope=slope)
-      p = exp2(logits.exponent_from_stats(x, m[:, None], log2_l[:, None]))
+      allowed = None
       if masked:
         allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
                                     q_idx=q_idx, q_segments=block.segments,
-                                    kv_length=block.kv_length)
-        if user_mask is not None:
-          allowed = allowed & user_mask
-        p = jnp.where(allowed, p, 0.0)
+                                    kv_length=block.kv_length, user_mask=user_mask)
+      p = probabilities(logits, exp2, x, m[:, None], log2_l[:, None], allowed)
       k_dot = pallas.load(k_dot_ref.at[pl.ds(k0, bk), :], mask=k_mask, other=0)
       qk_dot = pallas.dot(q_dot, k, trans_b=True) + pallas.dot(q, k_dot, trans_b=True)
       # The logits' tangent; ds/dx of the soft cap is the same 1 - tanh² as the backward's.

@@ -382,13 +382,28 @@ def scores(logits: Logits, a, b):
 
 
 def key_block_allowed(spec: MaskSpec, kv_seg_ref, *, k0, k_idx, block_k: int, q_idx,
-                      q_segments, kv_length) -> jax.Array:
+                      q_segments, kv_length, user_mask=None) -> jax.Array:
   """The (block_q, block_k) element mask of the key block at k0 for a query block (the
-  forward's and the dQ kernel's boundary blocks), loading the keys' segment ids."""
+  query-block kernels' boundary blocks), loading the keys' segment ids; and the mask
+  array's tile ``user_mask`` (`ScoreTerms.mask`) where given."""
   k_segments = None
   if kv_seg_ref is not None:
     k_segments = pallas.load(kv_seg_ref.at[pl.ds(k0, block_k)], mask=k_idx < spec.kv_len,
                              other=-2)
-  return element_mask(spec, q_idx[:, None], k_idx[None, :], kv_length,
-                      None if q_segments is None else q_segments[:, None],
-                      None if k_segments is None else k_segments[None, :])
+  allowed = element_mask(spec, q_idx[:, None], k_idx[None, :], kv_length,
+                         None if q_segments is None else q_segments[:, None],
+                         None if k_segments is None else k_segments[None, :])
+  return allowed if user_mask is None else allowed & user_mask
+
+
+def max_or_inf(m):
+  """m with -inf (no allowed key) read as +inf, so that exp(s - lse) is exactly 0."""
+  return jnp.where(m == -jnp.inf, jnp.inf, m)
+
+
+def probabilities(logits: Logits, exp2, x, m, log2_l, allowed):
+  """P = exp(logits - lse) of a tile from the forward's statistics m (read as +inf for
+  a row without keys, `max_or_inf`) and log2 l, both broadcast to x; 0 where
+  ``allowed`` (None: a tile without element masks) is False."""
+  p = exp2(logits.exponent_from_stats(x, m, log2_l))
+  return p if allowed is None else jnp.where(allowed, p, 0.0)
