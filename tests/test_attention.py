@@ -196,7 +196,9 @@ def test_sinks(key, backend, B, T, S, N, K, H, options):
   if lengths is not None and not lengths.all():
     empty = np.asarray(lengths) == 0
     np.testing.assert_array_equal(got[0][empty], 0.0)
-    np.testing.assert_array_equal(got[1][empty], np.broadcast_to(sinks, got[1][empty].shape))
+    # lse = the sink, to float32 rounding: the kernels keep m in x's units (sink / factor).
+    np.testing.assert_allclose(got[1][empty], np.broadcast_to(sinks, got[1][empty].shape),
+                               rtol=1e-6)
   tangent = lambda f: jax.jvp(lambda q, s: f(q, k, v, s)[0], (q, sinks), (do, sinks))[1]
   np.testing.assert_allclose(np.asarray(tangent(ours), np.float32),
                              np.asarray(tangent(ref), np.float32), rtol=2e-2, atol=2e-2)
@@ -322,6 +324,21 @@ def test_score_terms_run_in_the_kernels(key):
     big = [eqn for eqn in jaxpr.jaxpr.eqns for out in eqn.outvars
            if getattr(out.aval, "size", 0) >= B * N * T * S]
     assert not big, big
+
+
+def test_sinks_join_in_the_kernel(key):
+  # The forward kernel takes the sinks and writes the normalized output: no float32
+  # output and no XLA rescaling of it (which cost 8% of the forward on the H200).
+  B, T, N = 2, 64, 4
+  q, k, v, _ = _inputs(key, B, T, T, N, 2, 16, jnp.bfloat16)
+  attention = lambda q, k, v: js.dot_product_attention(
+      q, k, v, sinks=jnp.ones((N,)), implementation="triton", interpret=True)
+  jaxpr = jax.make_jaxpr(attention)(q, k, v).jaxpr
+  assert dict(pallas_calls(jaxpr))["attention_forward"] == 3
+  wide = [eqn for eqn in jaxpr.eqns for out in eqn.outvars
+          if getattr(out.aval, "shape", None) == (B, T, N, 16)
+          and out.aval.dtype == jnp.float32]
+  assert not wide, wide
 
 
 # (B, T, S, N, K, H, Hv, bias shape or None, sinks, options): forward mode through the
@@ -468,7 +485,8 @@ def _train_step(backend, deterministic=None):
 def test_two_runs_bit_identical_gpu(key, backend):
   # deterministic=True: every output and gradient is identical from run to run (the
   # Hopper backward then takes dQ from a kernel of its own, with no atomic adds).
-  inputs = _inputs(key, 2, 1000, 1000, 4, 2, 128, jnp.bfloat16)
+  T = 1 if backend == "decode" else 1000  # the decode backend runs one query token
+  inputs = _inputs(key, 2, T, 1000, 4, 2, 128, jnp.bfloat16)
   step = _train_step(backend, deterministic=True)
   for a, b in zip(step(*inputs), step(*inputs)):
     np.testing.assert_array_equal(a, b)

@@ -50,7 +50,7 @@ def _check(q, k, v, lengths, table, impl="triton", **options):
   ref = lambda q, k, v: reference.decode_attention(
       q, k, v, lengths, block_table=table, scale=options.get("scale"),
       logits_soft_cap=options.get("logits_soft_cap"),
-      window_left=_left(options.get("local_window_size")))
+      window_left=_left(options.get("local_window_size")), sinks=options.get("sinks"))
   exact = truth(ref, q, k, v)
   for what, a, b, c in zip(("out", "lse"), got, in_dtype, exact):
     assert_2x(a, b, c, what=what)
@@ -96,6 +96,34 @@ def test_matches_truth(key, B, T, N, K, H, S, page_size, lengths, options, dtype
   empty = np.array(lengths) == 0
   np.testing.assert_array_equal(out[empty], 0)
   assert np.all(np.isneginf(lse[empty]))
+
+
+# Attention sinks (docs/math.md) join the splits' merge: out and lse under the 2x rule,
+# an empty sequence gives out 0 and lse = its sink. Sinks below and above the logits.
+SINK_CASES = [
+    pytest.param("triton", jnp.float32, 3, 2, 8, 2, 64, 200, None, [0, 2, 200],
+                 id="triton-T2-GQA4-empty"),
+    pytest.param("triton", jnp.bfloat16, 2, 1, 4, 1, 128, 300, 16, [257, 40],
+                 id="triton-T1-MQA-page16"),
+    *(pytest.param("mosaic_gpu", dtype, 2, 3, 8, 2, 128, 520, page, [520, 0],
+                   marks=pytest.mark.gpu, id=f"mosaic_gpu-T3-GQA4-{name}")
+      for dtype, page, name in ((jnp.bfloat16, None, "contiguous"),
+                                (jnp.float16, 64, "page64"))),
+]
+
+
+@pytest.mark.parametrize("impl, dtype, B, T, N, K, H, S, page_size, lengths", SINK_CASES)
+def test_sinks(key, impl, dtype, B, T, N, K, H, S, page_size, lengths):
+  kq, kc = jax.random.split(key)
+  q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
+  k, v, table = _cache(kc, B, S, K, H, dtype, page_size)
+  sinks = jnp.linspace(-3.0, 4.0, N)
+  out, lse = _check(q, k, v, jnp.array(lengths), table, impl, sinks=sinks,
+                    logits_soft_cap=8.0)
+  empty = np.array(lengths) == 0
+  np.testing.assert_array_equal(out[empty], 0)
+  np.testing.assert_allclose(lse[empty], np.broadcast_to(sinks, lse[empty].shape),
+                             rtol=1e-6)
 
 
 # The Triton kernel (interpreted off a GPU) in float32; the Hopper kernel in bfloat16,
@@ -217,6 +245,9 @@ def test_bad_input():
     da(q, k, k, lengths, local_window_size=-1)
   with pytest.raises(ValueError, match="num_splits must be a positive int"):
     da(q, k, k, lengths, num_splits=0)
+  with pytest.raises(ValueError, match=r"sinks must be a floating array of shape \(N,\) = "
+                     r"\(4,\)"):
+    da(q, k, k, lengths, sinks=jnp.zeros(2))
 
 
 # Page sizes: None (contiguous), a multiple of the 64-position block (one page per

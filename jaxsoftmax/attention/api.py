@@ -55,33 +55,13 @@ IMPLEMENTATIONS = REGISTRY.implementations
 def _forward(q, k, v, aux, sinks, call: Call, backend: str, *, for_backward: bool):
   """(o, lse, and with ``for_backward`` the residuals (o for delta, m, log2 l)). The
   backward's delta = rowsum(dO ∘ O) wants O before rounding (see `triton.forward`).
-  ``sinks``: None, or (B, N) logits joined after the kernel (`_join_sinks`)."""
-  float32_output = (for_backward or sinks is not None) and q.dtype != jnp.float32
+  ``sinks``: None, or (B, N) logits that every backend's forward joins (`logits.join_sink`):
+  its o and statistics include them, so the backward is the plain one."""
+  float32_output = for_backward and q.dtype != jnp.float32
   o, m, log2_l, *o32 = REGISTRY[backend].fwd(q, k, v, aux, call,
-                                             float32_output=float32_output)
-  o32 = o32[0] if o32 else o
+                                             float32_output=float32_output, sinks=sinks)
   lse = logits.lse(m, log2_l, scale=call.scale, softcap=call.softcap)
-  if sinks is not None:
-    o32, lse, m, log2_l = _join_sinks(o32, lse, sinks, call)
-    o = o32.astype(q.dtype)
-  return (o, lse, o32, m, log2_l) if for_backward else (o, lse)
-
-
-def _join_sinks(o, lse, sinks, call: Call):
-  """Attention sinks (docs/math.md): each row's softmax over its keys and its head's
-  sink logit, which has no value. The keys' probabilities are the kernel's times
-  exp(lse - lse_total), lse_total = log(exp(lse) + exp(sink)), so the sink joins after
-  the kernel, in every backend alike: o scaled by that share, the lse replaced by
-  lse_total. The backward is then the plain one, with p = exp(s - lse_total) from the
-  statistics (m, log2 l) = (lse_total / factor, 0) (`logits.lse` maps them back), and
-  delta = rowsum(dO ∘ O) of the scaled O. Returns (o float32, lse_total, m, log2 l), the
-  statistics (B, N, T); a row with no allowed key gives o = 0 and lse_total = its sink."""
-  total = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, :, None])
-  # The keys' share; 0 for a row with no key and a sink of -inf (total -inf too).
-  share = jnp.where(total == -jnp.inf, 0.0, jnp.exp(lse - total))
-  o = o.astype(jnp.float32) * jnp.transpose(share, (0, 2, 1))[..., None]
-  factor = logits.Logits(call.scale, call.softcap, fused=False).factor
-  return o, total, total / factor, jnp.zeros_like(total)
+  return (o, lse, o32[0] if o32 else o, m, log2_l) if for_backward else (o, lse)
 
 
 def _sink_tangent(o, lse, sinks, sinks_dot):

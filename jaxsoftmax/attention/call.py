@@ -110,9 +110,12 @@ class AttentionBackend(Backend, Protocol):
   `api` dispatches to. Every forward returns the same residuals, so that one backend's
   backward may differentiate another's forward (`api.select_backward`)."""
 
-  def fwd(self, q, k, v, aux_arrays: AuxArrays, call: Call, *, float32_output: bool):
+  def fwd(self, q, k, v, aux_arrays: AuxArrays, call: Call, *, float32_output: bool,
+          sinks=None):
     """(o, m, log2_l[, o in float32 with ``float32_output``]): the output and the row
-    statistics (m, log2 l) in float32, (B, N, T)."""
+    statistics (m, log2 l) in float32, (B, N, T). ``sinks``: None, or (B, N) float32
+    logits, one per query head, that join each row's softmax (`logits.join_sink`): the
+    output and the statistics include them."""
 
   def backward_unsupported(self, call: Call) -> str | None:
     """Why this backend's backward cannot differentiate ``call`` (which its forward ran),

@@ -60,6 +60,20 @@ class Logits:
     return m * self.factor + log2_l / LOG2E
 
 
+def join_sink(logits: Logits, m, l, sink, exp2):
+  """A row's online-softmax state (m, l) joined with its head's sink logit ``sink`` (in
+  the logits' units; docs/math.md, "Attention sinks"), one more key whose value is 0:
+  (m', l', alpha), the accumulator to be scaled by alpha. Every forward kernel's
+  epilogue runs it, so the output leaves the kernel normalized by the sink too and the
+  saved (m', log2 l') are the statistics the backward reads. An empty row (m = -inf,
+  l = 0) gets m' = the sink in x's units and l' = 1; a sink of -inf changes nothing."""
+  sink_x = sink * (1 / logits.factor)
+  m_new = jnp.maximum(m, sink_x)
+  shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = exp2(logits.exponent(m, shift))
+  return m_new, l * alpha + exp2(logits.exponent(sink_x, shift)), alpha
+
+
 def lse(m, log2_l, *, scale: float, softcap: float | None):
   """The natural log-sum-exp of the logits from a forward's row statistics (m, log2 l);
   -inf for rows with no allowed key."""

@@ -86,10 +86,11 @@ def _check(query, key, value, lengths, block_table):
   return query, key, value, lengths.astype(jnp.int32), block_table
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _kernels(q, k, v, lengths, block_table, plan, scale, softcap, window_left, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _kernels(q, k, v, lengths, block_table, sinks, plan, scale, softcap, window_left,
+             interpret):
   """``plan``: a `mosaic_gpu.Plan` (the Hopper kernel), else the Triton kernel's
-  `triton.DecodeDims`."""
+  `triton.DecodeDims`; ``sinks`` None or (B, N) float32."""
   if isinstance(plan, mosaic_gpu.Plan):
     dims = plan.dims
     o, m, log2_l = mosaic_gpu.forward(q, k, v, lengths, block_table, plan=plan,
@@ -100,7 +101,8 @@ def _kernels(q, k, v, lengths, block_table, plan, scale, softcap, window_left, i
     o, m, log2_l = triton.forward(q, k, v, lengths, block_table, dims=dims, scale=scale,
                                   softcap=softcap, window_left=window_left,
                                   interpret=interpret)
-  out, lse = triton.merge_splits(o, m, log2_l, dims=dims, scale=scale, softcap=softcap)
+  out, lse = triton.merge_splits(o, m, log2_l, dims=dims, scale=scale, softcap=softcap,
+                                 sinks=sinks)
   return out.astype(q.dtype), lse
 
 
@@ -133,7 +135,8 @@ def _backend(implementation, query, key, block_table, interpret: bool) -> str:
 def decode_attention(query, key, value, lengths, *, block_table=None, scale=None,
                      logits_soft_cap=None, local_window_size=None,
                      num_splits: int | None = None, return_residual: bool = False,
-                     implementation: str | None = None, interpret: bool | None = None):
+                     implementation: str | None = None, interpret: bool | None = None,
+                     sinks=None):
   """Attention of the T newest tokens of each sequence against its KV cache.
 
   Args:
@@ -164,6 +167,10 @@ def decode_attention(query, key, value, lengths, *, block_table=None, scale=None
       says why where it cannot run the call), "triton", or "xla" (`reference`: plain
       jnp over the cache gathered into one array).
     interpret: run the kernels in Pallas interpret mode; see `jaxsoftmax.softmax`.
+    sinks: optional attention sinks, (N,) floating: one logit per query head that joins
+      each row's softmax without a value (gpt-oss), in the logits' units; they join the
+      merge of the cache's splits. A sequence of length 0 then gives output 0 and lse =
+      its sink.
 
   Returns:
     out (B, T, N, H) in query's dtype, and with ``return_residual`` also lse.
@@ -175,6 +182,12 @@ def decode_attention(query, key, value, lengths, *, block_table=None, scale=None
   if num_splits is not None and not (isinstance(num_splits, int) and num_splits > 0):
     raise ValueError(f"{_OP}: num_splits must be a positive int or None, got "
                      f"{num_splits!r}")
+  if sinks is not None:
+    sinks = jnp.asarray(sinks)
+    N = query.shape[2]
+    if sinks.shape != (N,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+      raise ValueError(f"{_OP}: sinks must be a floating array of shape (N,) = ({N},), "
+                       f"one logit per query head, got {sinks.dtype} {sinks.shape}")
   window = check_window(local_window_size, _OP)
   window_left = None if window is None else window[0]  # the right is the causal mask's
   H = query.shape[-1]
@@ -185,7 +198,8 @@ def decode_attention(query, key, value, lengths, *, block_table=None, scale=None
       or key.size == 0 or pallas.xla_by_default(interpret, kernel_asked=kernel_asked)):
     out, lse = reference.decode_attention(query, key, value, lengths,
                                           block_table=block_table, scale=scale,
-                                          logits_soft_cap=softcap, window_left=window_left)
+                                          logits_soft_cap=softcap, window_left=window_left,
+                                          sinks=sinks)
   else:
     interpret = pallas.resolve_interpret(interpret)
     if _backend(implementation, query, key, block_table, interpret) == "mosaic_gpu":
@@ -193,8 +207,10 @@ def decode_attention(query, key, value, lengths, *, block_table=None, scale=None
     else:
       plan = triton.DecodeDims.of(query, key, block_table, num_splits,
                                   cores=pallas.num_cores())
-    query, key, value, lengths, block_table = pallas.vary_together(
-        query, key, value, lengths, block_table)
-    out, lse = _kernels(query, key, value, lengths, block_table, plan, scale, softcap,
-                        window_left, interpret)
+    if sinks is not None:
+      sinks = jnp.broadcast_to(sinks.astype(jnp.float32), (query.shape[0], query.shape[2]))
+    query, key, value, lengths, block_table, sinks = pallas.vary_together(
+        query, key, value, lengths, block_table, sinks)
+    out, lse = _kernels(query, key, value, lengths, block_table, sinks, plan, scale,
+                        softcap, window_left, interpret)
   return (out, lse) if return_residual else out

@@ -50,8 +50,9 @@ def unsupported(call: Call) -> str | None:
   return None
 
 
-def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):
-  """(o, m, log2_l[, o in float32]) of a decode call, the statistics (B, N, 1)."""
+def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
+  """(o, m, log2_l[, o in float32]) of a decode call, the statistics (B, N, 1);
+  ``sinks`` join the splits' merge (`triton.merge_splits`)."""
   B, S = q.shape[0], k.shape[1]
   lengths = aux_arrays.kv_lengths
   lengths = jnp.full((B,), S, jnp.int32) if lengths is None else jnp.minimum(lengths, S)
@@ -63,7 +64,7 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):
                                 softcap=call.softcap, window_left=None,
                                 interpret=call.interpret)
   out, lse = triton.merge_splits(o, m, log2_l, dims=dims, scale=call.scale,
-                                 softcap=call.softcap)
+                                 softcap=call.softcap, sinks=sinks)
   factor = Logits(call.scale, call.softcap, fused=False).factor
   m = jnp.transpose(lse, (0, 2, 1)) / factor  # -inf (no key) and NaN stay what they are
   stats = (m, jnp.zeros_like(m))

@@ -39,9 +39,11 @@ def decode_mask(lengths, T: int, S: int, window_left: int | None):
 
 
 def decode_attention(query, key, value, lengths, *, block_table=None, scale=None,
-                     logits_soft_cap=None, window_left: int | None = None):
+                     logits_soft_cap=None, window_left: int | None = None, sinks=None):
   """(out (B, T, N, H) in the query's dtype, lse (B, T, N) float32, float64 for float64
-  inputs) of T new tokens per sequence against a contiguous (B, S, K, H) or paged cache."""
+  inputs) of T new tokens per sequence against a contiguous (B, S, K, H) or paged cache.
+  ``sinks``: optional (N,) logits, one per query head, joining each row's softmax
+  without a value (an empty row then has lse = its sink)."""
   key, value = contiguous_cache(key, block_table), contiguous_cache(value, block_table)
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
@@ -56,9 +58,14 @@ def decode_attention(query, key, value, lengths, *, block_table=None, scale=None
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   logits = jnp.where(allowed[:, None, None], logits, -jnp.inf)
   m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)  # an empty cache too
+  if sinks is not None:  # (1, K, G, 1, 1)
+    sinks = jnp.asarray(sinks).astype(acc).reshape(1, K, N // K, 1, 1)
+    m = jnp.maximum(m, sinks)
   m = jnp.where(m == -jnp.inf, 0.0, m)  # a row with no allowed position
   p = jnp.exp(logits - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
+  if sinks is not None:
+    l = l + jnp.exp(sinks - m)
   empty = l == 0  # NaN (a NaN key or query) is not empty: it stays NaN
   p = jnp.where(empty, 0.0, p / jnp.where(empty, 1.0, l))
   out = jnp.einsum("bkgts,bskh->btkgh", p.astype(value.dtype), value,

@@ -8,8 +8,8 @@ positions (a contiguous cache's rows, or a paged cache's, each row's page read f
 block table), folding each into the online-softmax state (m, l) and
 acc = Σ_j exp(s_j - m) v_j as the training forward does (`attention.triton.forward`),
 and writes its partial o = acc / l with (m, log2 l). The splits merge in float32 in
-XLA (`merge_splits`): the split count puts every SM to work when the batch is small
-and the cache long.
+XLA (`merge_splits`), where attention sinks join as one more part: the split count
+puts every SM to work when the batch is small and the cache long.
 
 Positions at or past a sequence's length are never read: the loads of V are masked by
 the length (a masked load reads nothing), and the keys there are masked to -inf by
@@ -223,16 +223,24 @@ def forward(q, k, v, lengths, block_table, *, dims: DecodeDims, scale: float,
       num_warps=dims.num_warps, num_stages=2, interpret=interpret)(*args)
 
 
-def merge_splits(o, m, log2_l, *, dims: DecodeDims, scale: float, softcap: float | None):
+def merge_splits(o, m, log2_l, *, dims: DecodeDims, scale: float, softcap: float | None,
+                 sinks=None):
   """The splits' partial results merged in float32: (out (B, T, N, H) float32, lse
-  (B, T, N) float32, -inf for a row with no position)."""
+  (B, T, N) float32, -inf for a row with no position). ``sinks``: None, or (B, N)
+  logits, one per query head (attention sinks, docs/math.md): each joins the merge as
+  one more part whose output is 0, so a row with no position gives out 0 and lse = its
+  sink."""
+  B, T, K, G, H = dims.B, dims.T, dims.K, dims.G, dims.H
   lse_s = natural_lse(m, log2_l, scale=scale, softcap=softcap)  # (splits, B, K, R)
-  lse = reduce_lse(lse_s, axis=0)
+  parts = lse_s
+  if sinks is not None:  # rows R = (t, g): head k·G + g's sink for every t
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(B, K, 1, G), (B, K, T, G))
+    parts = jnp.concatenate([lse_s, sink.reshape(1, B, K, T * G)], axis=0)
+  lse = reduce_lse(parts, axis=0)
   # As `merge_attention_states`, over every split: an empty row's weights are 0; NaN
   # carries.
   w = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse_s - lse[None]))
   out = jnp.sum(w[..., None] * o, axis=0)
-  B, T, K, G, H = dims.B, dims.T, dims.K, dims.G, dims.H
   out = out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, H)
   lse = lse.reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, K * G)
   return out, lse

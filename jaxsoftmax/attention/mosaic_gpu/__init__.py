@@ -57,11 +57,11 @@ def blocks(call: Call) -> HopperBlockSizes:
   return HopperBlockSizes.default(call.H, call.spec.is_causal)
 
 
-def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):
+def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
   """(o, m, log2_l[, o in float32]): see `mosaic_gpu.forward.forward`."""
   return _forward.forward(q, k, v, aux_arrays, spec=call.spec, blocks=blocks(call),
                           scale=call.scale, softcap=call.softcap,
-                          float32_output=float32_output)
+                          float32_output=float32_output, sinks=sinks)
 
 
 def backward_unsupported(call: Call) -> str | None:

@@ -23,6 +23,8 @@ Outputs: o (B, T, N, H) in the input dtype through shared memory and TMA; the ro
 statistics m (in x's units) and log2(l) as the Triton forward writes them, (B, N, T)
 float32, so that either backward can consume them; with ``float32_output`` also o in
 float32 (for the backward's delta, see `triton.forward`), stored from registers.
+Attention sinks join each row's (m, l) before the output is normalized
+(`logits.join_sink`).
 
 FLOPs: 4·B·N·T·S·H, about halved by causal masking (the skipped blocks are not loaded).
 """
@@ -41,7 +43,7 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, per_row, pl, plgpu,
                                         rem32, warp_specialized_kernel, wgmma_iota)
 from jaxsoftmax.attention.call import AuxArrays
-from jaxsoftmax.attention.logits import Logits
+from jaxsoftmax.attention.logits import Logits, join_sink
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
                                         walk_block_ranges)
 
@@ -197,9 +199,11 @@ class _Scratch(NamedTuple):
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, logits: Logits,
-            group: int, work: _Work, scratch_names: tuple[str, ...], float32_output: bool):
+            group: int, work: _Work, scratch_names: tuple[str, ...], float32_output: bool,
+            with_sinks: bool):
   aux_refs, refs = AuxArrays.split_refs(refs, aux_present)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
+  sink_ref, refs = (refs[0], refs[1:]) if with_sinks else (None, refs)
   o_ref, m_ref, log2_l_ref, *refs = refs
   o32_ref = refs.pop(0) if float32_output else None
   scratch = _Scratch(**dict(zip(scratch_names, refs, strict=True)))
@@ -328,7 +332,15 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
       if q_length is not None:
         some = some & (row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=_ROW)
                        < q_length)
-      inv_l = jnp.where(some, 1.0 / jnp.where(some, l, 1.0), 0.0)
+      has_l = some
+      if sink_ref is not None:  # every row joins its sink, from an empty state if not `some`
+        m, l, alpha = join_sink(logits, jnp.where(some, m, -jnp.inf),
+                                jnp.where(some, l, 0.0), sink_ref[b * work.heads + n],
+                                jnp.exp2)
+        has_l = l != 0
+        inv_l = jnp.where(some, alpha / jnp.where(has_l, l, 1.0), 0.0)
+      else:
+        inv_l = jnp.where(some, 1.0 / jnp.where(some, l, 1.0), 0.0)
       o = acc * per_row(inv_l, acc.shape)
       if o_smem is not None:  # the previous item's output has left shared memory
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -336,8 +348,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
       out_tile[...] = o.astype(out_tile.dtype)
       # A NaN l makes m NaN too: the GPU's max skips NaN, and lse and the backward's P
       # must carry it (docs/numerics.md).
-      m_smem[...] = jnp.where(some, jnp.where(l == l, m, jnp.nan), -jnp.inf)
-      log2_l_smem[...] = jnp.log2(jnp.where(some, l, 1.0))
+      m_smem[...] = jnp.where(has_l, jnp.where(l == l, m, jnp.nan), -jnp.inf)
+      log2_l_smem[...] = jnp.log2(jnp.where(has_l, l, 1.0))
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(out_tile, o_ref.at[b, pl.ds(row0, bq), n])
       plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, n, pl.ds(row0, bq)])
@@ -384,10 +396,11 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
 
 
 def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, scale: float,
-            softcap: float | None, float32_output: bool = False):
+            softcap: float | None, float32_output: bool = False, sinks=None):
   """(o (B, T, N, H), m (B, N, T), log2_l (B, N, T)[, o in float32]) for q (B, T, N, H)
   and k, v (B, S, K, H) in bfloat16 or float16; ``aux_arrays`` are (query lengths,
-  key lengths, query segment ids, key segment ids), each None or an int32 array."""
+  key lengths, query segment ids, key segment ids), each None or an int32 array;
+  ``sinks`` None or (B, N) float32 logits joined in the epilogue (`logits.join_sink`)."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   H_pad = wgmma_head_dim(H)
@@ -439,13 +452,16 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   kernel = functools.partial(
       _kernel, aux_present=AuxArrays(*aux).present, spec=spec, blocks=blocks,
       logits=Logits(scale, softcap, fused=softcap is None), group=N // K, work=work,
-      scratch_names=tuple(scratch), float32_output=float32_output)
+      scratch_names=tuple(scratch), float32_output=float32_output,
+      with_sinks=sinks is not None)
+  # Each consumer reads its head's sink as a scalar from global memory.
+  sink_inputs = [] if sinks is None else [sinks.astype(jnp.float32).reshape(B * N)]
   grid, grid_names = work.grid()
   # The query tile is written only once the products that read it are done.
   outputs = warp_specialized_kernel(
       kernel, out_type=out_type, consumers=_CONSUMERS, name="attention_forward_mosaic_gpu",
       softcap=softcap, scratch_types=list(scratch.values()), grid=grid, grid_names=grid_names,
-  )(q, k, v, *(a for a in aux if a is not None))
+  )(q, k, v, *(a for a in aux if a is not None), *sink_inputs)
   o, m, log2_l, *o32 = outputs
   o, m, log2_l = o[:, :T, :, :H], m[..., :T], log2_l[..., :T]
   return (o, m, log2_l, *(x[:, :T, :, :H] for x in o32))

@@ -35,11 +35,12 @@ def blocks(call: Call) -> BlockSizes:
                             call.spec.is_causal)
 
 
-def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool):
+def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
   """(o, m, log2_l[, o in float32]): see `triton.forward.forward`."""
   return _forward.forward(q, k, v, aux_arrays, spec=call.spec, blocks=blocks(call),
                           scale=call.scale, softcap=call.softcap,
-                          interpret=call.interpret, float32_output=float32_output)
+                          interpret=call.interpret, float32_output=float32_output,
+                          sinks=sinks)
 
 
 def backward_unsupported(call: Call) -> str | None:
