@@ -35,29 +35,33 @@ def _inputs(key, B, T, N, K, H, dtype):
 
 
 def _check(key, shards, *, B=1, T=96, N=2, K=1, H=16, dtype=jnp.bfloat16, segments=False,
-           is_causal=False, local_window_size=None, logits_soft_cap=None, **options):
-  """Output and (dq, dk, dv) of context-parallel attention over ``shards`` devices against
-  the float64 truth; returns the kernel's errors."""
+           is_causal=False, local_window_size=None, logits_soft_cap=None, sinks=None,
+           **options):
+  """Output and (dq, dk, dv, and dsinks with ``sinks``) of context-parallel attention over
+  ``shards`` devices against the float64 truth; returns the kernel's errors."""
   q, k, v, do = _inputs(key, B, T, N, K, H, dtype)
   seg = None
   if segments:
     seg = jnp.sort(jax.random.randint(jax.random.fold_in(key, 1), (B, T), 0, 3), axis=1)
   masks = dict(is_causal=is_causal, local_window_size=local_window_size,
                logits_soft_cap=logits_soft_cap)
+  inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
 
-  def run(attention, q, k, v, do):
-    o, vjp = jax.vjp(attention, q, k, v)
-    return (o, *vjp(do))
+  def run(attention, *args):
+    o, vjp = jax.vjp(attention, *args[:-1])
+    return (o, *vjp(args[-1]))
 
-  ours = functools.partial(js.context_parallel_attention, mesh=_mesh(shards),
-                           axis_name="sp", segment_ids=seg, interpret=not ON_GPU,
-                           **masks, **options)
-  ref = lambda q, k, v: reference.dot_product_attention(
-      q, k, v, q_segments=seg, kv_segments=seg, **masks)[0]
-  got = run(ours, q, k, v, do)
-  in_dtype = jax.jit(functools.partial(run, ref))(q, k, v, do)
-  exact = truth(functools.partial(run, ref), q, k, v, do)
-  for what, a, b, c in zip(("output", "dq", "dk", "dv"), got, in_dtype, exact):
+  ours = lambda q, k, v, *sinks: js.context_parallel_attention(
+      q, k, v, mesh=_mesh(shards), axis_name="sp", segment_ids=seg, interpret=not ON_GPU,
+      sinks=sinks[0] if sinks else None, **masks, **options)
+  ref = lambda q, k, v, *sinks: reference.dot_product_attention(
+      q, k, v, q_segments=seg, kv_segments=seg, sinks=sinks[0] if sinks else None,
+      **masks)[0]
+  got = run(ours, *inputs, do)
+  in_dtype = jax.jit(functools.partial(run, ref))(*inputs, do)
+  exact = truth(functools.partial(run, ref), *inputs, do)
+  names = ("output", "dq", "dk", "dv", "dsinks")
+  for what, a, b, c in zip(names, got, in_dtype, exact):
     assert_2x(a, b, c, what=what)
   return [max_errors(a, c)[0] for a, c in zip(got, exact)]
 
@@ -83,6 +87,13 @@ def test_error_does_not_grow_with_devices(key):
 def test_gqa_segments_soft_cap(key, strategy):
   _check(key, 2, B=2, N=4, K=2, segments=True, logits_soft_cap=3.0, is_causal=True,
          layout="zigzag", strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy, layout", [("ring", "zigzag"), ("all_gather", "contiguous")])
+def test_sinks(key, strategy, layout):
+  # The sinks join the merged result on every device; dsinks sums over the devices.
+  _check(key, 4, N=4, K=2, is_causal=True, strategy=strategy, layout=layout,
+         sinks=jnp.linspace(-2.0, 3.0, 4))
 
 
 @pytest.mark.parametrize("window", [(20, 0), (7, 30), (40, 40)], ids=str)
@@ -147,6 +158,25 @@ def test_ring_attention_inside_a_users_shard_map(key, monkeypatch, implementatio
                              atol=2e-6, rtol=2e-6)
 
 
+def test_sinks_gradient_inside_a_users_shard_map(key):
+  # Replicated sinks in a user's shard_map (check_vma=True, the XLA blocks): each device
+  # holds part of dsinks, and the transpose of their cast to varying sums it.
+  P, B, T, N, H = 4, 1, 64, 2, 16
+  q, k, v, do = _inputs(key, B, T, N, N, H, jnp.float32)
+  sinks = jnp.array([-1.0, 2.0])
+  mesh, spec = _mesh(P), jax.sharding.PartitionSpec(None, "sp")
+  local = jax.shard_map(
+      lambda q, k, v, sinks: js.ring_attention(q, k, v, axis_name="sp", is_causal=True,
+                                               implementation="xla", sinks=sinks),
+      mesh=mesh, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec()), out_specs=spec)
+  placed = [jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)) for x in (q, k, v)]
+  loss = lambda attention, sinks, *qkv: jnp.sum(attention(*qkv, sinks) * do)
+  got = jax.jit(jax.grad(functools.partial(loss, local)))(sinks, *placed)
+  expected = jax.grad(functools.partial(loss, lambda *a: reference.dot_product_attention(
+      *a[:3], is_causal=True, sinks=a[3])[0]))(sinks, q, k, v)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_causal_zigzag_ring_program():
   # What the ring's overlap on GPUs rests on (benchmarks/results/tuning/ring_attention_*): no
   # conditional (the steps' tiles are placed by the device index instead), and one
@@ -205,6 +235,9 @@ def test_bad_input():
     js.ring_attention(q, q, q, axis_name="sp", interpret=True)
   with pytest.raises(TypeError, match="deterministic must be a bool or None"):
     cp(q, q, q, axis_name="sp", deterministic=1)
+  with pytest.raises(ValueError, match=r"ring_attention: sinks must be a floating array of "
+                                       r"shape \(N,\) = \(2,\)"):
+    cp(q, q, q, axis_name="sp", sinks=jnp.zeros(3))
 
 
 @pytest.mark.gpu

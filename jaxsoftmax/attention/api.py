@@ -64,17 +64,6 @@ def _forward(q, k, v, aux, sinks, call: Call, backend: str, *, for_backward: boo
   return (o, lse, o32[0] if o32 else o, m, log2_l) if for_backward else (o, lse)
 
 
-def _sink_tangent(o, lse, sinks, sinks_dot):
-  """The output's tangent (float32) for the sinks' tangent (B, N): dO/dsink = -O · p_sink,
-  with p_sink = exp(sink - lse_total) each row's probability of its sink, from the
-  scaled float32 O and lse_total (B, N, T). Plain jnp, linear in ``sinks_dot``: JAX
-  transposes it into dsinks = -Σ over rows of p_sink · rowsum(dO ∘ O)."""
-  sink = sinks.astype(jnp.float32)[:, :, None]
-  p_sink = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sink - lse))
-  scale = p_sink * sinks_dot.astype(jnp.float32)[:, :, None]
-  return -o * jnp.transpose(scale, (0, 2, 1))[..., None]
-
-
 # --- derivatives (`linear_map`) ------------------------------------------------------
 # The output's tangent is a linear map of (dq, dk, dv) with the residuals (q, k, v, the
 # aux arrays, and the forward's o, m, log2 l). Reverse mode transposes it into the
@@ -113,7 +102,7 @@ def reference_attention(q, k, v, aux: AuxArrays, call: Call, sinks=None, bias=No
 # The maps' residuals: (q, k, v, the aux arrays (`AuxArrays`, the bias among them), o
 # for delta, m, log2 l, sinks (B, N) or None); the map of (dq, dk, dv), and of dbias
 # where the bias is differentiated (``bias_grad``), holds the sinks fixed (their own
-# tangent is `_sink_tangent`).
+# tangent is `logits.sink_tangent`).
 _N_AUX = len(AuxArrays._fields)
 
 
@@ -187,7 +176,8 @@ def _output_tangent(primals, tangents, state, call: Call, backend: str):
   do, = _TANGENT((q, k, v, *aux, o_delta, m, log2_l, sinks), t, call=call,
                  backend=backend, bias_grad=bias_grad)
   if sinks is not None and not isinstance(tangents[4], SymbolicZero):
-    do = do + _sink_tangent(o_delta, lse, sinks, tangents[4]).astype(do.dtype)
+    do = do + logits.sink_tangent(o_delta, jnp.transpose(lse, (0, 2, 1)), sinks,
+                                  tangents[4]).astype(do.dtype)
   return do
 
 
@@ -320,7 +310,7 @@ def _check_alibi(slopes, N: int):
   return jax.lax.stop_gradient(slopes.astype(jnp.float32))
 
 
-def _check_sinks(sinks, query):
+def _check_sinks(sinks, query, op: str = "dot_product_attention"):
   """None, or the sinks (N,) broadcast over the batch, (B, N): the derivatives' maps
   take every array batch first (`LinearMap`)."""
   if sinks is None:
@@ -328,7 +318,7 @@ def _check_sinks(sinks, query):
   sinks = jnp.asarray(sinks)
   B, _, N, _ = query.shape
   if sinks.shape != (N,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-    raise ValueError(f"dot_product_attention: sinks must be a floating array of shape "
+    raise ValueError(f"{op}: sinks must be a floating array of shape "
                      f"(N,) = ({N},), one logit per query head, got {sinks.dtype} "
                      f"{sinks.shape}")
   return jnp.broadcast_to(sinks, (B, N))

@@ -74,6 +74,17 @@ def join_sink(logits: Logits, m, l, sink, exp2):
   return m_new, l * alpha + exp2(logits.exponent(sink_x, shift)), alpha
 
 
+def sink_tangent(o, lse, sinks, sinks_dot):
+  """The output's tangent (float32) for the sinks' tangent ``sinks_dot`` (B, N):
+  dO/dz = -O · p_sink, with p_sink = exp(z - L) each row's probability of its sink, from
+  the float32 O (B, T, N, H) and the row statistic L (B, T, N) that includes the sinks
+  (B, N). Plain jnp, linear in ``sinks_dot``: JAX transposes it into
+  dz = -Σ over rows of p_sink · rowsum(dO ∘ O)."""
+  sink = sinks.astype(jnp.float32)[:, None, :]
+  p_sink = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sink - lse))
+  return -o * (p_sink * sinks_dot.astype(jnp.float32)[:, None, :])[..., None]
+
+
 def lse(m, log2_l, *, scale: float, softcap: float | None):
   """The natural log-sum-exp of the logits from a forward's row statistics (m, log2 l);
   -inf for rows with no allowed key."""

@@ -461,11 +461,16 @@ _TANGENT = LinearMap("ring_attention_tangent", kernel=_tangent_kernel, twin=None
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _state(plan: _RingPlan, q, k, v, q_seg, kv_seg):
+def _state(plan: _RingPlan, q, k, v, q_seg, kv_seg, sinks):
   """(o in q's dtype, o and lse in float32): the output and the backward's residuals.
+  ``sinks`` (None or (B, N)) join the merged result as one more part with o = 0
+  (docs/math.md, "Attention sinks"), so the residuals are those of the whole softmax.
   Differentiated only at second order (`_context_parallel` differentiates the output):
   an error."""
   o, lse = _forward(plan, q, k, v, q_seg, kv_seg)
+  if sinks is not None:
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, :], lse.shape)
+    o, lse = merge_attention_states(o, lse, jnp.zeros_like(o), sink)
   return o.astype(q.dtype), o, lse
 
 
@@ -475,15 +480,17 @@ def _state_jvp(plan: _RingPlan, primals, tangents):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _context_parallel(plan: _RingPlan, q, k, v, q_seg, kv_seg):
-  return _state(plan, q, k, v, q_seg, kv_seg)[0]
+def _context_parallel(plan: _RingPlan, q, k, v, q_seg, kv_seg, sinks):
+  return _state(plan, q, k, v, q_seg, kv_seg, sinks)[0]
 
 
 @_context_parallel.defjvp
 def _context_parallel_jvp(plan: _RingPlan, primals, tangents):
-  q, k, v, q_seg, kv_seg = primals
-  out, o, lse = _state(plan, q, k, v, q_seg, kv_seg)
+  q, k, v, q_seg, kv_seg, sinks = primals
+  out, o, lse = _state(plan, q, k, v, q_seg, kv_seg, sinks)
   do, = _TANGENT((q, k, v, q_seg, kv_seg, o, lse), tuple(tangents[:3]), plan=plan)
+  if sinks is not None:  # the sinks' own term; its transpose sums dsinks over the rows
+    do = do + logits.sink_tangent(o, lse, sinks, tangents[5]).astype(do.dtype)
   return out, do
 
 
@@ -500,7 +507,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
                    layout: str = "contiguous", strategy: str = "ring", segment_ids=None,
                    logits_soft_cap=None, local_window_size=None, implementation=None,
                    block_sizes=None, interpret: bool | None = None,
-                   deterministic: bool | None = None):
+                   deterministic: bool | None = None, sinks=None):
   """Attention over a sequence sharded on the mesh axis ``axis_name``, inside
   `jax.shard_map`: this device's shard of the output. Differentiable.
 
@@ -527,6 +534,9 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
     interpret: run the kernels in Pallas interpret mode (the Triton backend).
     deterministic: as `dot_product_attention`: gradients bit-identical from run to run
       (no atomic adds in the Hopper backward).
+    sinks: optional attention sinks, (N,) floating, one logit per (local) query head, as
+      `dot_product_attention`: they join the merged result of the ring, and their
+      gradient is summed over the devices.
 
   Returns:
     This device's shard of the output, shaped and typed like ``query``.
@@ -569,13 +579,15 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, sca
                pallas.resolve_interpret(interpret),
                pallas.resolve_deterministic(deterministic), B, T, S, N, K, H,
                jnp.dtype(query.dtype).name)
-  query, key, value, q_seg, kv_seg = pallas.vary_together(query, key, value, q_seg, kv_seg)
-  return _context_parallel(plan, query, key, value, q_seg, kv_seg)
+  sinks = api._check_sinks(sinks, query, op)
+  query, key, value, q_seg, kv_seg, sinks = pallas.vary_together(query, key, value, q_seg,
+                                                                 kv_seg, sinks)
+  return _context_parallel(plan, query, key, value, q_seg, kv_seg, sinks)
 
 
 def context_parallel_attention(query, key, value, *, mesh, axis_name,
                                layout: str = "contiguous", batch_axis=None, head_axis=None,
-                               segment_ids=None, **kwargs):
+                               segment_ids=None, sinks=None, **kwargs):
   """`ring_attention` for global arrays: shards the sequence axis of query, key and value
   (B, T, N, H) over the mesh axis ``axis_name`` (and, optionally, the batch over
   ``batch_axis`` and the heads over ``head_axis``) with `jax.shard_map`, and returns the
@@ -583,8 +595,8 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name,
   are permuted into the zigzag order and back here, on each tensor's whole sequence (one
   gather and one reshard each way); a training loop saves that by keeping its tokens
   zigzag-permuted (`zigzag_permute`) and calling `ring_attention` in its own
-  `shard_map`. ``segment_ids`` is (B, T) or a (query, key) pair of global arrays; other
-  keywords go to `ring_attention`."""
+  `shard_map`. ``segment_ids`` is (B, T) or a (query, key) pair of global arrays;
+  ``sinks`` (N,) is sharded with the heads; other keywords go to `ring_attention`."""
   op = "context_parallel_attention"
   for name, axis in (("axis_name", axis_name), ("batch_axis", batch_axis),
                      ("head_axis", head_axis)):
@@ -608,27 +620,32 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name,
   options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                          for k, v in kwargs.items()))
   run = _sharded_program(mesh, axis_name, layout, batch_axis, head_axis,
-                         None if segments is None else pair, options)
-  return run(query, key, value, *([] if segments is None else [segments]))
+                         None if segments is None else pair, sinks is not None, options)
+  return run(query, key, value, *([] if segments is None else [segments]),
+             *([] if sinks is None else [jnp.asarray(sinks)]))
 
 
 @functools.cache
 def _sharded_program(mesh, axis_name, layout: str, batch_axis, head_axis,
-                     segment_pair: bool | None, options: tuple):
+                     segment_pair: bool | None, with_sinks: bool, options: tuple):
   """The jitted global-array program of `context_parallel_attention` for one
   configuration (``segment_pair``: None without segment ids, else whether they are a
-  (query, key) pair)."""
+  (query, key) pair; ``with_sinks``: the last input is the sinks)."""
   P = mesh.shape[axis_name]
   tokens = PartitionSpec(batch_axis, axis_name, head_axis, None)
   ids = PartitionSpec(batch_axis, axis_name)
 
-  def local(query, key, value, *segments):
+  def local(query, key, value, *rest):
+    segments = rest[0] if segment_pair is not None else None
+    sinks = rest[-1] if with_sinks else None
     return ring_attention(query, key, value, axis_name=axis_name, layout=layout,
-                          segment_ids=segments[0] if segments else None, **dict(options))
+                          segment_ids=segments, sinks=sinks, **dict(options))
 
   in_specs = (tokens, tokens, tokens)
   if segment_pair is not None:
     in_specs = (*in_specs, (ids, ids) if segment_pair else ids)
+  if with_sinks:  # one per query head: sharded as the heads are
+    in_specs = (*in_specs, PartitionSpec(head_axis))
   # check_vma=False: Pallas' interpreter fails under check_vma (docs/numerics.md); the
   # kernels themselves declare their outputs' varying mesh axes.
   sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens,
@@ -646,7 +663,8 @@ def _sharded_program(mesh, axis_name, layout: str, batch_axis, head_axis,
   @jax.jit
   def run(*args):  # inputs placed anywhere are resharded to the specs
     if layout == "zigzag":  # reordered on whole sequences: tokens move between shards
-      args = each(lambda x, spec: zigzag_permute(place(x, whole_sequence(spec)), P), args)
+      args = each(lambda x, spec: zigzag_permute(place(x, whole_sequence(spec)), P)
+                  if len(spec) > 1 else x, args)  # (the sinks have no sequence axis)
     out = sharded(*each(place, args))
     if layout == "zigzag":
       out = place(zigzag_unpermute(place(out, whole_sequence(tokens)), P), tokens)

@@ -12,7 +12,7 @@ walks the key blocks the forward walked, recomputing P from the saved statistics
 dQ kernel does, and keeps the row sums r = rowsum(P ∘ ṡ) and acc = (P ∘ ṡ) V + P V̇ in
 float32; at the end Ȯ = acc - r · O. Five tile products per block (S, q̇ kᵀ, q k̇ᵀ and the
 two with V and V̇): about 1.25x the forward's FLOPs, nothing of size T x S. The sinks'
-own tangent joins after it (`api._sink_tangent`); their share of P is in the statistics.
+own tangent joins after it (`logits.sink_tangent`); their share of P is in the statistics.
 """
 
 from __future__ import annotations
