@@ -72,6 +72,7 @@ from jaxsoftmax._core import mosaic_gpu as mosaic_device
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.decode import mosaic_gpu, reference, triton
+from jaxsoftmax.attention.decode.api import run_kernels
 
 PAGE_SIZES = (16, 64, 256)
 # (B, S, N, K, H, T, page sizes); shape indices for --only.
@@ -129,10 +130,7 @@ def _hopper_fn(blocks, paged: bool):
 
   def run(q, k, v, n, t=None):
     plan = mosaic_gpu.plan(q, k, t, None, cores=pallas.num_cores(), blocks=blocks)
-    scale = q.shape[-1] ** -0.5
-    o, m, log2_l = mosaic_gpu.forward(q, k, v, n, t, plan=plan, scale=scale, softcap=None,
-                                      window_left=None)
-    out, _ = triton.merge_splits(o, m, log2_l, dims=plan.dims, scale=scale, softcap=None)
+    out, _ = run_kernels(q, k, v, n, t, plan, scale=q.shape[-1] ** -0.5)
     return out.astype(q.dtype)
 
   return run

@@ -17,7 +17,7 @@ import jaxsoftmax as js
 from jaxsoftmax._core import mosaic_gpu as mosaic_device
 from jaxsoftmax._core import pallas
 from jaxsoftmax.attention.decode import api as decode_api
-from jaxsoftmax.attention.decode import mosaic_gpu, reference, triton
+from jaxsoftmax.attention.decode import mosaic_gpu, reference
 from tolerance import assert_2x, truth
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -383,12 +383,8 @@ def test_hopper_large_gpu(key, B, T, N, K, H, S, page_size, dtype, persistent):
   plan = mosaic_gpu.plan(q, k, table, None, cores=pallas.num_cores(),
                          blocks=blocks)
 
-  def run(q, k, v):
-    o, m, log2_l = mosaic_gpu.forward(q, k, v, lengths, table, plan=plan, scale=H ** -0.5,
-                                      softcap=None, window_left=None)
-    return triton.merge_splits(o, m, log2_l, dims=plan.dims, scale=H ** -0.5, softcap=None)
-
-  got = jax.jit(run)(q, k, v)
+  got = jax.jit(lambda q, k, v: decode_api.run_kernels(q, k, v, lengths, table, plan,
+                                                       scale=H ** -0.5))(q, k, v)
   in_dtype = reference.decode_attention(q, k, v, lengths, block_table=table)
   exact = truth(lambda q, k, v: reference.decode_attention(q, k, v, lengths,
                                                            block_table=table), q, k, v)

@@ -27,7 +27,7 @@ from jaxsoftmax._core.inputs import check_floating
 from jaxsoftmax.attention.decode import mosaic_gpu, reference, triton
 from jaxsoftmax.attention.masks import check_window
 
-__all__ = ["decode_attention", "IMPLEMENTATIONS"]
+__all__ = ["decode_attention", "run_kernels", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = (None, "mosaic_gpu", "triton", "xla")
 _OP = "decode_attention"
@@ -86,11 +86,15 @@ def _check(query, key, value, lengths, block_table):
   return query, key, value, lengths.astype(jnp.int32), block_table
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _kernels(q, k, v, lengths, block_table, sinks, plan, scale, softcap, window_left,
-             interpret):
-  """``plan``: a `mosaic_gpu.Plan` (the Hopper kernel), else the Triton kernel's
-  `triton.DecodeDims`; ``sinks`` None or (B, N) float32."""
+def run_kernels(q, k, v, lengths, block_table, plan, *, scale: float,
+                softcap: float | None = None, window_left: int | None = None,
+                interpret: bool = False, sinks=None):
+  """(out, lse), both float32, (B, T, N, H) and (B, T, N): the one sequence every caller
+  of the kernels runs (this op, the `dot_product_attention` decode backend, the
+  benchmark's and tests' own tiles): the kernel that ``plan`` names (a
+  `mosaic_gpu.Plan`: the Hopper kernel; a `triton.DecodeDims`: the Triton kernel) writes
+  each split's partial result, and `triton.merge_splits` merges them, the ``sinks``
+  (None or (B, N) float32) with them. No derivatives: `decode_attention` says why."""
   if isinstance(plan, mosaic_gpu.Plan):
     dims = plan.dims
     o, m, log2_l = mosaic_gpu.forward(q, k, v, lengths, block_table, plan=plan,
@@ -101,8 +105,16 @@ def _kernels(q, k, v, lengths, block_table, sinks, plan, scale, softcap, window_
     o, m, log2_l = triton.forward(q, k, v, lengths, block_table, dims=dims, scale=scale,
                                   softcap=softcap, window_left=window_left,
                                   interpret=interpret)
-  out, lse = triton.merge_splits(o, m, log2_l, dims=dims, scale=scale, softcap=softcap,
-                                 sinks=sinks)
+  return triton.merge_splits(o, m, log2_l, dims=dims, scale=scale, softcap=softcap,
+                             sinks=sinks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _kernels(q, k, v, lengths, block_table, sinks, plan, scale, softcap, window_left,
+             interpret):
+  """`run_kernels`, the output in the query's dtype, under a backward that raises."""
+  out, lse = run_kernels(q, k, v, lengths, block_table, plan, scale=scale, softcap=softcap,
+                         window_left=window_left, interpret=interpret, sinks=sinks)
   return out.astype(q.dtype), lse
 
 

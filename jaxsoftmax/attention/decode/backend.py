@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxsoftmax._core import pallas
 from jaxsoftmax.attention.call import Call
 from jaxsoftmax.attention.decode import triton
+from jaxsoftmax.attention.decode.api import run_kernels
 from jaxsoftmax.attention.logits import Logits
 from jaxsoftmax.attention.triton import MAX_HEAD_DIM
 
@@ -52,7 +53,7 @@ def unsupported(call: Call) -> str | None:
 
 def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
   """(o, m, log2_l[, o in float32]) of a decode call, the statistics (B, N, 1);
-  ``sinks`` join the splits' merge (`triton.merge_splits`)."""
+  ``sinks`` join the splits' merge (`api.run_kernels`)."""
   B, S = q.shape[0], k.shape[1]
   lengths = aux_arrays.kv_lengths
   lengths = jnp.full((B,), S, jnp.int32) if lengths is None else jnp.minimum(lengths, S)
@@ -60,11 +61,8 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
     lengths = jnp.where(aux_arrays.q_lengths > 0, lengths, 0)
   lengths = jnp.maximum(lengths, 0)
   dims = triton.DecodeDims.of(q, k, None, None, cores=pallas.num_cores())
-  o, m, log2_l = triton.forward(q, k, v, lengths, None, dims=dims, scale=call.scale,
-                                softcap=call.softcap, window_left=None,
-                                interpret=call.interpret)
-  out, lse = triton.merge_splits(o, m, log2_l, dims=dims, scale=call.scale,
-                                 softcap=call.softcap, sinks=sinks)
+  out, lse = run_kernels(q, k, v, lengths, None, dims, scale=call.scale,
+                         softcap=call.softcap, interpret=call.interpret, sinks=sinks)
   factor = Logits(call.scale, call.softcap, fused=False).factor
   m = jnp.transpose(lse, (0, 2, 1)) / factor  # -inf (no key) and NaN stay what they are
   stats = (m, jnp.zeros_like(m))
