@@ -4,11 +4,14 @@ beside cuDNN with the same bias and mask, in one run on the same inputs.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_attention_features.py --out DIR
 
+ATTN_FEATURES=plain,sinks (a comma-separated subset of `FEATURES`) measures only those.
+
 Shapes (B, T, N, K, H): 4x4096x16x16x128, full and causal, bfloat16. Rows:
   - `jaxsoftmax triton`: the Triton kernels (which read bias, masks and slopes by
     tiles), plain, with each feature;
-  - `jaxsoftmax mosaic_gpu`: the Hopper kernels, plain and with sinks (joined after the
-    kernel); they run no bias, mask array or ALiBi;
+  - `jaxsoftmax mosaic_gpu`: the Hopper kernels, plain and with sinks (joined in the
+    forward kernel's epilogue, as the Triton one joins them); they run no bias, mask
+    array or ALiBi;
   - `cudnn`: ``jax.nn.dot_product_attention(implementation="cudnn")``, plain and with
     the same bias and mask (it takes no sinks or ALiBi slopes).
 Features: `sinks` (N,) logits; `alibi` slopes 2^-(n+1); `bias keys` (B, 1, 1, S) (a
@@ -26,6 +29,8 @@ plain row (`feature_costs`).
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -38,6 +43,19 @@ SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
           ((4, 4096, 16, 16, 128, True), jnp.bfloat16)]
 SMOKE_SHAPES = [((2, 64, 2, 1, 32, True), jnp.bfloat16)]
 FEATURES = ("plain", "sinks", "alibi", "bias keys", "bias heads", "mask")
+
+
+def measured_features() -> tuple[str, ...]:
+  """`FEATURES`, or the subset that ATTN_FEATURES names."""
+  names = os.environ.get("ATTN_FEATURES")
+  if not names:
+    return FEATURES
+  chosen = tuple(name.strip() for name in names.split(","))
+  unknown = set(chosen) - set(FEATURES)
+  if unknown:
+    raise SystemExit(f"ATTN_FEATURES: unknown {sorted(unknown)}; the features are {FEATURES}")
+  return chosen
+
 # Which features each implementation runs.
 RUNS = {"jaxsoftmax triton": FEATURES,
         "jaxsoftmax mosaic_gpu": ("plain", "sinks"),
@@ -86,7 +104,7 @@ def bench_shape(report: harness.Report, case, dtype):
   part_q = lambda a: a[:1, :, :group]
   part_kv = lambda a: a[:1, :, :1]
   compare_bwd = lambda g: (part_q(g[0]), part_kv(g[1]), part_kv(g[2]))
-  for feature in FEATURES:
+  for feature in measured_features():
     kw, part = feature_arrays(feature, B, T, N)
     kw_part = part(kw, group)
     ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal,
@@ -129,7 +147,8 @@ def feature_costs(rows) -> str:
 
 
 def _rows(case, dtype, modes):
-  return sum(len(runs) for runs in RUNS.values()) * len(modes)
+  features = measured_features()
+  return sum(len(set(runs) & set(features)) for runs in RUNS.values()) * len(modes)
 
 
 if __name__ == "__main__":
