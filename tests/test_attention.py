@@ -326,6 +326,43 @@ def test_score_terms_run_in_the_kernels(key):
     assert not big, big
 
 
+def test_score_terms_and_sinks_under_x64(key):
+  # jax_enable_x64 changes the types of Python scalars and loop indices around the
+  # kernels, not their results: the bias, mask, slopes and sinks, with dbias and dsinks.
+  B, T, S, N = 1, 40, 50, 2
+  q, k, v, do = _inputs(key, B, T, S, N, 1, 16, jnp.float32)
+  bias = jax.random.normal(key, (B, 1, 1, S))
+  mask = jax.random.bernoulli(key, 0.8, (B, N, T, S))
+  kw = dict(alibi_slopes=jnp.array([0.5, 0.25]), implementation="triton",
+            interpret=_interpret("triton"), is_causal=True)
+
+  def step(q, k, v, bias, sinks):
+    o, vjp = jax.vjp(lambda *a: js.dot_product_attention(*a[:4], mask, sinks=a[4], **kw),
+                     q, k, v, bias, sinks)
+    return (o, *vjp(do))
+
+  args = (q, k, v, bias, jnp.array([0.1, 2.0]))
+  want = jax.jit(step)(*args)
+  with jax.enable_x64(True):
+    got = jax.jit(step)(*args)
+  for g, w in zip(got, want):
+    assert g.dtype == w.dtype
+    np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+
+
+def test_nan_in_a_bias_is_not_hidden(key):
+  # A NaN bias element reaches its query row's output and the gradients (as the
+  # reference's does); the other rows stay finite.
+  q, k, v, do = _inputs(key, 1, 40, 50, 2, 1, 16, jnp.float32)
+  bias = jnp.zeros((1, 2, 40, 50)).at[0, 1, 7, 3].set(jnp.nan)
+  attention = lambda q, k, v, bias: js.dot_product_attention(
+      q, k, v, bias, implementation="triton", interpret=_interpret("triton"))
+  o, vjp = jax.vjp(attention, q, k, v, bias)
+  assert np.isnan(o[0, 7, 1]).all() and np.isfinite(np.delete(np.asarray(o[0, :, 1]), 7, 0)).all()
+  assert np.isfinite(o[0, :, 0]).all()
+  assert all(np.isnan(np.asarray(g)).any() for g in vjp(do))
+
+
 def test_sinks_join_in_the_kernel(key):
   # The forward kernel takes the sinks and writes the normalized output: no float32
   # output and no XLA rescaling of it (which cost 8% of the forward on the H200).

@@ -236,6 +236,13 @@ class _DBiasPartial(NamedTuple):
   block_q: int
   dims: Dims
 
+  def _all_rows(self):
+    """The block's rows as an int32 slice. In interpret mode under jax_enable_x64 a
+    store's indices must share one integer type (its discharge is a dynamic_slice),
+    and a bare ``:`` or a Python-int loop index would be int64: the column starts are
+    cast to int32 too."""
+    return pl.ds(jnp.int32(0), self.block_q if self.plane.rows else 1)
+
   def _rows(self, ds):
     return ds if self.plane.rows else jnp.sum(ds, axis=0, keepdims=True)
 
@@ -254,7 +261,7 @@ class _DBiasPartial(NamedTuple):
       k_idx = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
       ok = jnp.broadcast_to((k_idx < self.dims.S)[None, :], (rows, block_k))
       row_ok = self._row_ok(block_k)
-      pallas.store(self.ref.at[:, pl.ds(j * block_k, block_k)],
+      pallas.store(self.ref.at[self._all_rows(), pl.ds(jnp.int32(j * block_k), block_k)],
                    jnp.zeros((rows, block_k), jnp.float32),
                    mask=ok if row_ok is None else ok & row_ok)
       return unused
@@ -269,7 +276,7 @@ class _DBiasPartial(NamedTuple):
     tile = self._rows(ds)
     ok = jnp.broadcast_to((k_idx < self.dims.S)[None, :], tile.shape)
     row_ok = self._row_ok(block_k)
-    pallas.store(self.ref.at[:, pl.ds(k0, block_k)], tile,
+    pallas.store(self.ref.at[self._all_rows(), pl.ds(jnp.int32(k0), block_k)], tile,
                  mask=ok if row_ok is None else ok & row_ok)
     return total
 
