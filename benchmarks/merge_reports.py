@@ -14,6 +14,7 @@ import json
 import sys
 
 import bench_attention
+import bench_attention_features
 import bench_decode_attention
 import bench_linear_cross_entropy
 import harness
@@ -21,6 +22,7 @@ import harness
 # The TFLOP/s reports: what their FLOPs count, and the table that ends them.
 _TFLOPS_REPORTS = {
     "linear_cross_entropy": (bench_linear_cross_entropy.FLOPS_DOC, None),
+    "attention_features": (harness.ATTENTION_FLOPS, bench_attention_features.feature_costs),
 }
 _ATTENTION = (harness.ATTENTION_FLOPS, bench_attention.vs_best_peer)
 # The GB/s reports' closing tables.
