@@ -752,12 +752,14 @@ def test_segments_gpu(key, backend):
 
 
 def test_matches_jax_nn(key):
-  q, k, v, _ = _inputs(key, 2, 20, 24, 4, 2, 16, jnp.float32)
-  for options in ({}, dict(is_causal=True), dict(local_window_size=(3, 2)),
-                  dict(key_value_seq_lengths=jnp.array([24, 11], jnp.int32))):
-    np.testing.assert_allclose(js.dot_product_attention(q, k, v, **options),
-                               jax.nn.dot_product_attention(q, k, v, **options),
-                               rtol=2e-5, atol=2e-6)
+  # jax.nn's XLA path (and interpreted kernels) on a GPU multiply float32 in TF32 by default.
+  with jax.default_matmul_precision("highest"):
+    q, k, v, _ = _inputs(key, 2, 20, 24, 4, 2, 16, jnp.float32)
+    for options in ({}, dict(is_causal=True), dict(local_window_size=(3, 2)),
+                    dict(key_value_seq_lengths=jnp.array([24, 11], jnp.int32))):
+      np.testing.assert_allclose(js.dot_product_attention(q, k, v, **options),
+                                 jax.nn.dot_product_attention(q, k, v, **options),
+                                 rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
@@ -792,15 +794,17 @@ def test_empty_inputs_as_jax_nn():
 
 
 def test_bias_and_mask_as_jax_nn(key):
-  q, k, v, _ = _inputs(key, 2, 12, 12, 2, 2, 16, jnp.float32)
-  bias = jax.random.normal(key, (1, 2, 12, 12))
-  mask = jax.random.uniform(key, (2, 1, 12, 12)) > 0.2
-  loss = lambda f, b: jnp.sum(f(q, k, v, bias=b, mask=mask) ** 2)
-  np.testing.assert_allclose(loss(js.dot_product_attention, bias),
-                             loss(jax.nn.dot_product_attention, bias), rtol=1e-5)
-  np.testing.assert_allclose(jax.grad(functools.partial(loss, js.dot_product_attention))(bias),
-                             jax.grad(functools.partial(loss, jax.nn.dot_product_attention))(bias),
-                             rtol=1e-4, atol=1e-6)
+  # jax.nn's XLA path (and interpreted kernels) on a GPU multiply float32 in TF32 by default.
+  with jax.default_matmul_precision("highest"):
+    q, k, v, _ = _inputs(key, 2, 12, 12, 2, 2, 16, jnp.float32)
+    bias = jax.random.normal(key, (1, 2, 12, 12))
+    mask = jax.random.uniform(key, (2, 1, 12, 12)) > 0.2
+    loss = lambda f, b: jnp.sum(f(q, k, v, bias=b, mask=mask) ** 2)
+    np.testing.assert_allclose(loss(js.dot_product_attention, bias),
+                               loss(jax.nn.dot_product_attention, bias), rtol=1e-5)
+    grad = lambda f: jax.grad(functools.partial(loss, f))(bias)
+    np.testing.assert_allclose(grad(js.dot_product_attention),
+                               grad(jax.nn.dot_product_attention), rtol=1e-4, atol=1e-6)
 
 
 def test_check_grads(key):
@@ -1008,23 +1012,25 @@ def test_named_backend_says_why_it_cannot_run():
 
 
 def test_flax_nnx_multi_head_attention(key):
-  nnx = pytest.importorskip("flax.nnx")
-  x = jax.random.normal(key, (2, 24, 32))
+  # jax.nn's XLA path (and interpreted kernels) on a GPU multiply float32 in TF32 by default.
+  with jax.default_matmul_precision("highest"):
+    nnx = pytest.importorskip("flax.nnx")
+    x = jax.random.normal(key, (2, 24, 32))
 
-  def layer(attention_fn):
-    return nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32,
-                                  decode=False, rngs=nnx.Rngs(0), attention_fn=attention_fn)
+    def layer(attention_fn):
+      return nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32,
+                                    decode=False, rngs=nnx.Rngs(0), attention_fn=attention_fn)
 
-  ours = functools.partial(js.flax_attention, interpret=True)
-  np.testing.assert_allclose(layer(ours)(x), layer(nnx.dot_product_attention)(x),
-                             rtol=2e-5, atol=2e-6)
-  mask = nnx.make_causal_mask(jnp.ones((2, 24)))  # 0/1 floats, as Flax makes them
-  np.testing.assert_allclose(layer(ours)(x, mask=mask),
-                             layer(nnx.dot_product_attention)(x, mask=mask),
-                             rtol=2e-5, atol=2e-6)
-  with pytest.raises(NotImplementedError, match="dropout"):
-    js.flax_attention(x.reshape(2, 24, 4, 8), x.reshape(2, 24, 4, 8), x.reshape(2, 24, 4, 8),
-                      dropout_rate=0.1, deterministic=False)
+    ours = functools.partial(js.flax_attention, interpret=True)
+    np.testing.assert_allclose(layer(ours)(x), layer(nnx.dot_product_attention)(x),
+                               rtol=2e-5, atol=2e-6)
+    mask = nnx.make_causal_mask(jnp.ones((2, 24)))  # 0/1 floats, as Flax makes them
+    np.testing.assert_allclose(layer(ours)(x, mask=mask),
+                               layer(nnx.dot_product_attention)(x, mask=mask),
+                               rtol=2e-5, atol=2e-6)
+    with pytest.raises(NotImplementedError, match="dropout"):
+      js.flax_attention(x.reshape(2, 24, 4, 8), x.reshape(2, 24, 4, 8), x.reshape(2, 24, 4, 8),
+                        dropout_rate=0.1, deterministic=False)
 
 
 def test_attention_kernels_names_what_runs(monkeypatch):
