@@ -220,8 +220,9 @@ VALUE_HEAD_CASES = [
 @pytest.mark.parametrize("backend, B, T, S, N, K, H, Hv, options",
                          _per_backend(VALUE_HEAD_CASES))
 def test_value_head_dim(key, backend, B, T, S, N, K, H, Hv, options):
-  # Output (B, T, N, Hv), lse and every gradient under the 2x rule; a backend that takes
-  # one head dim skips with its reason, which names both.
+  # Output (B, T, N, Hv), lse and every gradient under the 2x rule (on the Hopper
+  # forward, the Triton backward); a backend that takes one head dim skips with its
+  # reason, which names both.
   dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
   q, k, _, _ = _inputs(key, B, T, S, N, K, H, dtype)
   kv, kd = jax.random.split(jax.random.fold_in(key, 1))
@@ -646,13 +647,15 @@ def test_persistent_ctas_take_every_item_once(batch, heads, q_tiles, sms, causal
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
-@pytest.mark.parametrize("H, options", [
-    (128, dict(is_causal=True)),
-    (64, dict(has_segments=True)),
-    (256, dict(window_left=100, window_right=20)),
-    (96, {}),
+@pytest.mark.parametrize("H, Hv, options", [
+    (128, 128, dict(is_causal=True)),
+    (64, 64, dict(has_segments=True)),
+    (256, 256, dict(window_left=100, window_right=20)),
+    (96, 96, {}),
+    (192, 128, dict(is_causal=True)),  # MLA's head dims: output tiles of their own
+    (64, 128, {}),
 ])
-def test_hopper_forward_lowers_for_cuda(H, options, persistent):
+def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent):
   # The Hopper kernel cannot run off a GPU (see README), but it lowers for CUDA anywhere:
   # this catches Mosaic GPU API drift in the newest JAX on every CI run.
   B, T, S, N, K = 2, 1000, 777, 4, 2
@@ -670,10 +673,11 @@ def test_hopper_forward_lowers_for_cuda(H, options, persistent):
         blocks=blocks, scale=0.1, softcap=None, float32_output=True)
 
   bf16 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
-  args = (bf16((B, T, N, H)), bf16((B, S, K, H)), bf16((B, S, K, H)),
+  args = (bf16((B, T, N, H)), bf16((B, S, K, H)), bf16((B, S, K, Hv)),
           *(a for a in aux if a is not None))
-  lowered = jax.jit(forward).trace(*args).lower(lowering_platforms=("cuda",))
-  assert "attention_forward_mosaic_gpu" in lowered.as_text()
+  traced = jax.jit(forward).trace(*args)
+  assert traced.out_info[0].shape == (B, T, N, Hv)
+  assert "attention_forward_mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("deterministic, grad_dtype", [(False, None), (True, None),
@@ -930,10 +934,14 @@ def test_backend_declarations(monkeypatch):
   assert api.select_backend(None, _call(dtype="float32")) is triton
   assert "no interpret mode" in mosaic.unsupported(_call(interpret=True))
   assert "head dims up to 256" in mosaic.unsupported(_call(H=320))
+  # A value head dim of its own: the Hopper forward, then the Triton backward.
   asymmetric = dataclasses.replace(_call(H=192), Hv=128)
-  assert "192 (query, key) and 128 (value)" in mosaic.unsupported(asymmetric)
-  assert triton.unsupported(asymmetric) is None
-  assert api.select_backend(None, asymmetric) is triton
+  assert mosaic.unsupported(asymmetric) is None and triton.unsupported(asymmetric) is None
+  assert api.select_backend(None, asymmetric) is mosaic
+  assert "192 and 128; the Triton backward" in mosaic.backward_unsupported(asymmetric)
+  assert api.select_backward(asymmetric, "mosaic_gpu") is triton
+  assert "256, got 128 (query, key) and 320 (value)" in mosaic.unsupported(
+      dataclasses.replace(_call(), Hv=320))
   assert "256, got 128 (query, key), 320 (value)" in triton.unsupported(
       dataclasses.replace(_call(), Hv=320))
   assert "shared memory" in mosaic.unsupported(

@@ -2,11 +2,12 @@
 Pallas Mosaic GPU, for compute capability 9.x (H100, H200).
 
 The forward and the backward take bfloat16 and float16 inputs and head dims up to 256
-(padded to a multiple of 64). The backward sums dQ with atomic adds, or, with
-``deterministic=True``, takes it from a kernel of its own (head dims up to 128). Its
-residuals are the Triton forward's, so the Triton backward differentiates what this one
-does not (deterministic calls above head dim 128). It has no interpret mode (see
-`jaxsoftmax._core.mosaic_gpu`).
+(padded to a multiple of 64); the forward also a value head dim other than the
+queries' (the Triton backward then differentiates it). The backward sums dQ with
+atomic adds, or, with ``deterministic=True``, takes it from a kernel of its own (head
+dims up to 128). Its residuals are the Triton forward's, so the Triton backward
+differentiates what this one does not (deterministic calls above head dim 128, and
+different value head dims). It has no interpret mode (see `jaxsoftmax._core.mosaic_gpu`).
 """
 
 from __future__ import annotations
@@ -32,29 +33,30 @@ def unsupported(call: Call) -> str | None:
     return "it has no interpret mode (interpret=True, or JAXSOFTMAX_INTERPRET=1)"
   if call.dtype not in DTYPES:
     return f"it takes bfloat16 or float16 inputs, got {call.dtype}"
-  if call.H > MAX_HEAD_DIM:
-    return f"head dims up to {MAX_HEAD_DIM}, got {call.H}"
+  if max(call.H, call.Hv) > MAX_HEAD_DIM:
+    return (f"head dims up to {MAX_HEAD_DIM}, got {call.H} (query, key) and {call.Hv} "
+            "(value)")
   if call.score_terms:
     return (f"{', '.join(call.score_terms)} run in the Triton kernels, not the Hopper "
             "ones")
-  if call.Hv != call.H:
-    return (f"one head dim for query, key and value; got {call.H} (query, key) and "
-            f"{call.Hv} (value), which the Triton backend runs")
   if call.block_sizes is not None and not isinstance(call.block_sizes, HopperBlockSizes):
     return (f"block_sizes is a {type(call.block_sizes).__name__}; the Mosaic GPU kernel "
             "takes jaxsoftmax.HopperBlockSizes")
-  needed = blocks(call).smem_bytes(wgmma_head_dim(call.H), call.itemsize)
+  needed = blocks(call).smem_bytes(wgmma_head_dim(call.H), call.itemsize,
+                                   value_head_dim=wgmma_head_dim(call.Hv))
   if needed > SMEM_BYTES:
-    return (f"{blocks(call)} need {needed} bytes of shared memory at head dim {call.H}, "
-            f"more than the {SMEM_BYTES} a block may use")
+    return (f"{blocks(call)} need {needed} bytes of shared memory at head dims {call.H} "
+            f"(query, key) and {call.Hv} (value), more than the {SMEM_BYTES} a block may "
+            "use")
   return None
 
 
 def blocks(call: Call) -> HopperBlockSizes:
-  """The caller's Hopper tiles, else the defaults for the call's head dim."""
+  """The caller's Hopper tiles, else the defaults for the wider of the call's head dims
+  (whose tiles take the most shared memory and registers)."""
   if isinstance(call.block_sizes, HopperBlockSizes):
     return call.block_sizes
-  return HopperBlockSizes.default(call.H, call.spec.is_causal)
+  return HopperBlockSizes.default(max(call.H, call.Hv), call.spec.is_causal)
 
 
 def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
@@ -67,6 +69,9 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
 def backward_unsupported(call: Call) -> str | None:
   """Why the Hopper backward cannot differentiate ``call`` (run by this forward), or
   None when it can."""
+  if call.Hv != call.H:
+    return (f"the Hopper backward takes one head dim for query, key and value, got "
+            f"{call.H} and {call.Hv}; the Triton backward differentiates it")
   return _backward.unsupported(call.H, call.dtype, call.deterministic)
 
 

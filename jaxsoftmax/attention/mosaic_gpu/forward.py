@@ -19,14 +19,18 @@ With block_kv = 2 · block_q, a causal diagonal is one key block, shared by both
 past T, and keys past S, are outside the tensors: TMA reads them as zeros and never
 writes them, and the key padding is masked like any other key.
 
-Outputs: o (B, T, N, H) in the input dtype through shared memory and TMA; the row
+The value head dim Hv may differ from the queries' H (MLA's 192 / 128): the V ring and
+the accumulator take its width, and the output its own shared-memory tiles.
+
+Outputs: o (B, T, N, Hv) in the input dtype through shared memory and TMA; the row
 statistics m (in x's units) and log2(l) as the Triton forward writes them, (B, N, T)
 float32, so that either backward can consume them; with ``float32_output`` also o in
 float32 (for the backward's delta, see `triton.forward`), stored from registers.
 Attention sinks join each row's (m, l) before the output is normalized
 (`logits.join_sink`).
 
-FLOPs: 4·B·N·T·S·H, about halved by causal masking (the skipped blocks are not loaded).
+FLOPs: 2·B·N·T·S·(H + Hv), about halved by causal masking (the skipped blocks are not
+loaded).
 """
 
 from __future__ import annotations
@@ -103,13 +107,18 @@ class HopperBlockSizes:
       return cls(block_q=64, block_kv=128, num_stages=3, persistent=True)
     return cls(block_q=64, block_kv=128 if head_dim <= 128 else 64, num_stages=2)
 
-  def smem_bytes(self, head_dim: int, itemsize: int, *, output_tiles: bool = False) -> int:
-    """Shared memory the forward needs at this head dim (padded to 64): the two query
-    tiles (reused for the output unless it has ``output_tiles``), the K and V ring, the
-    row statistics, and 1 KiB for the barriers and alignment."""
-    q_tiles = _CONSUMERS * self.block_q * (2 if output_tiles else 1)
-    tiles = (q_tiles + 2 * self.num_stages * self.block_kv) * head_dim
-    return tiles * itemsize + 2 * _CONSUMERS * self.block_q * 4 + 1024
+  def smem_bytes(self, head_dim: int, itemsize: int, *, output_tiles: bool = False,
+                 value_head_dim: int | None = None) -> int:
+    """Shared memory the forward needs at these head dims (padded to 64; the values'
+    ``value_head_dim`` is ``head_dim`` unless given): the two query tiles, the two
+    output tiles (the query tiles serve unless it has ``output_tiles``, or the value
+    head dim differs), the K and V ring, the row statistics, and 1 KiB for the barriers
+    and alignment."""
+    hv = head_dim if value_head_dim is None else value_head_dim
+    rows = _CONSUMERS * self.block_q
+    tiles = (rows * head_dim + rows * hv * (output_tiles or hv != head_dim)
+             + self.num_stages * self.block_kv * (head_dim + hv))
+    return tiles * itemsize + 2 * rows * 4 + 1024
 
 
 def wgmma_head_dim(head_dim: int) -> int:
@@ -250,7 +259,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
         q_seg = plgpu.load(q_seg_ref.at[b, pl.ds(row0, bq)], layout=_ROW, optimized=False)
       plgpu.barrier_wait(q_loaded.at[wg])
 
-      head_dim = q_tile.shape[-1]
+      value_dim = v_smem.shape[-1]
       shape = (bq, bkv)
       def masked_logits(x, j, masked: bool):
         x, _ = logits.cap(x)
@@ -278,7 +287,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
 
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), _ROW)
       l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _ROW)
-      acc = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+      acc = plgpu.layout_cast(jnp.zeros((bq, value_dim), jnp.float32), plgpu.Layout.WGMMA)
 
       @pl.when(hi > lo)
       def _():
@@ -397,19 +406,19 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
 
 def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, scale: float,
             softcap: float | None, float32_output: bool = False, sinks=None):
-  """(o (B, T, N, H), m (B, N, T), log2_l (B, N, T)[, o in float32]) for q (B, T, N, H)
-  and k, v (B, S, K, H) in bfloat16 or float16; ``aux_arrays`` are (query lengths,
+  """(o (B, T, N, Hv), m (B, N, T), log2_l (B, N, T)[, o in float32]) for q (B, T, N, H),
+  k (B, S, K, H) and v (B, S, K, Hv) in bfloat16 or float16; ``aux_arrays`` are (query lengths,
   key lengths, query segment ids, key segment ids), each None or an int32 array;
   ``sinks`` None or (B, N) float32 logits joined in the epilogue (`logits.join_sink`)."""
   B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  H_pad = wgmma_head_dim(H)
+  S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
+  H_pad, Hv_pad = wgmma_head_dim(H), wgmma_head_dim(Hv)
   # TMA moves the (8, 64) tiles of the shared-memory layout: sequences are padded to a
   # multiple of 8 rows (a copy only for such lengths), the head dim to one of 64; the
   # zeros change no product, and the padding keys are masked.
   T8, S8 = -(-T // 8) * 8, -(-S // 8) * 8
   q = pad_to(pad_to(q, 1, T8), 3, H_pad)
-  k, v = (pad_to(pad_to(x, 1, S8), 3, H_pad) for x in (k, v))
+  k, v = pad_to(pad_to(k, 1, S8), 3, H_pad), pad_to(pad_to(v, 1, S8), 3, Hv_pad)
   bq, bkv = blocks.block_q, blocks.block_kv
   n_q_tiles = pl.cdiv(T, _CONSUMERS * bq)
   T_pad = n_q_tiles * _CONSUMERS * bq
@@ -426,16 +435,17 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   work = _Work(B, N, n_q_tiles, spec.is_causal,
                pallas.num_cores() if blocks.persistent else None)
   # A persistent CTA refills its query tiles while the previous item finishes, so its
-  # outputs need tiles of their own, where shared memory has room for them.
-  output_tiles = blocks.persistent and blocks.smem_bytes(
-      H_pad, q.dtype.itemsize, output_tiles=True) <= SMEM_BYTES
-  tile = plgpu.SMEM((_CONSUMERS, bq, H_pad), q.dtype, transforms=tiled)
+  # outputs need tiles of their own, where shared memory has room for them; so does an
+  # output of another head dim than the queries'.
+  output_tiles = Hv_pad != H_pad or (blocks.persistent and blocks.smem_bytes(
+      H_pad, q.dtype.itemsize, output_tiles=True) <= SMEM_BYTES)
+  tile = lambda width: plgpu.SMEM((_CONSUMERS, bq, width), q.dtype, transforms=tiled)
   # In allocation order (what `_Scratch` says each holds).
   scratch = dict(
-      q_smem=tile,
-      **(dict(o_smem=tile) if output_tiles else {}),
+      q_smem=tile(H_pad),
+      **(dict(o_smem=tile(Hv_pad)) if output_tiles else {}),
       k_smem=plgpu.SMEM((stages, bkv, H_pad), k.dtype, transforms=tiled),
-      v_smem=plgpu.SMEM((stages, bkv, H_pad), v.dtype, transforms=tiled),
+      v_smem=plgpu.SMEM((stages, bkv, Hv_pad), v.dtype, transforms=tiled),
       stat_smem=plgpu.SMEM((2, _CONSUMERS, bq), jnp.float32),
       q_loaded=plgpu.Barrier(num_barriers=_CONSUMERS),
       q_free=plgpu.Barrier(num_barriers=_CONSUMERS),
@@ -446,9 +456,9 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
       schedule=plgpu.Barrier(num_arrivals=_CONSUMERS),
   )
   stat = jax.ShapeDtypeStruct((B, N, T_pad), jnp.float32)
-  out_type = [jax.ShapeDtypeStruct((B, T8, N, H_pad), q.dtype), stat, stat]
+  out_type = [jax.ShapeDtypeStruct((B, T8, N, Hv_pad), q.dtype), stat, stat]
   if float32_output:
-    out_type.append(jax.ShapeDtypeStruct((B, T_pad, N, H_pad), jnp.float32))
+    out_type.append(jax.ShapeDtypeStruct((B, T_pad, N, Hv_pad), jnp.float32))
   kernel = functools.partial(
       _kernel, aux_present=AuxArrays(*aux).present, spec=spec, blocks=blocks,
       logits=Logits(scale, softcap, fused=softcap is None), group=N // K, work=work,
@@ -463,5 +473,5 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
       softcap=softcap, scratch_types=list(scratch.values()), grid=grid, grid_names=grid_names,
   )(q, k, v, *(a for a in aux if a is not None), *sink_inputs)
   o, m, log2_l, *o32 = outputs
-  o, m, log2_l = o[:, :T, :, :H], m[..., :T], log2_l[..., :T]
-  return (o, m, log2_l, *(x[:, :T, :, :H] for x in o32))
+  o, m, log2_l = o[:, :T, :, :Hv], m[..., :T], log2_l[..., :T]
+  return (o, m, log2_l, *(x[:, :T, :, :Hv] for x in o32))
