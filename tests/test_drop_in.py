@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxsoftmax as js
+from jaxsoftmax.attention import reference
 from jaxprs import kernel_names
 from tolerance import assert_same_derivatives
 
@@ -41,6 +42,21 @@ def _attention_inputs(key, dtype, batch=2, T=19):
   return (jax.random.normal(kq, (batch, T, 4, 64), dtype),
           jax.random.normal(kk, (batch, 19, 2, 64), dtype),
           jax.random.normal(kv, (batch, 19, 2, 64), dtype))
+
+
+def _score_term_inputs(key, dtype, batch=2, T=19):
+  """q, k, v with a key bias and a key mask (B, 1, 1, S), broadcast over the heads and
+  queries (the derivative tests take one query); the mask keeps key 0, so that no row
+  is without a key."""
+  kb, km = jax.random.split(jax.random.fold_in(key, 1))
+  q, k, v = _attention_inputs(key, dtype, batch, T)
+  bias = jax.random.normal(kb, (batch, 1, 1, 19), dtype)
+  mask = jax.random.bernoulli(km, 0.8, (batch, 1, 1, 19)).at[..., 0].set(True)
+  return q, k, v, bias, mask
+
+
+# Constants of the score-terms op: ALiBi slopes and sinks, one per query head.
+SLOPES, SINKS = jnp.array([0.5, 0.25, 0.125, 0.0625]), jnp.array([-1.0, 0.0, 1.0, 2.0])
 
 
 def _rows(key, dtype, rows=8):
@@ -95,6 +111,14 @@ OPS = {
         lambda q, k, v, **kw: js.dot_product_attention(q, k, v, is_causal=True, **kw),
         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
         (ROWS, ROWS, ROWS)),
+    # A bias, a mask array, ALiBi slopes and sinks: the Triton kernels' score terms.
+    "dot_product_attention score terms": Op(
+        lambda k, d, r: _score_term_inputs(k, d, r),
+        lambda q, k, v, bias, mask, **kw: js.dot_product_attention(
+            q, k, v, bias, mask, is_causal=True, alibi_slopes=SLOPES, sinks=SINKS, **kw),
+        lambda q, k, v, bias, mask: reference.dot_product_attention(
+            q, k, v, bias, mask, is_causal=True, alibi_slopes=SLOPES, sinks=SINKS)[0],
+        (ROWS, ROWS, ROWS, ROWS, ROWS)),
     # One new token per sequence against its keys: the decode kernel's calls.
     "dot_product_attention decode step": Op(
         lambda k, d, r: (*_attention_inputs(k, d, r, T=1), 19 - (jnp.arange(r) * 7) % 19),
