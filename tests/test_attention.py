@@ -220,9 +220,8 @@ VALUE_HEAD_CASES = [
 @pytest.mark.parametrize("backend, B, T, S, N, K, H, Hv, options",
                          _per_backend(VALUE_HEAD_CASES))
 def test_value_head_dim(key, backend, B, T, S, N, K, H, Hv, options):
-  # Output (B, T, N, Hv), lse and every gradient under the 2x rule (on the Hopper
-  # forward, the Triton backward); a backend that takes one head dim skips with its
-  # reason, which names both.
+  # Output (B, T, N, Hv), lse and every gradient under the 2x rule; a backend that takes
+  # one head dim skips with its reason, which names both.
   dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
   q, k, _, _ = _inputs(key, B, T, S, N, K, H, dtype)
   kv, kd = jax.random.split(jax.random.fold_in(key, 1))
@@ -689,11 +688,15 @@ def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent):
     (96, jnp.bfloat16, dict(window_left=100, window_right=20)),
     (256, jnp.bfloat16, dict(is_causal=True)),
     (192, jnp.float16, dict(has_segments=True)),
+    ((192, 128), jnp.bfloat16, dict(is_causal=True)),  # MLA's: the wide design
+    ((64, 128), jnp.float16, {}),  # split keys, dK and dV of two widths
 ])
 def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_dtype):
   # As the forward above: the Hopper backward lowers for CUDA on any machine (above head
-  # dim 128 its wide design; deterministic calls there take the Triton backward).
-  if deterministic and H > 128:
+  # dim 128 its wide design; deterministic calls there take the Triton backward). H may
+  # be a pair (query and key, value head dims).
+  H, Hv = H if isinstance(H, tuple) else (H, H)
+  if deterministic and max(H, Hv) > 128:
     pytest.skip("the deterministic Hopper backward takes head dims up to 128")
   B, T, S, N, K = 2, 1000, 777, 4, 2
   spec = MaskSpec(T, S, **options)
@@ -709,11 +712,12 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_
         grad_dtype=grad_dtype)
 
   x, f32 = (functools.partial(jax.ShapeDtypeStruct, dtype=t) for t in (dtype, jnp.float32))
-  args = (x((B, T, N, H)), x((B, S, K, H)), x((B, S, K, H)), f32((B, T, N, H)),
-          f32((B, N, T)), f32((B, N, T)), x((B, T, N, H)),
+  args = (x((B, T, N, H)), x((B, S, K, H)), x((B, S, K, Hv)), f32((B, T, N, Hv)),
+          f32((B, N, T)), f32((B, N, T)), x((B, T, N, Hv)),
           *(a for a in aux if a is not None))
-  lowered = jax.jit(backward).trace(*args).lower(lowering_platforms=("cuda",))
-  assert "attention_backward_mosaic_gpu" in lowered.as_text()
+  traced = jax.jit(backward).trace(*args)
+  assert [o.shape for o in traced.out_info] == [(B, T, N, H), (B, S, K, H), (B, S, K, Hv)]
+  assert "attention_backward_mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu
@@ -934,12 +938,16 @@ def test_backend_declarations(monkeypatch):
   assert api.select_backend(None, _call(dtype="float32")) is triton
   assert "no interpret mode" in mosaic.unsupported(_call(interpret=True))
   assert "head dims up to 256" in mosaic.unsupported(_call(H=320))
-  # A value head dim of its own: the Hopper forward, then the Triton backward.
+  # A value head dim of its own: the Hopper forward and backward (deterministic up to
+  # head dim 128, else the Triton backward).
   asymmetric = dataclasses.replace(_call(H=192), Hv=128)
   assert mosaic.unsupported(asymmetric) is None and triton.unsupported(asymmetric) is None
   assert api.select_backend(None, asymmetric) is mosaic
-  assert "192 and 128; the Triton backward" in mosaic.backward_unsupported(asymmetric)
-  assert api.select_backward(asymmetric, "mosaic_gpu") is triton
+  assert api.select_backward(asymmetric, "mosaic_gpu") is mosaic
+  assert "up to 128 (its dQ kernel's K/V ring), got 192" in mosaic.backward_unsupported(
+      dataclasses.replace(asymmetric, deterministic=True))
+  narrow = dataclasses.replace(_call(H=64), Hv=128, deterministic=True)
+  assert api.select_backward(narrow, "mosaic_gpu") is mosaic
   assert "256, got 128 (query, key) and 320 (value)" in mosaic.unsupported(
       dataclasses.replace(_call(), Hv=320))
   assert "256, got 128 (query, key), 320 (value)" in triton.unsupported(

@@ -2,12 +2,12 @@
 Pallas Mosaic GPU, for compute capability 9.x (H100, H200).
 
 The forward and the backward take bfloat16 and float16 inputs and head dims up to 256
-(padded to a multiple of 64); the forward also a value head dim other than the
-queries' (the Triton backward then differentiates it). The backward sums dQ with
+(padded to a multiple of 64), and a value head dim other than the queries'. The
+backward sums dQ with
 atomic adds, or, with ``deterministic=True``, takes it from a kernel of its own (head
 dims up to 128). Its residuals are the Triton forward's, so the Triton backward
-differentiates what this one does not (deterministic calls above head dim 128, and
-different value head dims). It has no interpret mode (see `jaxsoftmax._core.mosaic_gpu`).
+differentiates what this one does not (deterministic calls above head dim 128). It has
+no interpret mode (see `jaxsoftmax._core.mosaic_gpu`).
 """
 
 from __future__ import annotations
@@ -69,10 +69,8 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
 def backward_unsupported(call: Call) -> str | None:
   """Why the Hopper backward cannot differentiate ``call`` (run by this forward), or
   None when it can."""
-  if call.Hv != call.H:
-    return (f"the Hopper backward takes one head dim for query, key and value, got "
-            f"{call.H} and {call.Hv}; the Triton backward differentiates it")
-  return _backward.unsupported(call.H, call.dtype, call.deterministic)
+  return _backward.unsupported(call.H, call.dtype, call.deterministic,
+                              value_head_dim=call.Hv)
 
 
 def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call, *, grad_dtype=None,

@@ -23,7 +23,8 @@ three warpgroups:
   global memory (FlashAttention-3, section 3.3: dQ accumulated by atomic adds, so each
   block pair costs 5 tile products instead of the 7 of separate dK/dV and dQ kernels).
 
-Above head dim 128 (`SPLIT_KEYS_HEAD_DIM`) a consumer cannot hold both dK and dV of its
+Above head dim 128 (`SPLIT_KEYS_HEAD_DIM`; for a value head dim Hv of its own, where
+H + Hv exceeds twice that, `wide_design`) a consumer cannot hold both dK and dV of its
 keys (256 float32 registers a thread at 256), so the wide design gives each CTA one block
 of block_kv keys and splits the gradients instead: both consumers compute Pᵀ; consumer 0
 accumulates dV += Pᵀ dO and takes every chunk of dQ, consumer 1 computes dPᵀ and dSᵀ,
@@ -90,21 +91,22 @@ class HopperBackwardBlockSizes:
   block_kv: int = 64
   num_stages: int = 2
 
-  def keys_per_tile(self, head_dim: int) -> int:
+  def keys_per_tile(self, wide: bool) -> int:
     """Keys per CTA: each consumer's own block_kv, or one block_kv shared by both in the
-    wide design (head dims above `SPLIT_KEYS_HEAD_DIM`)."""
-    return self.block_kv * (1 if head_dim > SPLIT_KEYS_HEAD_DIM else _CONSUMERS)
+    wide design (`wide_design`)."""
+    return self.block_kv * (1 if wide else _CONSUMERS)
 
-  def smem_bytes(self, head_dim: int, itemsize: int, terms: int) -> int:
-    """Shared memory of the dK/dV kernel at this (padded) head dim: K and V, the Q/dO
-    ring with its row statistics, the dSᵀ buffers (`ds_buffers`, ``terms`` float16 terms
-    each), the dQ chunks on their way out (one per consumer taking dQ), and 1 KiB for
-    barriers and alignment."""
-    keys = self.keys_per_tile(head_dim)
-    wide = head_dim > SPLIT_KEYS_HEAD_DIM
-    kv = 2 * keys * head_dim * itemsize
-    ring = self.num_stages * (2 * self.block_q * head_dim * itemsize + 2 * self.block_q * 4)
-    ds = ds_buffers(head_dim, terms) * terms * keys * self.block_q * itemsize
+  def smem_bytes(self, head_dim: int, value_head_dim: int, itemsize: int, terms: int) -> int:
+    """Shared memory of the dK/dV kernel at these (padded) head dims of Q/K and of V/dO:
+    K and V, the Q/dO ring with its row statistics, the dSᵀ buffers (`ds_buffers`,
+    ``terms`` float16 terms each), the dQ chunks on their way out (one per consumer
+    taking dQ), and 1 KiB for barriers and alignment."""
+    wide = wide_design(head_dim, value_head_dim)
+    keys = self.keys_per_tile(wide)
+    kv = keys * (head_dim + value_head_dim) * itemsize
+    ring = self.num_stages * (self.block_q * (head_dim + value_head_dim) * itemsize
+                              + 2 * self.block_q * 4)
+    ds = ds_buffers(wide, terms) * terms * keys * self.block_q * itemsize
     dq = (1 if wide else _CONSUMERS) * self.block_q * _CHUNK * 4
     return kv + ring + ds + dq + 1024
 
@@ -112,22 +114,33 @@ class HopperBackwardBlockSizes:
 BLOCKS = HopperBackwardBlockSizes()
 
 
-def ds_buffers(head_dim: int, terms: int) -> int:
+def wide_design(head_dim: int, value_head_dim: int) -> bool:
+  """Whether the dK/dV kernel takes the wide design: a consumer holds dK (block_kv x
+  head_dim) and dV (block_kv x value_head_dim) in float32 registers only while their
+  padded widths sum to at most 2 · `SPLIT_KEYS_HEAD_DIM`."""
+  return head_dim + value_head_dim > 2 * SPLIT_KEYS_HEAD_DIM
+
+
+def ds_buffers(wide: bool, terms: int) -> int:
   """Buffers of dSᵀ in shared memory, so that a query block's may be written while the
   products of the one before still read theirs: two, but one of float16's two terms in
   the wide design (whose shared memory holds no more; a barrier then orders them)."""
-  return 1 if head_dim > SPLIT_KEYS_HEAD_DIM and terms > 1 else 2
+  return 1 if wide and terms > 1 else 2
 
 
-def unsupported(head_dim: int, dtype, deterministic: bool = False) -> str | None:
-  """Why the Hopper backward cannot run this head dim and dtype, or None."""
-  if wgmma_head_dim(head_dim) > MAX_HEAD_DIM:
-    return f"the Hopper backward takes head dims up to {MAX_HEAD_DIM}, got {head_dim}"
-  if deterministic and wgmma_head_dim(head_dim) > SPLIT_KEYS_HEAD_DIM:
+def unsupported(head_dim: int, dtype, deterministic: bool = False,
+                value_head_dim: int | None = None) -> str | None:
+  """Why the Hopper backward cannot run these head dims (of Q/K; of V, ``head_dim``
+  unless given) and dtype, or None."""
+  value_head_dim = head_dim if value_head_dim is None else value_head_dim
+  widest = max(head_dim, value_head_dim)
+  if wgmma_head_dim(widest) > MAX_HEAD_DIM:
+    return f"the Hopper backward takes head dims up to {MAX_HEAD_DIM}, got {widest}"
+  if deterministic and wgmma_head_dim(widest) > SPLIT_KEYS_HEAD_DIM:
     return (f"the deterministic Hopper backward takes head dims up to "
-            f"{SPLIT_KEYS_HEAD_DIM} (its dQ kernel's K/V ring), got {head_dim}")
-  needed = BLOCKS.smem_bytes(wgmma_head_dim(head_dim), jnp.dtype(dtype).itemsize,
-                             score_grad_term_count(dtype))
+            f"{SPLIT_KEYS_HEAD_DIM} (its dQ kernel's K/V ring), got {widest}")
+  needed = BLOCKS.smem_bytes(wgmma_head_dim(head_dim), wgmma_head_dim(value_head_dim),
+                             jnp.dtype(dtype).itemsize, score_grad_term_count(dtype))
   if needed > SMEM_BYTES:
     return f"it needs {needed} bytes of shared memory, more than {SMEM_BYTES}"
   return None
@@ -206,8 +219,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   dq_ref, dk_ref, dv_ref = refs if atomic_dq else (None, *refs)
 
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
-  head_dim = k_smem.shape[-1]
-  n_chunks = head_dim // _CHUNK
+  head_dim, value_dim = k_smem.shape[-1], v_smem.shape[-1]
+  n_chunks = head_dim // _CHUNK  # of dQ, as wide as Q and K
   key_blocks = k_smem.shape[0]  # blocks of block_kv keys the CTA holds
   wg = lax.axis_index("wg")
   b, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -267,7 +280,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     n_buffers, terms = ds_smem.shape[0], ds_smem.shape[1]
     k_seg = _key_segments(kv_seg_ref, b, k0, shape)
     keys = pl.ds(k0, bkv)
-    acc = plgpu.ACC((bkv, head_dim), jnp.float32)
     plgpu.barrier_wait(kv_loaded)
 
     def probabilities(i, s, masked):
@@ -307,7 +319,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         walk_steps(step)
         return dv_acc[...]
 
-      finish(pl.run_scoped(compute, acc), v_tile, dv_ref)
+      finish(pl.run_scoped(compute, plgpu.ACC((bkv, value_dim), jnp.float32)), v_tile,
+             dv_ref)
 
     @pl.when(wg == 1)
     def _keys():
@@ -338,7 +351,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         walk_steps(step)
         return dk_acc[...]
 
-      finish(pl.run_scoped(compute, acc) * logits.scale, k_tile, dk_ref)
+      finish(pl.run_scoped(compute, plgpu.ACC((bkv, head_dim), jnp.float32)) * logits.scale,
+             k_tile, dk_ref)
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
@@ -403,8 +417,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       walk_steps(step)
       return dk_acc[...], dv_acc[...]
 
-    acc = plgpu.ACC((bkv, head_dim), jnp.float32)
-    dk, dv = pl.run_scoped(compute, acc, acc)
+    dk, dv = pl.run_scoped(compute, plgpu.ACC((bkv, head_dim), jnp.float32),
+                           plgpu.ACC((bkv, value_dim), jnp.float32))
     if atomic_dq and not float32_grads:  # both consumers are done reading each other's
       plgpu.barrier_arrive(done)  # K (the dQ products) before K and V take the
       plgpu.barrier_wait(done)  # gradients on their way out
@@ -558,14 +572,14 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   if grad_dtype is not None and not float32_grads and jnp.dtype(grad_dtype) != q.dtype:
     raise ValueError(f"grad_dtype must be float32 or the inputs' {q.dtype}, got {grad_dtype}")
   B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  H_pad = wgmma_head_dim(H)
-  why = unsupported(H, q.dtype, deterministic)
+  S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
+  H_pad, Hv_pad = wgmma_head_dim(H), wgmma_head_dim(Hv)
+  why = unsupported(H, q.dtype, deterministic, value_head_dim=Hv)
   if why is not None:
     raise ValueError(why)
-  wide = H_pad > SPLIT_KEYS_HEAD_DIM
+  wide = wide_design(H_pad, Hv_pad)
   bq, bkv = blocks.block_q, blocks.block_kv
-  keys_per_tile = blocks.keys_per_tile(H_pad)
+  keys_per_tile = blocks.keys_per_tile(wide)
   key_blocks = keys_per_tile // bkv
   logits = Logits(scale, softcap, fused=True)
   # delta = rowsum(dO ∘ O) and lse₂ in one fused XLA pass each, padded to whole tiles
@@ -579,8 +593,8 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   # TMA moves (8, 64) tiles: sequences padded to a multiple of 8 rows, the head dim to
   # one of 64, as in the forward (zeros, which change no product).
   T8, S8 = -(-T // 8) * 8, -(-S // 8) * 8
-  q, do = (pad_to(pad_to(x, 1, T8), 3, H_pad) for x in (q, do))
-  k, v = (pad_to(pad_to(x, 1, S8), 3, H_pad) for x in (k, v))
+  q, do = pad_to(pad_to(q, 1, T8), 3, H_pad), pad_to(pad_to(do, 1, T8), 3, Hv_pad)
+  k, v = pad_to(pad_to(k, 1, S8), 3, H_pad), pad_to(pad_to(v, 1, S8), 3, Hv_pad)
   q_len, kv_len, q_seg, kv_seg = aux_arrays.lengths_and_segments
   n_kv_tiles = pl.cdiv(S, keys_per_tile)
   if q_seg is not None:  # vector loads from global memory have no bounds
@@ -596,9 +610,9 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
                  logits=logits, group=N // K, float32_grads=float32_grads)
   scratch = dict(
       k_smem=plgpu.SMEM((key_blocks, bkv, H_pad), k.dtype, transforms=tiled),  # then dK
-      v_smem=plgpu.SMEM((key_blocks, bkv, H_pad), v.dtype, transforms=tiled),  # then dV
+      v_smem=plgpu.SMEM((key_blocks, bkv, Hv_pad), v.dtype, transforms=tiled),  # then dV
       q_ring=plgpu.SMEM((stages, bq, H_pad), q.dtype, transforms=tiled),
-      do_ring=plgpu.SMEM((stages, bq, H_pad), do.dtype, transforms=tiled),
+      do_ring=plgpu.SMEM((stages, bq, Hv_pad), do.dtype, transforms=tiled),
       lse2_ring=plgpu.SMEM((stages, bq), jnp.float32),
       delta_ring=plgpu.SMEM((stages, bq), jnp.float32),
       kv_loaded=plgpu.Barrier(num_arrivals=2 * key_blocks),  # K and V of every block
@@ -607,7 +621,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
       slot_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
   )
   if wide:  # consumer 1 hands dSᵀ to consumer 0, which takes every chunk of dQ
-    buffers = ds_buffers(H_pad, terms)
+    buffers = ds_buffers(wide, terms)
     scratch.update(
         ds_smem=plgpu.SMEM((buffers, terms, bkv, bq), q.dtype, transforms=tiled),
         dq_smem=plgpu.SMEM((bq, _CHUNK), jnp.float32),
@@ -623,11 +637,14 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
     )
   # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
-  kv_type = (jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K, H_pad), jnp.float32)
-             if float32_grads else jax.ShapeDtypeStruct((B, S8, K, H_pad), q.dtype))
+  def kv_type(width):
+    if float32_grads:
+      return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K, width), jnp.float32)
+    return jax.ShapeDtypeStruct((B, S8, K, width), q.dtype)
+
   dkdv_kernel = warp_specialized_kernel(
       functools.partial(_dkdv_kernel, atomic_dq=not deterministic, **statics),
-      out_type=(kv_type, kv_type), consumers=_CONSUMERS,
+      out_type=(kv_type(H_pad), kv_type(Hv_pad)), consumers=_CONSUMERS,
       name="attention_backward_mosaic_gpu", softcap=softcap, scratch_types=scratch,
       grid=(K, n_kv_tiles, B), grid_names=("heads", "kv_tiles", "batch"))
   inputs = (q, k, v, do, lse2, delta, *aux_inputs)
@@ -640,9 +657,9 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
         else jax.ShapeDtypeStruct((B, T8, N, H_pad), q.dtype),
         scratch_types=dict(
             q_tiles=plgpu.SMEM((_CONSUMERS, bq, H_pad), q.dtype, transforms=tiled),
-            do_tiles=plgpu.SMEM((_CONSUMERS, bq, H_pad), do.dtype, transforms=tiled),
+            do_tiles=plgpu.SMEM((_CONSUMERS, bq, Hv_pad), do.dtype, transforms=tiled),
             k_ring=plgpu.SMEM((stages, bkv, H_pad), k.dtype, transforms=tiled),
-            v_ring=plgpu.SMEM((stages, bkv, H_pad), v.dtype, transforms=tiled),
+            v_ring=plgpu.SMEM((stages, bkv, Hv_pad), v.dtype, transforms=tiled),
             q_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),  # Q and dO
             k_loaded=plgpu.Barrier(num_barriers=stages),
             v_loaded=plgpu.Barrier(num_barriers=stages),
@@ -658,4 +675,4 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     dk, dv = dkdv_kernel(*inputs, dq32)
     dq = jax.freeze(dq32) * scale
     dq = dq if float32_grads else dq.astype(q.dtype)
-  return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :H]
+  return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :Hv]
