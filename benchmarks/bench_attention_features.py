@@ -4,7 +4,8 @@ beside cuDNN with the same bias and mask, in one run on the same inputs.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_attention_features.py --out DIR
 
-ATTN_FEATURES=plain,sinks (a comma-separated subset of `FEATURES`) measures only those.
+ATTN_FEATURES=plain,sinks (a comma-separated subset of `FEATURES`) measures only those;
+--modes fwd,fwd+bwd,jvp adds forward mode.
 
 Shapes (B, T, N, K, H): 4x4096x16x16x128, full and causal, bfloat16. Rows:
   - `jaxsoftmax triton`: the Triton kernels (which read bias, masks and slopes by
@@ -18,12 +19,16 @@ Features: `sinks` (N,) logits; `alibi` slopes 2^-(n+1); `bias keys` (B, 1, 1, S)
 key-padding bias); `bias heads` (1, N, T, S) (a relative-position bias); `mask`
 (B, 1, T, S) booleans, 10% False, with every key past 3/4 of S masked for batch row 1
 (whole tiles the kernels skip). The mode fwd+bwd differentiates q, k and v (the bias and
-mask held fixed, as a model's frozen bias would be).
+mask held fixed, as a model's frozen bias would be); jvp is forward mode, ``jax.jvp`` with
+tangents for q, k and v (our forward, then the Triton tangent kernel), beside
+``jax.nn.dot_product_attention(implementation="xla")``'s (`xla`, jvp rows only; cuDNN's
+has no forward mode, its rows say so).
 
 Errors against the float64 truth of the same feature on batch row 0 and the query heads
 of K/V head 0 (`bench_attention.truth_slices`). FLOPs: the plain call's, 4·B·N·T·S·H
-(halved when causal; 3.5x for forward + backward), so a feature's TFLOP/s against the
-plain row's is its cost. The table ends with each feature's time over its kernel's
+(halved when causal; 3.5x for forward + backward and for forward mode, whose tangent
+pass recomputes S and forms Q̇Kᵀ, QK̇ᵀ, (P∘Ṡ)V and PV̇), so a feature's TFLOP/s against
+the plain row's is its cost. The table ends with each feature's time over its kernel's
 plain row (`feature_costs`).
 """
 
@@ -59,7 +64,10 @@ def measured_features() -> tuple[str, ...]:
 # Which features each implementation runs.
 RUNS = {"jaxsoftmax triton": FEATURES,
         "jaxsoftmax mosaic_gpu": ("plain", "sinks"),
-        "cudnn": ("plain", "bias keys", "bias heads", "mask")}
+        "cudnn": ("plain", "bias keys", "bias heads", "mask"),
+        "xla": ("plain", "sinks", "alibi", "bias keys", "bias heads", "mask")}
+# The modes an implementation runs where not all (XLA's attention: forward mode's peer).
+MODES_OF = {"xla": ("jvp",)}
 
 
 def feature_arrays(feature: str, B: int, T: int, N: int):
@@ -92,6 +100,9 @@ def attention_fn(impl: str, causal: bool, kw: dict):
   if impl == "cudnn":
     return lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, kw.get("bias"), kw.get("mask"), is_causal=causal, implementation="cudnn")
+  if impl == "xla":  # with every feature, as the reference spells them
+    return lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal,
+                                                           **kw)[0]
   backend = impl.split()[-1]
   return lambda q, k, v: js.dot_product_attention(q, k, v, is_causal=causal,
                                                   implementation=backend, **kw)
@@ -109,20 +120,34 @@ def bench_shape(report: harness.Report, case, dtype):
     kw_part = part(kw, group)
     ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal,
                                                           **kw_part)[0]
-    truth = {"fwd": harness.float64_truth(ref, part_q(q), part_kv(k), part_kv(v))}
-    if "fwd+bwd" in report.modes:
-      truth["fwd+bwd"] = harness.float64_truth(fwd_bwd(ref), part_q(q), part_kv(k),
-                                               part_kv(v), part_q(do))
+    parts = (part_q(q), part_kv(k), part_kv(v), part_q(do))
+    truth = {mode: harness.float64_truth(_mode_fn(mode, ref), *parts[:3 + (mode != "fwd")])
+             for mode in report.modes}
     for impl, runs in RUNS.items():
       if feature not in runs:
         continue
       attention = attention_fn(impl, causal, kw)
       for mode in report.modes:
-        fn, args = ((attention, (q, k, v)) if mode == "fwd"
-                    else (fwd_bwd(attention), (q, k, v, do)))
-        report.measure(mode=mode, impl=f"{impl} {feature}", fn=fn, arg_sets=[args],
-                       flops=flops * (1 if mode == "fwd" else 3.5), truth=truth[mode],
-                       compare=part_q if mode == "fwd" else compare_bwd, **common)
+        if mode not in MODES_OF.get(impl, report.modes):
+          continue
+        args = (q, k, v) if mode == "fwd" else (q, k, v, do)
+        report.measure(mode=mode, impl=f"{impl} {feature}", fn=_mode_fn(mode, attention),
+                       arg_sets=[args], flops=flops * (1 if mode == "fwd" else 3.5),
+                       truth=truth[mode], compare=compare_bwd if mode == "fwd+bwd" else part_q,
+                       **common)
+
+
+def _mode_fn(mode: str, attention):
+  """What ``mode`` times of ``attention``: the forward (q, k, v -> o), a training step's
+  forward and backward (q, k, v, dO -> dq, dk, dv), or forward mode (q, k, v, t -> the
+  output's tangent for the tangents (t, k, v) of (q, k, v), reusing the inputs as
+  tangents)."""
+  if mode == "fwd":
+    return attention
+  if mode == "fwd+bwd":
+    return fwd_bwd(attention)
+  assert mode == "jvp", mode
+  return lambda q, k, v, t: jax.jvp(attention, (q, k, v), (t, k, v))[1]
 
 
 def feature_costs(rows) -> str:
@@ -148,7 +173,8 @@ def feature_costs(rows) -> str:
 
 def _rows(case, dtype, modes):
   features = measured_features()
-  return sum(len(set(runs) & set(features)) for runs in RUNS.values()) * len(modes)
+  return sum(len(set(runs) & set(features)) * len(set(MODES_OF.get(impl, modes)) & set(modes))
+             for impl, runs in RUNS.items())
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@
 #                           names the results, ATTN_MODES="fwd" measures the forward alone)
 #   attn-bench-bwd          bench_attention_backward.py: the backwards alone (ATTN_ONLY)
 #   attn-features           bench_attention_features.py: sinks, ALiBi, bias and mask
-#                           arrays against the plain kernels and cuDNN (ATTN_ONLY)
+#                           arrays against the plain kernels and cuDNN (ATTN_ONLY;
+#                           ATTN_MODES="fwd,fwd+bwd,jvp" adds forward mode; ATTN_FEATURES
+#                           picks features)
 #   attn-ncu                Nsight Compute counters of one forward (NCU_SOURCE=1 adds the
 #                           per-instruction stall samples on the SASS)
 #   attn-resources          ptxas' registers and spills of the Mosaic GPU kernels
@@ -176,7 +178,7 @@ for stage in $stages; do
         | tee -a "$out/attn_bench_bwd.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     attn-features)
       timeout 400 $python benchmarks/bench_attention_features.py --out "$out" \
-        ${ATTN_ONLY:+--only "$ATTN_ONLY"} 2>&1 \
+        ${ATTN_ONLY:+--only "$ATTN_ONLY"} ${ATTN_MODES:+--modes "$ATTN_MODES"} 2>&1 \
         | tee -a "$out/attn_features.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     attn-ncu)
       # Nsight Compute on one forward of each of PROFILE_IMPLS (default: ours on Hopper

@@ -146,12 +146,18 @@ def test_bench_attention_backward_smoke(tmp_path):
 
 
 def test_bench_attention_features_smoke(tmp_path):
-  rows = _smoke_rows(tmp_path, "bench_attention_features", "attention_features")
-  # Every feature on the Triton kernels, each with its error; the cost table at the end.
-  triton = {r["impl"] for r in rows if r["impl"].startswith("jaxsoftmax triton")
-            and r["median_us"] is not None and r["max_rel_err"] < 0.05}
-  assert triton == {f"jaxsoftmax triton {f}" for f in
-                    ("plain", "sinks", "alibi", "bias keys", "bias heads", "mask")}
+  rows = _smoke_rows(tmp_path, "bench_attention_features", "attention_features",
+                     "--modes", "fwd,fwd+bwd,jvp")
+  # Every feature on the Triton kernels in every mode, each with its error; forward mode
+  # beside XLA's; the cost table at the end.
+  features = ("plain", "sinks", "alibi", "bias keys", "bias heads", "mask")
+  for mode in ("fwd", "fwd+bwd", "jvp"):
+    triton = {r["impl"] for r in rows if r["impl"].startswith("jaxsoftmax triton")
+              and r["mode"] == mode and r["median_us"] is not None and r["max_rel_err"] < 0.05}
+    assert triton == {f"jaxsoftmax triton {f}" for f in features}, mode
+  xla = {(r["impl"], r["mode"]) for r in rows if r["impl"].startswith("xla")
+         and r["median_us"] is not None and r["max_rel_err"] < 0.05}
+  assert xla == {(f"xla {f}", "jvp") for f in features}
   assert all(r["note"] for r in rows if r["median_us"] is None)
   with open(tmp_path / "attention_features.md") as f:
     assert "## Cost of each feature" in f.read()
