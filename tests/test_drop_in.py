@@ -246,8 +246,10 @@ def _float_args(args) -> tuple[int, ...]:
   return tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
 
 
-@pytest.mark.parametrize("name", [n for n in OPS if n not in ("softmax", "log_softmax",
-                                                               "logsumexp", "cross_entropy")])
+# The score terms' forward mode is test_attention.py's (test_forward_mode, with a bias and
+# sinks); their second order is the plain attention's, through the twin.
+@pytest.mark.parametrize("name", [n for n in OPS if n not in (
+    "softmax", "log_softmax", "logsumexp", "cross_entropy", "dot_product_attention score terms")])
 def test_forward_mode_and_second_order(key, name, interpret=True):
   # jax.jvp, jacfwd, jvp-of-grad and hessian as the twin's (the softmax family and
   # cross_entropy have theirs in their own modules), or the clear error.

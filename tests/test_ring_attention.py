@@ -89,10 +89,10 @@ def test_gqa_segments_soft_cap(key, strategy):
          layout="zigzag", strategy=strategy)
 
 
-@pytest.mark.parametrize("strategy, layout", [("ring", "zigzag"), ("all_gather", "contiguous")])
-def test_sinks(key, strategy, layout):
-  # The sinks join the merged result on every device; dsinks sums over the devices.
-  _check(key, 4, N=4, K=2, is_causal=True, strategy=strategy, layout=layout,
+def test_sinks(key):
+  # The sinks join the merged result on every device (the same code after either
+  # strategy); dsinks sums over the devices.
+  _check(key, 4, N=4, K=2, is_causal=True, strategy="ring", layout="zigzag",
          sinks=jnp.linspace(-2.0, 3.0, 4))
 
 
