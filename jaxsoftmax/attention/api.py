@@ -313,15 +313,9 @@ def _check_alibi(slopes, N: int):
 def _check_sinks(sinks, query, op: str = "dot_product_attention"):
   """None, or the sinks (N,) broadcast over the batch, (B, N): the derivatives' maps
   take every array batch first (`LinearMap`)."""
-  if sinks is None:
-    return None
-  sinks = jnp.asarray(sinks)
   B, _, N, _ = query.shape
-  if sinks.shape != (N,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-    raise ValueError(f"{op}: sinks must be a floating array of shape "
-                     f"(N,) = ({N},), one logit per query head, got {sinks.dtype} "
-                     f"{sinks.shape}")
-  return jnp.broadcast_to(sinks, (B, N))
+  sinks = logits.check_sinks(sinks, N, op)
+  return None if sinks is None else jnp.broadcast_to(sinks, (B, N))
 
 
 class _Plan(NamedTuple):

@@ -60,6 +60,18 @@ class Logits:
     return m * self.factor + log2_l / LOG2E
 
 
+def check_sinks(sinks, N: int, op: str):
+  """None, or ``sinks`` as an array after checking it is floating of shape (N,), one
+  logit per query head; a ValueError naming the argument otherwise."""
+  if sinks is None:
+    return None
+  sinks = jnp.asarray(sinks)
+  if sinks.shape != (N,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"{op}: sinks must be a floating array of shape (N,) = ({N},), one "
+                     f"logit per query head, got {sinks.dtype} {sinks.shape}")
+  return sinks
+
+
 def join_sink(logits: Logits, m, l, sink, exp2):
   """A row's online-softmax state (m, l) joined with its head's sink logit ``sink`` (in
   the logits' units; docs/math.md, "Attention sinks"), one more key whose value is 0:

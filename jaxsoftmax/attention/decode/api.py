@@ -25,6 +25,7 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.backends import check_implementation
 from jaxsoftmax._core.inputs import check_floating
 from jaxsoftmax.attention.decode import mosaic_gpu, reference, triton
+from jaxsoftmax.attention.logits import check_sinks
 from jaxsoftmax.attention.masks import check_window
 
 __all__ = ["decode_attention", "run_kernels", "IMPLEMENTATIONS"]
@@ -194,12 +195,7 @@ def decode_attention(query, key, value, lengths, *, block_table=None, scale=None
   if num_splits is not None and not (isinstance(num_splits, int) and num_splits > 0):
     raise ValueError(f"{_OP}: num_splits must be a positive int or None, got "
                      f"{num_splits!r}")
-  if sinks is not None:
-    sinks = jnp.asarray(sinks)
-    N = query.shape[2]
-    if sinks.shape != (N,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-      raise ValueError(f"{_OP}: sinks must be a floating array of shape (N,) = ({N},), "
-                       f"one logit per query head, got {sinks.dtype} {sinks.shape}")
+  sinks = check_sinks(sinks, query.shape[2], _OP)
   window = check_window(local_window_size, _OP)
   window_left = None if window is None else window[0]  # the right is the causal mask's
   H = query.shape[-1]

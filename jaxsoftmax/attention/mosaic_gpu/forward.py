@@ -341,15 +341,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
       if q_length is not None:
         some = some & (row0 + plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=_ROW)
                        < q_length)
-      has_l = some
+      has_l, alpha = some, 1.0
       if sink_ref is not None:  # every row joins its sink, from an empty state if not `some`
         m, l, alpha = join_sink(logits, jnp.where(some, m, -jnp.inf),
                                 jnp.where(some, l, 0.0), sink_ref[b * work.heads + n],
                                 jnp.exp2)
         has_l = l != 0
-        inv_l = jnp.where(some, alpha / jnp.where(has_l, l, 1.0), 0.0)
-      else:
-        inv_l = jnp.where(some, 1.0 / jnp.where(some, l, 1.0), 0.0)
+      inv_l = jnp.where(some, alpha / jnp.where(has_l, l, 1.0), 0.0)
       o = acc * per_row(inv_l, acc.shape)
       if o_smem is not None:  # the previous item's output has left shared memory
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
