@@ -214,6 +214,10 @@ VALUE_HEAD_CASES = [
                  id="H64-Hv128-softcap-window"),
     pytest.param(2, 1, 77, 4, 2, 40, 24, dict(key_value_seq_lengths=jnp.array([77, 5])),
                  id="T1-H40-Hv24"),
+    # The deterministic backward: on the Hopper backend its own dQ kernel (head dims up to
+    # 128), taken only with `mosaic_gpu.DETERMINISTIC_VALUE_HEAD_DIMS`, which this turns on.
+    pytest.param(2, 45, 45, 4, 2, 64, 128, dict(is_causal=True, deterministic=True),
+                 id="H64-Hv128-causal-deterministic"),
 ]
 
 
@@ -221,9 +225,8 @@ VALUE_HEAD_CASES = [
                          _per_backend(VALUE_HEAD_CASES))
 def test_value_head_dim(key, monkeypatch, backend, B, T, S, N, K, H, Hv, options):
   # Output (B, T, N, Hv), lse and every gradient under the 2x rule; a backend that takes
-  # one head dim skips with its reason, which names both. The Hopper kernels take these
-  # calls once this test has passed on a GPU (`mosaic_gpu.VALUE_HEAD_DIMS`).
-  monkeypatch.setattr(mosaic_gpu, "VALUE_HEAD_DIMS", True)
+  # one head dim skips with its reason, which names both.
+  monkeypatch.setattr(mosaic_gpu, "DETERMINISTIC_VALUE_HEAD_DIMS", True)
   dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
   q, k, _, _ = _inputs(key, B, T, S, N, K, H, dtype)
   kv, kd = jax.random.split(jax.random.fold_in(key, 1))
@@ -940,21 +943,20 @@ def test_backend_declarations(monkeypatch):
   assert api.select_backend(None, _call(dtype="float32")) is triton
   assert "no interpret mode" in mosaic.unsupported(_call(interpret=True))
   assert "head dims up to 256" in mosaic.unsupported(_call(H=320))
-  # A value head dim of its own: the Triton kernels until the Hopper ones have passed
-  # their GPU tests; then the Hopper forward and backward (deterministic up to head dim
-  # 128, else the Triton backward).
+  # A value head dim of its own: the Hopper forward and backward; the deterministic one
+  # (up to head dim 128) once its GPU test has passed, the Triton backward until then.
   asymmetric = dataclasses.replace(_call(H=192), Hv=128)
-  assert "192 (query, key) and 128 (value)) awaits its GPU tests" in mosaic.unsupported(
-      asymmetric)
-  assert api.select_backend(None, asymmetric) is triton
-  monkeypatch.setattr(mosaic_gpu, "VALUE_HEAD_DIMS", True)
   assert mosaic.unsupported(asymmetric) is None and triton.unsupported(asymmetric) is None
   assert api.select_backend(None, asymmetric) is mosaic
   assert api.select_backward(asymmetric, "mosaic_gpu") is mosaic
+  narrow = dataclasses.replace(_call(H=64), Hv=128, deterministic=True)
+  assert "64 (query, key) and 128 (value)) awaits its GPU test" in (
+      mosaic.backward_unsupported(narrow))
+  assert api.select_backward(narrow, "mosaic_gpu") is triton
+  monkeypatch.setattr(mosaic_gpu, "DETERMINISTIC_VALUE_HEAD_DIMS", True)
+  assert api.select_backward(narrow, "mosaic_gpu") is mosaic
   assert "up to 128 (its dQ kernel's K/V ring), got 192" in mosaic.backward_unsupported(
       dataclasses.replace(asymmetric, deterministic=True))
-  narrow = dataclasses.replace(_call(H=64), Hv=128, deterministic=True)
-  assert api.select_backward(narrow, "mosaic_gpu") is mosaic
   assert "256, got 128 (query, key) and 320 (value)" in mosaic.unsupported(
       dataclasses.replace(_call(), Hv=320))
   assert "256, got 128 (query, key), 320 (value)" in triton.unsupported(

@@ -2,9 +2,9 @@
 Pallas Mosaic GPU, for compute capability 9.x (H100, H200).
 
 The forward and the backward take bfloat16 and float16 inputs and head dims up to 256
-(padded to a multiple of 64), and a value head dim other than the queries' (once
-`VALUE_HEAD_DIMS` is on). The backward sums dQ with atomic adds, or, with
-``deterministic=True``, takes it from a kernel of its own (head dims up to 128). Its
+(padded to a multiple of 64), and a value head dim other than the queries'. The backward
+sums dQ with atomic adds, or, with ``deterministic=True``, takes it from a kernel of its
+own (head dims up to 128). Its
 residuals are the Triton forward's, so the Triton backward differentiates what this one
 does not (deterministic calls above head dim 128). It has no interpret mode (see
 `jaxsoftmax._core.mosaic_gpu`).
@@ -22,11 +22,12 @@ from jaxsoftmax.attention.mosaic_gpu.forward import HopperBlockSizes, wgmma_head
 NAME = "mosaic_gpu"
 MAX_HEAD_DIM = 256
 DTYPES = ("bfloat16", "float16")
-# Whether these kernels take calls whose value head dim differs from the queries'. Off
-# until their GPU tests (`test_value_head_dim[mosaic_gpu-*]`, which turn it on) have
-# passed on an H200: the kernels lower for CUDA, but have not yet run. The Triton kernels
-# run such calls meanwhile.
-VALUE_HEAD_DIMS = False
+# Whether the deterministic backward (its own dQ kernel) takes calls whose value head dim
+# differs from the queries'. The forward and the atomic and wide backwards passed their
+# GPU tests at such dims on an H200 (`test_value_head_dim[mosaic_gpu-*]`); this variant
+# lowers for CUDA but stays off until its case there (which turns it on) has passed. The
+# Triton backward differentiates such deterministic calls meanwhile.
+DETERMINISTIC_VALUE_HEAD_DIMS = False
 
 
 def unsupported(call: Call) -> str | None:
@@ -41,10 +42,6 @@ def unsupported(call: Call) -> str | None:
   if max(call.H, call.Hv) > MAX_HEAD_DIM:
     return (f"head dims up to {MAX_HEAD_DIM}, got {call.H} (query, key) and {call.Hv} "
             "(value)")
-  if call.Hv != call.H and not VALUE_HEAD_DIMS:
-    return (f"a value head dim other than the queries' ({call.H} (query, key) and "
-            f"{call.Hv} (value)) awaits its GPU tests here (VALUE_HEAD_DIMS); the Triton "
-            "backend runs it")
   if call.score_terms:
     return (f"{', '.join(call.score_terms)} run in the Triton kernels, not the Hopper "
             "ones")
@@ -78,6 +75,10 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
 def backward_unsupported(call: Call) -> str | None:
   """Why the Hopper backward cannot differentiate ``call`` (run by this forward), or
   None when it can."""
+  if call.deterministic and call.Hv != call.H and not DETERMINISTIC_VALUE_HEAD_DIMS:
+    return (f"its deterministic backward at a value head dim other than the queries' "
+            f"({call.H} (query, key) and {call.Hv} (value)) awaits its GPU test "
+            "(DETERMINISTIC_VALUE_HEAD_DIMS)")
   return _backward.unsupported(call.H, call.dtype, call.deterministic,
                               value_head_dim=call.Hv)
 
