@@ -300,21 +300,16 @@ def _rank4(x):
 def _check_alibi(slopes, N: int):
   """None, or the ALiBi slopes (N,) as float32 constants (no gradient, as FlashAttention
   and cuDNN take them)."""
-  if slopes is None:
-    return None
-  slopes = jnp.asarray(slopes)
-  if slopes.shape != (N,) or not jnp.issubdtype(slopes.dtype, jnp.floating):
-    raise ValueError(f"dot_product_attention: alibi_slopes must be a floating array of "
-                     f"shape (N,) = ({N},), one slope per query head, got {slopes.dtype} "
-                     f"{slopes.shape}")
-  return jax.lax.stop_gradient(slopes.astype(jnp.float32))
+  slopes = logits.check_per_head(slopes, N, "alibi_slopes", "slope",
+                                 "dot_product_attention")
+  return None if slopes is None else jax.lax.stop_gradient(slopes.astype(jnp.float32))
 
 
 def _check_sinks(sinks, query, op: str = "dot_product_attention"):
   """None, or the sinks (N,) broadcast over the batch, (B, N): the derivatives' maps
   take every array batch first (`LinearMap`)."""
   B, _, N, _ = query.shape
-  sinks = logits.check_sinks(sinks, N, op)
+  sinks = logits.check_per_head(sinks, N, "sinks", "logit", op)
   return None if sinks is None else jnp.broadcast_to(sinks, (B, N))
 
 

@@ -60,16 +60,17 @@ class Logits:
     return m * self.factor + log2_l / LOG2E
 
 
-def check_sinks(sinks, N: int, op: str):
-  """None, or ``sinks`` as an array after checking it is floating of shape (N,), one
-  logit per query head; a ValueError naming the argument otherwise."""
-  if sinks is None:
+def check_per_head(x, N: int, name: str, each: str, op: str):
+  """None, or ``x`` (the argument ``name``: sinks, ALiBi slopes) as an array after
+  checking it is floating of shape (N,), one ``each`` per query head; a ValueError
+  naming the argument otherwise."""
+  if x is None:
     return None
-  sinks = jnp.asarray(sinks)
-  if sinks.shape != (N,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-    raise ValueError(f"{op}: sinks must be a floating array of shape (N,) = ({N},), one "
-                     f"logit per query head, got {sinks.dtype} {sinks.shape}")
-  return sinks
+  x = jnp.asarray(x)
+  if x.shape != (N,) or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{op}: {name} must be a floating array of shape (N,) = ({N},), one "
+                     f"{each} per query head, got {x.dtype} {x.shape}")
+  return x
 
 
 def join_sink(logits: Logits, m, l, sink, exp2):

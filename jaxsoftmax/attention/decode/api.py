@@ -25,7 +25,7 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.backends import check_implementation
 from jaxsoftmax._core.inputs import check_floating
 from jaxsoftmax.attention.decode import mosaic_gpu, reference, triton
-from jaxsoftmax.attention.logits import check_sinks
+from jaxsoftmax.attention.logits import check_per_head
 from jaxsoftmax.attention.masks import check_window
 
 __all__ = ["decode_attention", "run_kernels", "IMPLEMENTATIONS"]
@@ -195,7 +195,7 @@ def decode_attention(query, key, value, lengths, *, block_table=None, scale=None
   if num_splits is not None and not (isinstance(num_splits, int) and num_splits > 0):
     raise ValueError(f"{_OP}: num_splits must be a positive int or None, got "
                      f"{num_splits!r}")
-  sinks = check_sinks(sinks, query.shape[2], _OP)
+  sinks = check_per_head(sinks, query.shape[2], "sinks", "logit", _OP)
   window = check_window(local_window_size, _OP)
   window_left = None if window is None else window[0]  # the right is the causal mask's
   H = query.shape[-1]
