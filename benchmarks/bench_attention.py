@@ -7,9 +7,11 @@ same inputs.
 Shapes: the ones our targets name (B,T,N,H = 4,4096,16,128 and 1,16384,16,128, full and
 causal; 8,2048,16,64; 2,8192,16,256), a GQA case (32 query heads on 8 K/V heads), a head
 dim that is no multiple of 64 (96: the Mosaic GPU kernel pads it), and one long causal
-sequence (B1 T32768). bfloat16 inputs; Pallas' `attention_mgpu` takes only float16, so
-float16 rows of it, ours and cuDNN stand beside them where it runs (no GQA, H a multiple
-of 64). FLOPs: 4·B·N·T·S·H, halved when causal; forward + backward counts 3.5x that.
+sequence (B1 T32768), and a value head dim of its own (Hv = 128 under H = 192, as
+DeepSeek's MLA attends), full and causal. bfloat16 inputs; Pallas' `attention_mgpu` takes
+only float16, so float16 rows of it, ours and cuDNN stand beside them where it runs (no
+GQA, H a multiple of 64, Hv = H). FLOPs: 2·B·N·T·S·(H + Hv) (4·B·N·T·S·H where Hv = H),
+halved when causal; forward + backward counts 3.5x that.
 Errors are against the float64 truth on batch row 0 and the query heads of K/V head 0
 (heads are independent, and the truth of a whole T32768 problem would not fit in
 memory): forward, the output; forward + backward, the largest of the dq, dk, dv errors
@@ -37,7 +39,8 @@ import harness
 import jaxsoftmax as js
 from jaxsoftmax.attention import reference
 
-# (B, T, N, K, H, causal): T == S; K the K/V heads. The shapes the speed targets name
+# (B, T, N, K, H, causal[, Hv]): T == S; K the K/V heads; Hv the value head dim where it
+# is not H. The shapes the speed targets name
 # (head dims 128, 64 and 256), which the tuning and backward benchmarks share.
 TARGET_SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
                  ((4, 4096, 16, 16, 128, True), jnp.bfloat16),
@@ -47,7 +50,9 @@ TARGET_SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
                  ((2, 8192, 16, 16, 256, False), jnp.bfloat16)]
 SHAPES = TARGET_SHAPES + [((4, 4096, 32, 8, 128, True), jnp.bfloat16),
                           ((4, 4096, 16, 16, 96, False), jnp.bfloat16),
-                          ((1, 32768, 16, 16, 128, True), jnp.bfloat16)]
+                          ((1, 32768, 16, 16, 128, True), jnp.bfloat16),
+                          ((4, 4096, 16, 16, 192, True, 128), jnp.bfloat16),
+                          ((4, 4096, 16, 16, 192, False, 128), jnp.bfloat16)]
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
 OURS = "jaxsoftmax"  # the prefix of our rows' impl names
 
@@ -100,10 +105,10 @@ def implementations(N: int, K: int, H: int, causal: bool):
   return impls
 
 
-def float16_implementations(N: int, K: int, H: int, causal: bool):
+def float16_implementations(N: int, K: int, H: int, causal: bool, Hv: int):
   """The forward rows in float16, where Pallas' `attention_mgpu` (float16 only, no GQA,
-  head dims a multiple of 64) runs: it, ours, and cuDNN."""
-  if K != N or H % 64:
+  head dims a multiple of 64, one head dim for K and V) runs: it, ours, and cuDNN."""
+  if K != N or H % 64 or Hv != H:
     return {}
   try:
     attention_mgpu = _pallas_ops()[1]
@@ -129,17 +134,25 @@ def fwd_bwd(attention):
   return run
 
 
+def dims(case):
+  """(B, T, N, K, H, causal, Hv) of a case, Hv = H where the case names none."""
+  B, T, N, K, H, causal, *rest = case
+  return B, T, N, K, H, causal, rest[0] if rest else H
+
+
 def case_inputs(case, dtype):
-  """(q, k, v, dO) of a case, the report fields naming it, and its forward FLOPs."""
-  B, T, N, K, H, causal = case
+  """(q, k, v, dO) of a case, the report fields naming it, and its forward FLOPs
+  (2·B·N·T·S·(H + Hv): QKᵀ and PV, halved when causal)."""
+  B, T, N, K, H, causal, Hv = dims(case)
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
   q = jax.random.normal(keys[0], (B, T, N, H), dtype)
   k = jax.random.normal(keys[1], (B, T, K, H), dtype)
-  v = jax.random.normal(keys[2], (B, T, K, H), dtype)
-  do = jax.random.normal(keys[3], (B, T, N, H), dtype)
-  common = dict(op="attention" + (" causal" if causal else ""), shape=(B, T, N, K, H),
+  v = jax.random.normal(keys[2], (B, T, K, Hv), dtype)
+  do = jax.random.normal(keys[3], (B, T, N, Hv), dtype)
+  shape = (B, T, N, K, H) if Hv == H else (B, T, N, K, H, Hv)
+  common = dict(op="attention" + (" causal" if causal else ""), shape=shape,
                 dtype=jnp.dtype(dtype).name)
-  return (q, k, v, do), common, 4 * B * N * T * T * H / (2 if causal else 1)
+  return (q, k, v, do), common, 2 * B * N * T * T * (H + Hv) / (2 if causal else 1)
 
 
 def truth_slices(case):
@@ -155,12 +168,12 @@ def truth_slices(case):
 
 
 def bench_shape(report: harness.Report, case, dtype):
-  B, T, N, K, H, causal = case
+  B, T, N, K, H, causal, Hv = dims(case)
   part_q, part_kv, compare_bwd, ref = truth_slices(case)
 
   runs = [(dtype, implementations(N, K, H, causal), report.modes)]
   if "fwd" in report.modes:
-    runs.append((jnp.float16, float16_implementations(N, K, H, causal), ("fwd",)))
+    runs.append((jnp.float16, float16_implementations(N, K, H, causal, Hv), ("fwd",)))
   for run_dtype, impls, modes in runs:
     if not impls:
       continue
@@ -223,9 +236,9 @@ def vs_best_peer(rows) -> str:
 
 def _rows(case, dtype, modes):
   # bench_shape's rows: each implementation in each mode, and float16's in the forward.
-  N, K, H, causal = case[2:]
+  _, _, N, K, H, causal, Hv = dims(case)
   return (len(implementations(N, K, H, causal)) * len(modes)
-          + len(float16_implementations(N, K, H, causal)) * ("fwd" in modes))
+          + len(float16_implementations(N, K, H, causal, Hv)) * ("fwd" in modes))
 
 
 if __name__ == "__main__":

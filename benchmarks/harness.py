@@ -316,7 +316,8 @@ def peak_memory_mib(fn, *args) -> float:
   return (stats.temp_size_in_bytes + stats.output_size_in_bytes) / 2**20
 
 
-ATTENTION_FLOPS = "4·B·N·T·S·H (halved when causal; 3.5x for forward + backward)"
+ATTENTION_FLOPS = ("2·B·N·T·S·(H + Hv), 4·B·N·T·S·H where the value head dim Hv = H (halved when "
+                   "causal; 3.5x for forward + backward)")
 
 
 class Report:

@@ -8,7 +8,8 @@ of: compiles, runs twice (ncu then profiles the second launch, `--launch-skip 1
 
 --impl: a jaxsoftmax backend (mosaic_gpu, triton) or cudnn; --shape: B,T,N,K,H,causal;
 --mode fwd+bwd: the forward and the backward (pick the backward's kernels with ncu's -k,
-e.g. regex:backward|bprop for ours and cuDNN's).
+e.g. regex:backward|bprop for ours and cuDNN's); --alibi: ALiBi slopes 2^-(n+1), as
+bench_attention_features.py's (ours only).
 """
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ def main():
   parser.add_argument("--impl", default="mosaic_gpu")
   parser.add_argument("--shape", default="4,4096,16,16,128,0")
   parser.add_argument("--mode", default="fwd", choices=("fwd", "fwd+bwd"))
+  parser.add_argument("--alibi", action="store_true")
   args = parser.parse_args()
   B, T, N, K, H, causal = (int(x) for x in args.shape.split(","))
   (q, k, v, do), _, _ = case_inputs((B, T, N, K, H, bool(causal)), jax.numpy.bfloat16)
   if args.impl == "cudnn":
+    if args.alibi:
+      parser.error("--alibi: cuDNN takes no ALiBi slopes through jax.nn")
     fn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
   else:
-    fn = functools.partial(js.dot_product_attention, implementation=args.impl)
+    slopes = 2.0 ** -(jax.numpy.arange(N) + 1.0) if args.alibi else None
+    fn = functools.partial(js.dot_product_attention, implementation=args.impl,
+                           alibi_slopes=slopes)
   fn = functools.partial(fn, is_causal=bool(causal))
   if args.mode == "fwd":
     step, inputs = jax.jit(fn), (q, k, v)

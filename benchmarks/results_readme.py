@@ -75,13 +75,16 @@ OTHER = {
                                          "(`benchmarks/accuracy_linear_cross_entropy.py`)",
     "attention_features.*": "what attention sinks, ALiBi, a bias and a mask array cost "
                             "beside the plain kernel and beside cuDNN with the same bias "
-                            "and mask (`benchmarks/bench_attention_features.py`). Two "
-                            "runs: the plain and sinks rows from the second "
-                            "(`ATTN_FEATURES=plain,sinks`, the sinks joined in the forward "
+                            "and mask, and forward mode (jvp) beside XLA's "
+                            "(`benchmarks/bench_attention_features.py`). Four runs, listed "
+                            "in its JSON's meta: the sinks rows (joined in the forward "
                             "kernels' epilogue: 1.00-1.01x on the Hopper kernels, "
-                            "0.92-1.00x on the Triton ones), the other features from the "
-                            "first, whose plain rows were within 1.3% of the second's; the "
-                            "first ended before the causal bias-heads and mask rows",
+                            "0.92-1.00x on the Triton ones) from the second, the causal "
+                            "bias-heads and mask rows from the third, the jvp rows (the "
+                            "tangent kernel, 2.3x XLA's speed full and 5.2x causal) from "
+                            "the fourth, the rest from the first; each feature's cost is "
+                            "over the latest run's plain row (the runs' plain rows agree "
+                            "within 1.3%)",
     "command_buffers.log": "the example's training step with XLA's command buffers (CUDA "
                            "graphs) on and off, and the thunks they hold "
                            "(`benchmarks/command_buffers.py`)",

@@ -58,6 +58,8 @@
 #   decode-bench            bench_decode_attention.py: decode_attention beside XLA, cuDNN,
 #                           FA3 and Pallas' decode kernels, contiguous and paged caches
 #                           (DECODE_ONLY="0,1" picks shapes, DECODE_NAME names the results)
+#   decode-ncu              Nsight Compute counters of decode steps, ours and cuDNN's
+#                           (DECODE_PROFILES="mosaic_gpu 64,4096,32,8,128,1;triton ...")
 #
 # The attention peers FA3 and tokamax come as wheels placed in .peers (git-ignored; carry
 # it to the machine); they are installed under /tmp for the run.
@@ -65,7 +67,7 @@ set -uo pipefail
 stages=${STAGES:-tests tune bench}
 known="tests tune bench rows-profile attn-tests attn-tune attn-tune-hopper attn-bench
   attn-bench-bwd attn-features attn-ncu attn-resources pytest lce-tests lce-bench lce-profile lce-accuracy
-  tune-lce norm-tests norm-bench tune-norms norm-ncu decode-tests decode-bench ring-tests
+  tune-lce norm-tests norm-bench tune-norms norm-ncu decode-tests decode-bench decode-ncu ring-tests
   ring-bench ring-profile ring-example accuracy-rows command-buffers example"
 if [ "${1:-}" = --help ] || [ "${1:-}" = -h ]; then
   sed -n '2,/^$/{s/^# \{0,1\}//;/^set /q;p}' "$0"
@@ -184,10 +186,12 @@ for stage in $stages; do
       # Nsight Compute on one forward of each of PROFILE_IMPLS (default: ours on Hopper
       # and cuDNN) at PROFILE_SHAPE: throughput, tensor-pipe use, stall reasons.
       # PROFILE_MODE=fwd+bwd runs the backward too (PROFILE_KERNEL then picks its kernels).
+      # PROFILE_ALIBI=1 gives our calls ALiBi slopes.
       for impl in ${PROFILE_IMPLS:-mosaic_gpu cudnn}; do
         counters "$out/ncu_$impl.log" "${PROFILE_KERNEL:-attention|fmha|flash|sm90}" "$impl" \
           $python benchmarks/profile_attention.py --impl "$impl" \
-          --shape "${PROFILE_SHAPE:-4,4096,16,16,128,0}" --mode "${PROFILE_MODE:-fwd}"
+          --shape "${PROFILE_SHAPE:-4,4096,16,16,128,0}" --mode "${PROFILE_MODE:-fwd}" \
+          ${PROFILE_ALIBI:+--alibi}
       done ;;
     attn-resources)
       # ptxas' report (registers, spilled bytes) and the SASS of the Mosaic GPU kernels
@@ -255,6 +259,17 @@ for stage in $stages; do
       timeout 400 $python benchmarks/bench_decode_attention.py --out "$out" \
         ${DECODE_ONLY:+--only "$DECODE_ONLY"} ${DECODE_NAME:+--name "$DECODE_NAME"} 2>&1 \
         | tee -a "$out/decode_bench.log" | tail -n 3 | tee -a "$out/summary.log" ;;
+    decode-ncu)
+      # Nsight Compute on one decode step of each ;-separated DECODE_PROFILES entry
+      # ("impl B,S,N,K,H,T [page_size]"; impl mosaic_gpu, triton or cudnn): throughput,
+      # memory traffic, stalls (profile_decode.py).
+      IFS=';' read -ra profiles <<< "${DECODE_PROFILES:-mosaic_gpu 64,4096,32,8,128,1;cudnn 64,4096,32,8,128,1}"
+      for i in "${!profiles[@]}"; do
+        read -r impl shape page <<< "${profiles[$i]}"
+        counters "$out/ncu_decode_$i.log" "${DECODE_KERNEL:-decode_attention|fmha|cudnn|sm90|flash}" \
+          "decode $impl $shape${page:+ page $page}" \
+          $python benchmarks/profile_decode.py --impl "$impl" --shape "$shape" ${page:+--page-size "$page"}
+      done ;;
     ring-tests)
       # Context parallelism on every visible GPU (the nvidia-h200-x2 machine).
       timeout 300 $python -m pytest -m gpu -q -p no:cacheprovider -rfEs \

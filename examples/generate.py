@@ -8,9 +8,11 @@ one) beside the same model on jax.nn.dot_product_attention (XLA).
 Each step is one jitted call per token: the newest token's keys and values are written
 into every layer's cache (`update_kv_cache`; under jit with the caches donated, in
 place), its query attends to the cache (`lengths` counts the valid positions), and the
-next token is the argmax of the logits. The prompt is fed through the same step. The
-script checks that all three decoders pick the same tokens and that their logits agree
-to the attention dtype's rounding, and exits non-zero when they disagree. On a GPU: a
+next token is the argmax of the logits. The prompt is fed through the same step. jax.nn
+generates first, and the jaxsoftmax decoders then run teacher-forced on its tokens; the
+script checks that their logits agree with its at every step to the attention dtype's
+rounding (and, in float32, that they pick the same tokens), and exits non-zero when they
+disagree. On a GPU: a
 batch of 64 sequences, bfloat16 attention, and the tokens per second of each (off a GPU
 the times would mean nothing).
 """
@@ -63,9 +65,11 @@ def xla_write(cache, new, lengths):
       cache, new.astype(cache.dtype), lengths - 1)
 
 
-def generate(step, params, caches, prompt, new_tokens: int):
+def generate(step, params, caches, prompt, new_tokens: int, forced=None):
   """Greedy tokens (B, new_tokens), the logits of each step, and the wall time of the
-  generated steps (after the first, which compiles)."""
+  generated steps (after the first, which compiles). ``forced`` (B, new_tokens): feed
+  these tokens instead of the model's own picks (teacher forcing), so that two decoders
+  see the same inputs at every step; the returned tokens are still the model's picks."""
   B, P = prompt.shape
   tokens, logits_all, times = [], [], []
   token = prompt[:, 0]
@@ -82,6 +86,8 @@ def generate(step, params, caches, prompt, new_tokens: int):
       token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       tokens.append(token)
       logits_all.append(logits)
+      if forced is not None:
+        token = forced[:, len(tokens) - 1]
   return jnp.stack(tokens, axis=1), jnp.stack(logits_all, axis=1), times
 
 
@@ -113,15 +119,17 @@ def main():
   prompt = jax.random.randint(key_prompt, (args.batch, args.prompt), 1, args.vocab)
   shape = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                attn_dtype=attn_dtype)
-  contiguous = lambda: [(jnp.zeros((args.batch, S, args.kv_heads, args.head_dim), attn_dtype),) * 2
+  # Two buffers per layer (keys, values), never one twice: the step donates them all.
+  zeros = lambda shape: tuple(jnp.zeros(shape, attn_dtype) for _ in range(2))
+  contiguous = lambda: [zeros((args.batch, S, args.kv_heads, args.head_dim))
                         for _ in range(args.layers)]
   # A paged cache: each sequence's pages scattered over a shared pool.
   per_seq = -(-S // args.page_size)
   pool = args.batch * per_seq + 1
   table = jax.random.permutation(key_pages, pool)[:args.batch * per_seq].reshape(
       args.batch, per_seq).astype(jnp.int32)
-  paged = lambda: [(jnp.zeros((pool, args.page_size, args.kv_heads, args.head_dim),
-                              attn_dtype),) * 2 for _ in range(args.layers)]
+  paged = lambda: [zeros((pool, args.page_size, args.kv_heads, args.head_dim))
+                   for _ in range(args.layers)]
   decoders = {
       "jaxsoftmax contiguous": (js.decode_attention, js.update_kv_cache, contiguous),
       "jaxsoftmax paged": (functools.partial(js.decode_attention, block_table=table),
@@ -129,26 +137,42 @@ def main():
       "jax.nn": (lambda q, k, v, lengths: jax.nn.dot_product_attention(
           q, k, v, key_value_seq_lengths=lengths), xla_write, contiguous),
   }
+  # jax.nn generates first; the others then decode teacher-forced on its tokens, so each
+  # step's logits compare on the same inputs. Left free, one token picked differently
+  # at a near tie (bfloat16 attention rounds differently in each kernel) would send the
+  # sequences apart and every later logit with them.
   results = {}
-  for name, (attend, write, caches) in decoders.items():
+  for name in ("jax.nn", "jaxsoftmax contiguous", "jaxsoftmax paged"):
+    attend, write, caches = decoders[name]
     step = jax.jit(make_step(attend, write, **shape), donate_argnums=(1,) if on_gpu else ())
-    tokens, logits, times = generate(step, params, caches(), prompt, args.new_tokens)
+    forced = None if name == "jax.nn" else results["jax.nn"][0]
+    tokens, logits, times = generate(step, params, caches(), prompt, args.new_tokens, forced)
     results[name] = (tokens, logits)
     if on_gpu:  # off a GPU the times are XLA's (or the interpreter's), not the kernels'
       rate = args.batch * len(times) / sum(times) if times else float("nan")
-      print(f"{name:22s} {rate:10.1f} tokens/s (wall, {len(times)} steps after the first)")
+      ms = 1e3 * sum(times) / len(times) if times else float("nan")
+      print(f"{name:22s} {rate:10.1f} tokens/s, {ms:6.2f} ms a step (wall, {len(times)} "
+            f"steps after the first)")
 
   tokens_ref, logits_ref = results["jax.nn"]
   tolerance = 5e-2 if attn_dtype == jnp.bfloat16 else 1e-4
   scale = float(jnp.max(jnp.abs(logits_ref)))
+  # The check is the logits, step by step on the same inputs. The picks follow from them:
+  # in float32 they must all agree; in bfloat16 a pick may differ only at a near tie,
+  # where jax.nn's best logit leads its second by less than twice the logits' gap there.
+  top2 = jax.lax.top_k(logits_ref, 2)[0]
+  margin = top2[..., 0] - top2[..., 1]
   ok = True
   for name in ("jaxsoftmax contiguous", "jaxsoftmax paged"):
     tokens, logits = results[name]
-    same = float(jnp.mean(tokens == tokens_ref))
-    gap = float(jnp.max(jnp.abs(logits - logits_ref))) / scale
-    print(f"{name}: {100 * same:.1f}% of the tokens as jax.nn's, logits within "
-          f"{gap:.2e} of its (relative)")
-    ok = ok and same == 1.0 and gap <= tolerance
+    same = tokens == tokens_ref
+    step_gap = jnp.max(jnp.abs(logits - logits_ref), axis=-1)
+    gap = float(jnp.max(step_gap)) / scale
+    ties = int(jnp.sum(margin <= 2 * step_gap))
+    print(f"{name}: logits within {gap:.2e} of jax.nn's (relative); "
+          f"{100 * float(jnp.mean(same)):.1f}% of the picks as its ({int(jnp.sum(~same))} "
+          f"differ; {ties} of {same.size} steps were near ties)")
+    ok = ok and gap <= tolerance and (attn_dtype == jnp.bfloat16 or bool(jnp.all(same)))
   print("first sequence:", " ".join(str(int(t)) for t in tokens_ref[0]))
   if not ok:
     sys.exit(f"FAILED: the decoders disagree (tolerance {tolerance:.0e})")

@@ -19,7 +19,8 @@ from jax.test_util import check_grads
 import jaxsoftmax as js
 from jaxsoftmax.attention import reference
 from jaxsoftmax._core import mosaic_gpu as mosaic_device
-from jaxsoftmax.attention import BlockSizes, HopperBlockSizes, api, mosaic_gpu
+from jaxsoftmax.attention import BlockSizes, HopperBlockSizes, api
+from jaxsoftmax.attention.triton import tangent, tiling
 from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
@@ -215,7 +216,7 @@ VALUE_HEAD_CASES = [
     pytest.param(2, 1, 77, 4, 2, 40, 24, dict(key_value_seq_lengths=jnp.array([77, 5])),
                  id="T1-H40-Hv24"),
     # The deterministic backward: on the Hopper backend its own dQ kernel (head dims up to
-    # 128), taken only with `mosaic_gpu.DETERMINISTIC_VALUE_HEAD_DIMS`, which this turns on.
+    # 128).
     pytest.param(2, 45, 45, 4, 2, 64, 128, dict(is_causal=True, deterministic=True),
                  id="H64-Hv128-causal-deterministic"),
 ]
@@ -223,10 +224,9 @@ VALUE_HEAD_CASES = [
 
 @pytest.mark.parametrize("backend, B, T, S, N, K, H, Hv, options",
                          _per_backend(VALUE_HEAD_CASES))
-def test_value_head_dim(key, monkeypatch, backend, B, T, S, N, K, H, Hv, options):
+def test_value_head_dim(key, backend, B, T, S, N, K, H, Hv, options):
   # Output (B, T, N, Hv), lse and every gradient under the 2x rule; a backend that takes
   # one head dim skips with its reason, which names both.
-  monkeypatch.setattr(mosaic_gpu, "DETERMINISTIC_VALUE_HEAD_DIMS", True)
   dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
   q, k, _, _ = _inputs(key, B, T, S, N, K, H, dtype)
   kv, kd = jax.random.split(jax.random.fold_in(key, 1))
@@ -436,6 +436,49 @@ def test_forward_mode(key, backend, B, T, S, N, K, H, Hv, bias_shape, sinks, opt
 
   _against_truth(tangent_of(ours), tangent_of(ref), (*primals, *tangents),
                  ("output", "tangent"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H, dtype", [(128, jnp.bfloat16), (256, jnp.bfloat16),
+                                      (256, jnp.float32)])
+def test_forward_mode_at_full_tiles_gpu(key, H, dtype):
+  # The tangent kernel at its default tiles (sequences longer than every tile), where it
+  # streams four key-side tiles a block: compiled on a GPU it must fit shared memory
+  # (`tangent.fit_shared_memory`), and its tangent holds the 2x rule.
+  B, T, N, K = 1, 1000, 2, 1
+  keys = jax.random.split(key, 6)
+  shapes = [(B, T, N, H), (B, T, K, H), (B, T, K, H)] * 2
+  x = [jax.random.normal(kk, shape, jnp.float32).astype(dtype)
+       for kk, shape in zip(keys, shapes)]
+
+  def tangent_of(f):
+    return lambda *pt: jax.jvp(lambda q, k, v: f(q, k, v, is_causal=True), pt[:3], pt[3:])
+
+  ours = functools.partial(js.dot_product_attention, implementation="triton")
+  ref = lambda *a, **kw: reference.dot_product_attention(*a, **kw)[0]
+  _against_truth(tangent_of(ours), tangent_of(ref), x, ("output", "tangent"))
+
+
+def test_tangent_tiles_fit_shared_memory():
+  # The tangent kernel's tiles at the default blocks of 16-bit H = 128 (the case that
+  # asked an H200 for 256 KiB) and of every head dim and dtype: within the budget, and
+  # cut no further than needed.
+  dims = lambda H: tiling.Dims(B=1, T=8192, S=8192, N=1, K=1, H=H, H_pad=H, Hv=H, Hv_pad=H)
+  blocks = tiling.BlockSizes.default(8192, 8192, 128, jnp.bfloat16)
+  fitted = tangent.fit_shared_memory(blocks, dims(128), 2, bias_dot=False)
+  assert (fitted.block_q_dq, fitted.block_k_dq, fitted.num_stages_bwd) == (128, 64, 2)
+  for H in (32, 64, 128, 256):
+    for dtype in (jnp.bfloat16, jnp.float32):
+      for bias_dot in (False, True):
+        itemsize = jnp.dtype(dtype).itemsize
+        blocks = tiling.BlockSizes.default(8192, 8192, H, dtype)
+        fitted = tangent.fit_shared_memory(blocks, dims(H), itemsize, bias_dot=bias_dot)
+        bq, bk, stages = fitted.block_q_dq, fitted.block_k_dq, fitted.num_stages_bwd
+        need = lambda bq, bk, st: (2 * bq * H * itemsize + st * (4 * bk * H * itemsize
+                                                                + bias_dot * bq * bk * itemsize))
+        assert need(bq, bk, stages) <= tangent.SHARED_MEMORY, (H, dtype, bias_dot)
+        if (bq, bk) == (blocks.block_q_dq, blocks.block_k_dq) and stages < blocks.num_stages_bwd:
+          assert need(bq, bk, stages + 1) > tangent.SHARED_MEMORY
 
 
 def test_forward_mode_runs_the_tangent_kernel(key):
@@ -943,17 +986,14 @@ def test_backend_declarations(monkeypatch):
   assert api.select_backend(None, _call(dtype="float32")) is triton
   assert "no interpret mode" in mosaic.unsupported(_call(interpret=True))
   assert "head dims up to 256" in mosaic.unsupported(_call(H=320))
-  # A value head dim of its own: the Hopper forward and backward; the deterministic one
-  # (up to head dim 128) once its GPU test has passed, the Triton backward until then.
+  # A value head dim of its own: the Hopper forward and backward, the deterministic one
+  # up to head dim 128.
   asymmetric = dataclasses.replace(_call(H=192), Hv=128)
   assert mosaic.unsupported(asymmetric) is None and triton.unsupported(asymmetric) is None
   assert api.select_backend(None, asymmetric) is mosaic
   assert api.select_backward(asymmetric, "mosaic_gpu") is mosaic
   narrow = dataclasses.replace(_call(H=64), Hv=128, deterministic=True)
-  assert "64 (query, key) and 128 (value)) awaits its GPU test" in (
-      mosaic.backward_unsupported(narrow))
-  assert api.select_backward(narrow, "mosaic_gpu") is triton
-  monkeypatch.setattr(mosaic_gpu, "DETERMINISTIC_VALUE_HEAD_DIMS", True)
+  assert mosaic.backward_unsupported(narrow) is None
   assert api.select_backward(narrow, "mosaic_gpu") is mosaic
   assert "up to 128 (its dQ kernel's K/V ring), got 192" in mosaic.backward_unsupported(
       dataclasses.replace(asymmetric, deterministic=True))

@@ -21,14 +21,6 @@ from jaxsoftmax.attention.mosaic_gpu.forward import HopperBlockSizes, wgmma_head
 NAME = "mosaic_gpu"
 MAX_HEAD_DIM = 256
 DTYPES = ("bfloat16", "float16")
-# Whether the deterministic backward (its own dQ kernel) takes calls whose value head dim
-# differs from the queries'. The forward and the atomic and wide backwards passed their
-# GPU tests at such dims on an H200 (`test_value_head_dim[mosaic_gpu-*]`); this variant
-# lowers for CUDA but stays off until its case there (which turns it on) has passed. The
-# Triton backward differentiates such deterministic calls meanwhile.
-DETERMINISTIC_VALUE_HEAD_DIMS = False
-
-
 def unsupported(call: Call) -> str | None:
   """Why this backend cannot run ``call``, or None when it can."""
   if not _device.hopper_device():
@@ -74,10 +66,6 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
 def backward_unsupported(call: Call) -> str | None:
   """Why the Hopper backward cannot differentiate ``call`` (run by this forward), or
   None when it can."""
-  if call.deterministic and call.Hv != call.H and not DETERMINISTIC_VALUE_HEAD_DIMS:
-    return (f"its deterministic backward at a value head dim other than the queries' "
-            f"({call.H} (query, key) and {call.Hv} (value)) awaits its GPU test "
-            "(DETERMINISTIC_VALUE_HEAD_DIMS)")
   return _backward.unsupported(call.H, call.dtype, call.deterministic,
                               value_head_dim=call.Hv)
 

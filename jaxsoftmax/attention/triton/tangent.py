@@ -17,6 +17,7 @@ own tangent joins after it (`logits.sink_tangent`); their share of P is in the s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,7 +28,7 @@ from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, cap_grad
 from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
-from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, ScoreTerms,
+from jaxsoftmax.attention.triton.tiling import (MIN_BLOCK, Aux, BlockSizes, Dims, ScoreTerms,
                                                 key_block, key_block_allowed, max_or_inf,
                                                 probabilities, query_block,
                                                 query_block_launch, query_plane_spec,
@@ -92,6 +93,34 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
                mask=block.o_mask)
 
 
+# Shared memory per block on a Hopper SM (232448 bytes, what Triton reports as available).
+SHARED_MEMORY = 227 * 1024
+
+
+def fit_shared_memory(blocks: BlockSizes, dims: Dims, itemsize: int, *,
+                      bias_dot: bool) -> BlockSizes:
+  """``blocks`` with the tangent kernel's stages and tiles cut until they fit
+  `SHARED_MEMORY`. It streams four key-side tiles per block (K, K̇, V, V̇: 2·bk·(H + Hv))
+  and Ḃ's tile where a bias has a tangent, each stage of the pipeline a copy, beside
+  the resident Q and Q̇ tiles; the dQ kernel whose tiles it borrows streams two (at H
+  = 128 in bfloat16, three stages of 128 x 64 tiles asked for 256 KiB on an H200)."""
+  def need(bq, bk, stages):
+    per_stage = 2 * bk * (dims.H_pad + dims.Hv_pad) * itemsize + bias_dot * bq * bk * itemsize
+    return 2 * bq * dims.H_pad * itemsize + stages * per_stage
+
+  bq, bk, stages = blocks.block_q_dq, blocks.block_k_dq, blocks.num_stages_bwd
+  while need(bq, bk, stages) > SHARED_MEMORY:
+    if stages > 1:
+      stages -= 1
+    elif bk > MIN_BLOCK:
+      bk //= 2
+    elif bq > MIN_BLOCK:
+      bq //= 2
+    else:
+      break
+  return dataclasses.replace(blocks, block_q_dq=bq, block_k_dq=bk, num_stages_bwd=stages)
+
+
 def tangent(q, k, v, o, m, log2_l, q_dot, k_dot, v_dot, aux_arrays, *, spec: MaskSpec,
             blocks: BlockSizes, scale: float, softcap: float | None, interpret: bool,
             bias_dot=None):
@@ -99,6 +128,7 @@ def tangent(q, k, v, o, m, log2_l, q_dot, k_dot, v_dot, aux_arrays, *, spec: Mas
   shaped as the bias in ``aux_arrays``), from any forward's o (float32 where it has one)
   and row statistics m, log2_l (B, N, T)."""
   dims = Dims.of(q, k, v)
+  blocks = fit_shared_memory(blocks, dims, q.dtype.itemsize, bias_dot=bias_dot is not None)
   aux, aux_arrays = Aux.of(aux_arrays)
   launch = query_block_launch(dims, aux, block_q=blocks.block_q_dq,
                               block_k=blocks.block_k_dq, last_first=spec.is_causal)

@@ -1,0 +1,48 @@
+"""One decode_attention call (or cuDNN's on the same cache) for Nsight Compute to read
+the counters of: compiles, runs twice (ncu then profiles the second launch, `--launch-skip
+1 --launch-count 1`), and exits. Stage `decode-ncu` of run_gpu.sh runs it.
+
+    ncu --clock-control none -k regex:decode_attention --launch-skip 1 --launch-count 1 \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis \\
+        python3 benchmarks/profile_decode.py --impl mosaic_gpu --shape 64,4096,32,8,128,1
+
+--impl: a decode_attention implementation (mosaic_gpu, triton) or cudnn; --shape:
+B,S,N,K,H,T (bfloat16, every sequence full, as bench_decode_attention.py's cases);
+--page-size P: a paged cache of that page size (ours only).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+
+import jaxsoftmax as js
+from bench_decode_attention import case_inputs, paged_cache
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--impl", default="mosaic_gpu", choices=("mosaic_gpu", "triton", "cudnn"))
+  parser.add_argument("--shape", default="64,4096,32,8,128,1")
+  parser.add_argument("--page-size", type=int, default=0)
+  args = parser.parse_args()
+  B, S, N, K, H, T = (int(x) for x in args.shape.split(","))
+  q, k, v, lengths = case_inputs((B, S, N, K, H, T, None), jax.numpy.bfloat16)
+  table = None
+  if args.page_size:
+    if args.impl == "cudnn":
+      parser.error("--page-size: cuDNN takes no paged cache through jax.nn")
+    (k, table), (v, _) = paged_cache(k, args.page_size, 0), paged_cache(v, args.page_size, 0)
+  if args.impl == "cudnn":
+    step = jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=n, implementation="cudnn"))
+  else:
+    step = jax.jit(lambda q, k, v, n: js.decode_attention(
+        q, k, v, n, block_table=table, implementation=args.impl))
+  for _ in range(2):
+    jax.block_until_ready(step(q, k, v, lengths))
+
+
+if __name__ == "__main__":
+  main()
