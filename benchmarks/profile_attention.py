@@ -6,10 +6,12 @@ of: compiles, runs twice (ncu then profiles the second launch, `--launch-skip 1
         --section SpeedOfLight --section WarpStateStats \\
         python3 benchmarks/profile_attention.py --impl mosaic_gpu --shape 4,4096,16,16,128,0
 
---impl: a jaxsoftmax backend (mosaic_gpu, triton) or cudnn; --shape: B,T,N,K,H,causal;
---mode fwd+bwd: the forward and the backward (pick the backward's kernels with ncu's -k,
-e.g. regex:backward|bprop for ours and cuDNN's); --alibi: ALiBi slopes 2^-(n+1), as
-bench_attention_features.py's (ours only).
+--impl: a jaxsoftmax backend (mosaic_gpu, triton; deterministic: mosaic_gpu with
+deterministic=True) or a peer of bench_attention.py (cudnn, fa3, "tokamax mosaic": FA3
+and tokamax from the peer wheels); --shape: B,T,N,K,H,causal; --mode fwd+bwd: the
+forward and the backward (pick the backward's kernels with ncu's -k, e.g.
+regex:backward|bprop|bwd for ours, cuDNN's and FA3's); --alibi: ALiBi slopes 2^-(n+1),
+as bench_attention_features.py's (ours only).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ import functools
 import jax
 
 import jaxsoftmax as js
-from bench_attention import case_inputs
+from bench_attention import OURS, case_inputs, implementations
+
+# --impl names of our rows in `implementations`.
+_OURS = {"mosaic_gpu": f"{OURS} mosaic_gpu", "triton": f"{OURS} triton",
+         "deterministic": f"{OURS} mosaic_gpu deterministic"}
 
 
 def main():
@@ -32,15 +38,17 @@ def main():
   args = parser.parse_args()
   B, T, N, K, H, causal = (int(x) for x in args.shape.split(","))
   (q, k, v, do), _, _ = case_inputs((B, T, N, K, H, bool(causal)), jax.numpy.bfloat16)
-  if args.impl == "cudnn":
-    if args.alibi:
-      parser.error("--alibi: cuDNN takes no ALiBi slopes through jax.nn")
-    fn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
-  else:
-    slopes = 2.0 ** -(jax.numpy.arange(N) + 1.0) if args.alibi else None
+  if args.alibi:
+    if args.impl not in ("mosaic_gpu", "triton"):
+      parser.error(f"--alibi: ours only (mosaic_gpu, triton), not {args.impl}")
+    slopes = 2.0 ** -(jax.numpy.arange(N) + 1.0)
     fn = functools.partial(js.dot_product_attention, implementation=args.impl,
-                           alibi_slopes=slopes)
-  fn = functools.partial(fn, is_causal=bool(causal))
+                           alibi_slopes=slopes, is_causal=bool(causal))
+  else:
+    fn, why = implementations(N, K, H, bool(causal)).get(_OURS.get(args.impl, args.impl),
+                                                         (None, "no such implementation"))
+    if fn is None:
+      parser.error(f"--impl {args.impl}: {why}")
   if args.mode == "fwd":
     step, inputs = jax.jit(fn), (q, k, v)
   else:

@@ -106,7 +106,8 @@ pack() { tar -czf "$top/run.tgz" -C "$out" . && cp "$out/summary.log" "$top/"; }
 # counters LOG KERNEL_REGEX LABEL COMMAND...: Nsight Compute on the second launch of the
 # kernels KERNEL_REGEX selects (the first compiles), its report in LOG, and the lines
 # that say what limits the kernel (throughput, pipes, stalls, registers, occupancy)
-# labelled into the summary. NCU_SOURCE=1 also samples the stalls per instruction and
+# labelled into the summary. KERNEL_REGEX matches demangled names (a CUTLASS kernel's
+# class, e.g. FA3's FlashAttnBwdSm90, is a template argument). NCU_SOURCE=1 also samples the stalls per instruction and
 # writes the SASS with them (LOG with .sass.log): where spills and waits sit.
 counters() {
   local log=$1 kernel=$2 label=$3
@@ -114,7 +115,7 @@ counters() {
   local source=()
   [ "${NCU_SOURCE:-0}" = 1 ] && source=(--section SourceCounters --export "${log%.log}")
   timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 \
-    -k "regex:$kernel" \
+    --kernel-name-base demangled -k "regex:$kernel" \
     --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section Occupancy \
     --section LaunchStats --section MemoryWorkloadAnalysis "${source[@]}" "$@" > "$log" 2>&1
