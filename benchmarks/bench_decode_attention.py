@@ -53,7 +53,10 @@ For quick runs the environment narrows a run: DECODE_IMPLS (comma-separated row 
 measures only those rows, DECODE_PAGE_SIZES (comma-separated) replaces each shape's page
 sizes, and DECODE_HOPPER_VARIANTS (comma-separated BLOCKxSTAGES, then "g" for one CTA
 per item instead of persistent CTAs, e.g. "64x5,128x2,64x4g") adds a row of the Hopper
-kernel with those tiles each, named "jaxsoftmax mosaic_gpu 64x5".
+kernel with those tiles each, named "jaxsoftmax mosaic_gpu 64x5"; DECODE_TRITON_VARIANTS
+(comma-separated BLOCKxSTAGES, then "p" and the programs per SM that the split count
+aims at, e.g. "64x3p2,128x2p4": `triton.DecodeBlocks`) a row of the Triton kernel with
+those tiles each, named "jaxsoftmax triton 64x3p2".
 """
 
 from __future__ import annotations
@@ -110,6 +113,28 @@ def _hopper_variants():
     blocks = mosaic_gpu.HopperDecodeBlocks(int(block_k), int(stages), persistent=not grid)
     variants.append((f"{HOPPER} {spec}", blocks))
   return variants
+
+
+def _triton_variants():
+  """(row name, DecodeBlocks) of DECODE_TRITON_VARIANTS."""
+  variants = []
+  for spec in _env_list("DECODE_TRITON_VARIANTS") or []:
+    block_k, stages, programs = re.fullmatch(r"(\d+)x(\d+)p(\d+)", spec).groups()
+    tiles = triton.DecodeBlocks(int(block_k), int(stages), int(programs))
+    variants.append((f"{OURS} {spec}", tiles))
+  return variants
+
+
+def _triton_fn(tiles):
+  """The Triton kernel with the tiles ``tiles`` (`triton.DecodeBlocks`), on a contiguous
+  cache or (with a block table ``t``) a paged one."""
+  def run(q, k, v, n, t=None):
+    dims = triton.DecodeDims.of(q, k, t, None, cores=pallas.num_cores(), tiles=tiles)
+    out, _ = run_kernels(q, k, v, n, t, dims, scale=q.shape[-1] ** -0.5,
+                         interpret=not _on_gpu())
+    return out.astype(q.dtype)
+
+  return run
 
 
 def _hopper_rows():
@@ -192,6 +217,7 @@ def contiguous_impls(case):
   gpu = _on_gpu()
   impls = {name: (_hopper_fn(blocks, paged=False), None)
            for name, blocks in _hopper_rows()}
+  impls |= {name: (_triton_fn(tiles), None) for name, tiles in _triton_variants()}
   impls |= {
       OURS: (lambda q, k, v, n: js.decode_attention(q, k, v, n, implementation="triton"),
              None),
@@ -237,6 +263,7 @@ def paged_impls(case):
   gpu = _on_gpu()
   impls = {name: (_hopper_fn(blocks, paged=True), None)
            for name, blocks in _hopper_rows()}
+  impls |= {name: (_triton_fn(tiles), None) for name, tiles in _triton_variants()}
   impls |= {
       OURS: (lambda q, k, v, n, t: js.decode_attention(
           q, k, v, n, block_table=t, implementation="triton"), None),
@@ -284,10 +311,12 @@ def _splits_note(name, case, q, k, table):
     copies = f", {plan.copies} copies a block" if plan.copies > 1 else ""
     return (f"splits {plan.dims.splits}, blocks of {plan.block_k}, "
             f"{plan.blocks.num_stages} stages, {schedule}{copies}")
-  if name == OURS:
-    dims = triton.DecodeDims.of(q, k, table, None, cores=pallas.num_cores())
+  if name.startswith(OURS):
+    tiles = dict(_triton_variants()).get(name)
+    dims = triton.DecodeDims.of(q, k, table, None, cores=pallas.num_cores(), tiles=tiles)
     gathered = ", pages gathered" if dims.gathers_pages else ""
-    return f"splits {dims.splits}, blocks of {triton.BLOCK_K}{gathered}"
+    return (f"splits {dims.splits}, blocks of {dims.tiles.block_k}, "
+            f"{dims.tiles.num_stages} stages{gathered}")
   return ""
 
 
@@ -378,7 +407,7 @@ def vs_best_peer(rows) -> str:
 def _rows(case, dtype, modes):
   # The read ceiling, then every contiguous implementation and every paged one at each
   # page size (a skipped one is a row too), our Hopper rows on a Hopper GPU.
-  per_layout = len(_hopper_rows())
+  per_layout = len(_hopper_rows()) + len(_triton_variants())
   return 1 + (len(CONTIGUOUS) + per_layout) + (len(PAGED) + per_layout) * len(case[6])
 
 

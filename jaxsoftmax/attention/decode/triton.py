@@ -3,7 +3,7 @@
 One program per (split of the cache, sequence, KV head). The G = N/K query heads that
 share the KV head, times the T new tokens, form one tile of T·G query rows (GQA packing:
 each K/V byte is read once for all of them), padded to a power of two of at least 16
-rows for the tensor cores. The program walks its split's blocks of BLOCK_K cache
+rows for the tensor cores. The program walks its split's blocks of block_k cache
 positions (a contiguous cache's rows, or a paged cache's, each row's page read from the
 block table), folding each into the online-softmax state (m, l) and
 acc = Σ_j exp(s_j - m) v_j as the training forward does (`attention.triton.forward`),
@@ -32,24 +32,53 @@ from jaxsoftmax.attention.logits import Logits, lse as natural_lse
 from jaxsoftmax.attention.masks import cdiv
 from jaxsoftmax.attention.triton.tiling import pow2_head_dim
 
-__all__ = ["DecodeDims", "forward", "merge_splits"]
+__all__ = ["DecodeBlocks", "DecodeDims", "forward", "merge_splits"]
 
 # Blocks of cache positions a split holds at least, where the split count is ours.
 _MIN_BLOCKS_PER_SPLIT = 4
-# Cache positions a block holds. A whole page of 256 as one block asked for 288 KiB of
-# shared memory at T·G = 128 rows on an H200 (which has 227 KiB), and pages of 16 as
-# blocks ran at half the read bandwidth of 64-position blocks
-# (benchmarks/results/decode_attention.md).
-BLOCK_K = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlocks:
+  """Tiles of the Triton decode kernel.
+
+  Attributes:
+    block_k: cache positions a block holds. A whole page of 256 as one block asked for
+      288 KiB of shared memory at T·G = 128 rows on an H200 (which has 227 KiB), and
+      pages of 16 as blocks ran at half the read bandwidth of 64-position blocks
+      (benchmarks/results/decode_attention.md).
+    num_stages: Triton's software-pipelining stages of the loop over the blocks (K/V
+      blocks in flight per program).
+    programs_per_core: where the split count is ours, the programs it aims at per SM.
+      Three (three programs of two stages fit an SM's shared memory) against two, on
+      the H200 in one run: one sequence of 131072 keys 4-5% faster, 8 of 8192 1-2%, 64
+      of 4096 unchanged (one split either way), 16 of 32768 1% slower
+      (benchmarks/results/decode_attention.md, `jaxsoftmax triton 64x2p2`). A third
+      stage, blocks of 128 or four programs per SM each won on one shape and lost up to
+      15% on another (benchmarks/results/tuning/tune_decode.md, tune_decode_repeat.md).
+  """
+
+  block_k: int = 64
+  num_stages: int = 2
+  programs_per_core: int = 3
+
+  def __post_init__(self):
+    for name, least in (("block_k", 16), ("num_stages", 1), ("programs_per_core", 1)):
+      value = getattr(self, name)
+      if not (isinstance(value, int) and value >= least):
+        raise ValueError(f"DecodeBlocks.{name} must be an int >= {least}, got {value!r}")
+    if self.block_k & (self.block_k - 1):
+      raise ValueError(f"DecodeBlocks.block_k must be a power of two, got {self.block_k}")
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeDims:
   """The problem: B sequences of T new tokens, N query heads over K KV heads of dim H;
   S cache positions per sequence (contiguous: the cache's length; paged: the block
-  table's pages times page_size). The kernel walks blocks of BLOCK_K consecutive
-  positions of a sequence; in a paged cache each position's page comes from the block
-  table (one page for the whole block where the page size is a multiple of BLOCK_K).
+  table's pages times page_size). The kernel walks blocks of ``tiles.block_k``
+  consecutive positions of a sequence; in a paged cache each position's page comes from
+  the block table (one page for the whole block where the page size is a multiple of
+  the block).
   Each sequence's blocks below its length are cut into ``splits`` runs of one size at
   run time, so that a short sequence in a long cache is spread over every split too."""
 
@@ -62,6 +91,7 @@ class DecodeDims:
   page_size: int | None  # None: a contiguous cache
   pages: int  # pages in the pool (paged), else 0
   splits: int
+  tiles: DecodeBlocks = DecodeBlocks()
 
   @property
   def G(self) -> int:
@@ -88,15 +118,16 @@ class DecodeDims:
   @property
   def gathers_pages(self) -> bool:
     """Whether a block's positions lie in more than one page (paged, with a page size
-    that is not a multiple of BLOCK_K)."""
-    return self.page_size is not None and self.page_size % BLOCK_K != 0
+    that is not a multiple of the block)."""
+    return self.page_size is not None and self.page_size % self.tiles.block_k != 0
 
   @property
   def blocks(self) -> int:
-    return pl.cdiv(self.S, BLOCK_K)
+    return pl.cdiv(self.S, self.tiles.block_k)
 
   @classmethod
-  def of(cls, query, key, block_table, num_splits: int | None, *, cores: int):
+  def of(cls, query, key, block_table, num_splits: int | None, *, cores: int,
+         tiles: DecodeBlocks | None = None):
     B, T, N, H = query.shape
     K = key.shape[2]
     if block_table is None:
@@ -104,9 +135,11 @@ class DecodeDims:
     else:
       page_size, pages = key.shape[1], key.shape[0]
       S = block_table.shape[1] * page_size
-    dims = cls(B, T, N, K, H, S, page_size, pages, 1)
-    if num_splits is None:  # about two programs per SM, each a few blocks at least
-      num_splits = max(1, min(pl.cdiv(2 * cores, B * K), dims.blocks // _MIN_BLOCKS_PER_SPLIT))
+    tiles = tiles or DecodeBlocks()
+    dims = cls(B, T, N, K, H, S, page_size, pages, 1, tiles)
+    if num_splits is None:  # a few programs per SM, each a few blocks at least
+      num_splits = max(1, min(pl.cdiv(tiles.programs_per_core * cores, B * K),
+                              dims.blocks // _MIN_BLOCKS_PER_SPLIT))
     return dataclasses.replace(dims, splits=min(num_splits, dims.blocks))
 
 
@@ -115,7 +148,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logit
   bt_ref = refs[0] if dims.page_size is not None else None
   o_ref, m_ref, log2_l_ref = refs[-3:]
   split = pl.program_id(0)
-  R, bk = dims.rows_pad, BLOCK_K
+  R, bk = dims.rows_pad, dims.tiles.block_k
   length = jnp.max(pallas.load(len_ref))
   r = jnp.arange(R, dtype=jnp.int32)
   row_ok = r < dims.rows
@@ -200,8 +233,8 @@ def forward(q, k, v, lengths, block_table, *, dims: DecodeDims, scale: float,
   q_rows = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, R, H)
   q_spec = pl.BlockSpec((None, None, R_pad, H_pad), lambda s, b, h: (b, h, 0, 0))
   if block_table is None:
-    kv_spec = pl.BlockSpec((None, dims.blocks * BLOCK_K, None,
-                            H_pad), lambda s, b, h: (b, 0, h, 0))
+    kv_spec = pl.BlockSpec((None, dims.blocks * dims.tiles.block_k, None, H_pad),
+                           lambda s, b, h: (b, 0, h, 0))
   else:
     kv_spec = pl.BlockSpec((k.shape[0], k.shape[1], None, H_pad),
                            lambda s, b, h: (0, 0, h, 0))
@@ -220,7 +253,8 @@ def forward(q, k, v, lengths, block_table, *, dims: DecodeDims, scale: float,
       kernel, name="decode_attention", grid=(dims.splits, B, K), in_specs=in_specs,
       out_specs=[o_spec, stat_spec, stat_spec],
       out_shape=[jax.ShapeDtypeStruct((dims.splits, B, K, R, H), jnp.float32), stat, stat],
-      num_warps=dims.num_warps, num_stages=2, interpret=interpret)(*args)
+      num_warps=dims.num_warps, num_stages=dims.tiles.num_stages,
+      interpret=interpret)(*args)
 
 
 def merge_splits(o, m, log2_l, *, dims: DecodeDims, scale: float, softcap: float | None,
