@@ -39,7 +39,7 @@ from jaxsoftmax.attention.logits import (Logits, cap_grad, row_delta, score_grad
 from jaxsoftmax.attention.masks import (MaskSpec, cdiv, element_mask, key_block_ranges,
                                         query_block_ranges, walk_block_ranges)
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, Plane, ScoreTerms,
-                                                block_rows, key_block, key_block_allowed,
+                                                block_rows, key_block,
                                                 load_scalar, max_or_inf, probabilities,
                                                 query_block, query_block_launch,
                                                 query_plane_spec, scores, when_any)
@@ -179,7 +179,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   q0 = q_block(pl.program_id(0)) * bq
   block = query_block(q_ref, aux_refs, q0=q0, block_q=bq, dims=dims)
   q_idx, q_ok, q_mask, q = block.idx, block.ok, block.mask, block.tile
-  q_length, kv_length, q_seg = block.q_length, block.kv_length, block.segments
+  q_length, kv_length = block.q_length, block.kv_length
   do = pallas.load(do_ref, mask=block.o_mask, other=0)
   m = max_or_inf(pallas.load(m_ref, mask=q_ok, other=-jnp.inf))
   log2_l = pallas.load(log2_l_ref, mask=q_ok, other=0)
@@ -189,30 +189,23 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   dbias = _DBiasPartial(dbias_ref[0], aux.bias, q_idx, bq, dims) if dbias_ref else None
 
   def step(j, carry, *, masked: bool):
-    k0 = j * bk
-    k_idx, k_mask, v_mask = key_block(k0, bk, dims, masked=masked)
-    place = dict(q_idx=q_idx, k_idx=k_idx, rows=pl.ds(0, bq), cols=pl.ds(k0, bk))
-    user_mask = terms.mask((bq, bk), **place)
+    keys = key_block(j * bk, bk, dims, terms, block, masked=masked)
 
-    def block(carry):
+    def fold(carry):
       dq, dbias_sum = carry
-      k = pallas.load(k_ref.at[pl.ds(k0, bk), :], mask=k_mask, other=0)
-      v = pallas.load(v_ref.at[pl.ds(k0, bk), :], mask=v_mask, other=0)
+      k = keys.load(k_ref, keys.k_mask)
+      v = keys.load(v_ref, keys.v_mask)
       x, tanh = scores(logits, q, k)
-      x = terms.add(x, **place, slope=slope)
-      allowed = None
-      if masked:
-        allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
-                                    q_idx=q_idx, q_segments=q_seg, kv_length=kv_length,
-                                    user_mask=user_mask)
+      x = terms.add(x, **keys.place, slope=slope)
+      allowed = keys.allowed(spec, kv_seg_ref, block) if masked else None
       p = probabilities(logits, exp2, x, m[:, None], log2_l[:, None], allowed)
       dp = pallas.dot(do, v, trans_b=True)
       ds = score_grad(p, dp, delta[:, None], None)  # the logits' (and the bias's)
       if dbias is not None:
-        dbias_sum = dbias.add(ds, dbias_sum, k0=k0, k_idx=k_idx, block_k=bk)
+        dbias_sum = dbias.add(ds, dbias_sum, k0=keys.k0, k_idx=keys.idx, block_k=bk)
       return dq + _score_grad_dot(cap_grad(ds, tanh), k), dbias_sum
 
-    return when_any(user_mask, block, carry)
+    return when_any(keys.user_mask, fold, carry)
 
   carry = (jnp.zeros((bq, dims.H_pad), jnp.float32),
            None if dbias is None else dbias.start(bk))

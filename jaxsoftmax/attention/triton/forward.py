@@ -31,7 +31,7 @@ from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, join_sink
 from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, ScoreTerms,
-                                                key_block, key_block_allowed, query_block,
+                                                key_block, query_block,
                                                 query_block_launch, scores, when_any)
 from jaxsoftmax._core.state import safe_shift
 
@@ -47,36 +47,30 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
   q0 = q_block(pl.program_id(0)) * bq
   block = query_block(q_ref, aux_refs, q0=q0, block_q=bq, dims=dims)
   q_idx, q_ok, o_mask, q = block.idx, block.ok, block.o_mask, block.tile
-  q_length, kv_length, q_seg = block.q_length, block.kv_length, block.segments
+  q_length, kv_length = block.q_length, block.kv_length
 
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims)
   slope = terms.slope()
 
   def step(j, carry, *, masked: bool):
-    k0 = j * bk
-    k_idx, k_mask, v_mask = key_block(k0, bk, dims, masked=masked)
-    place = dict(q_idx=q_idx, k_idx=k_idx, rows=pl.ds(0, bq), cols=pl.ds(k0, bk))
-    user_mask = terms.mask((bq, bk), **place)
+    keys = key_block(j * bk, bk, dims, terms, block, masked=masked)
 
-    def block(carry):
+    def fold(carry):
       m, l, acc = carry
-      k = pallas.load(k_ref.at[pl.ds(k0, bk), :], mask=k_mask, other=0)
+      k = keys.load(k_ref, keys.k_mask)
       x, _ = scores(logits, q, k)
-      x = terms.add(x, **place, slope=slope)
+      x = terms.add(x, **keys.place, slope=slope)
       if masked:
-        allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
-                                    q_idx=q_idx, q_segments=q_seg, kv_length=kv_length,
-                                    user_mask=user_mask)
-        x = jnp.where(allowed, x, -jnp.inf)
+        x = jnp.where(keys.allowed(spec, kv_seg_ref, block), x, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(x, axis=1))
       shift = safe_shift(m_new)
       p = exp2(logits.exponent(x, shift[:, None]))
       alpha = exp2(logits.exponent(m, shift))
-      v = pallas.load(v_ref.at[pl.ds(k0, bk), :], mask=v_mask, other=0)
+      v = keys.load(v_ref, keys.v_mask)
       acc = acc * alpha[:, None] + pallas.dot(p.astype(v.dtype), v)
       return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-    return when_any(user_mask, block, carry)
+    return when_any(keys.user_mask, fold, carry)
 
   ranges = key_block_ranges(spec, q0, bq, bk, kv_length, q_length)
   carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),

@@ -29,7 +29,7 @@ from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, cap_grad
 from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
 from jaxsoftmax.attention.triton.tiling import (MIN_BLOCK, Aux, BlockSizes, Dims, ScoreTerms,
-                                                key_block, key_block_allowed, max_or_inf,
+                                                key_block, max_or_inf,
                                                 probabilities, query_block,
                                                 query_block_launch, query_plane_spec,
                                                 scores, when_any)
@@ -52,38 +52,32 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
   slope = terms.slope()
 
   def step(j, carry, *, masked: bool):
-    k0 = j * bk
-    k_idx, k_mask, v_mask = key_block(k0, bk, dims, masked=masked)
-    place = dict(q_idx=q_idx, k_idx=k_idx, rows=pl.ds(0, bq), cols=pl.ds(k0, bk))
-    user_mask = terms.mask((bq, bk), **place)
+    keys = key_block(j * bk, bk, dims, terms, block, masked=masked)
+    place = keys.place
 
     def tile(carry):
       acc, r = carry
-      k = pallas.load(k_ref.at[pl.ds(k0, bk), :], mask=k_mask, other=0)
+      k = keys.load(k_ref, keys.k_mask)
       x, tanh = scores(logits, q, k)
       x = terms.add(x, **place, slope=slope)
-      allowed = None
-      if masked:
-        allowed = key_block_allowed(spec, kv_seg_ref, k0=k0, k_idx=k_idx, block_k=bk,
-                                    q_idx=q_idx, q_segments=block.segments,
-                                    kv_length=block.kv_length, user_mask=user_mask)
+      allowed = keys.allowed(spec, kv_seg_ref, block) if masked else None
       p = probabilities(logits, exp2, x, m[:, None], log2_l[:, None], allowed)
-      k_dot = pallas.load(k_dot_ref.at[pl.ds(k0, bk), :], mask=k_mask, other=0)
+      k_dot = keys.load(k_dot_ref, keys.k_mask)
       qk_dot = pallas.dot(q_dot, k, trans_b=True) + pallas.dot(q, k_dot, trans_b=True)
       # The logits' tangent; ds/dx of the soft cap is the same 1 - tanh² as the backward's.
       s_dot = cap_grad(qk_dot * logits.scale, tanh)
       if bias_dot_ref is not None:
         s_dot = s_dot + terms.plane_tile(bias_dot_ref, aux.bias, None, place["rows"],
-                                         place["cols"], q_idx, k_idx,
+                                         place["cols"], q_idx, keys.idx,
                                          s_dot.shape).astype(jnp.float32)
       p_s_dot = p * s_dot
-      v = pallas.load(v_ref.at[pl.ds(k0, bk), :], mask=v_mask, other=0)
-      v_dot = pallas.load(v_dot_ref.at[pl.ds(k0, bk), :], mask=v_mask, other=0)
+      v = keys.load(v_ref, keys.v_mask)
+      v_dot = keys.load(v_dot_ref, keys.v_mask)
       acc = (acc + pallas.dot(p_s_dot.astype(v.dtype), v)
              + pallas.dot(p.astype(v_dot.dtype), v_dot))
       return acc, r + jnp.sum(p_s_dot, axis=1)
 
-    return when_any(user_mask, tile, carry)
+    return when_any(keys.user_mask, tile, carry)
 
   carry = (jnp.zeros((bq, dims.Hv_pad), jnp.float32), jnp.zeros((bq,), jnp.float32))
   ranges = key_block_ranges(spec, q0, bq, bk, block.kv_length, block.q_length)

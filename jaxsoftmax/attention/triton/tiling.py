@@ -366,34 +366,52 @@ def query_block(q_ref, aux_refs: AuxArrays, *, q0, block_q: int, dims: Dims) -> 
       segments=None if q_seg_ref is None else pallas.load(q_seg_ref, mask=q_ok, other=-1))
 
 
-def key_block(k0, block_k: int, dims: Dims, *, masked: bool):
-  """(key indices, load masks of the (block_k, H_pad) K tile and the (block_k, Hv_pad)
-  V tile) of the key block at k0. Only boundary (masked) blocks can reach past S:
-  interior blocks end before it."""
+class KeyBlock(NamedTuple):
+  """Key block [k0, k0 + size) of a query-block kernel's walk (the forward, dQ and tangent
+  kernels), after `key_block`."""
+
+  k0: Any
+  size: int  # block_k
+  idx: Any  # (block_k,) key indices
+  k_mask: Any  # load mask of the (block_k, H_pad) K tile; None off the boundary blocks
+  v_mask: Any  # the same of the (block_k, Hv_pad) V tile
+  place: dict  # where the (block_q, block_k) tile sits, as `ScoreTerms` takes it
+  user_mask: Any  # the mask array's tile (`ScoreTerms.mask`), or None
+
+  def load(self, ref, mask):
+    """The block's rows of a K-side ref (K, V or their tangents)."""
+    return pallas.load(ref.at[pl.ds(self.k0, self.size), :], mask=mask, other=0)
+
+  def allowed(self, spec: MaskSpec, kv_seg_ref, block: QueryBlock) -> jax.Array:
+    """The (block_q, block_k) element mask of this block for the query block ``block``
+    (the boundary blocks), loading the keys' segment ids, with the mask array's tile."""
+    k_segments = None
+    if kv_seg_ref is not None:
+      k_segments = pallas.load(kv_seg_ref.at[pl.ds(self.k0, self.size)],
+                               mask=self.idx < spec.kv_len, other=-2)
+    allowed = element_mask(spec, block.idx[:, None], self.idx[None, :], block.kv_length,
+                           None if block.segments is None else block.segments[:, None],
+                           None if k_segments is None else k_segments[None, :])
+    return allowed if self.user_mask is None else allowed & self.user_mask
+
+
+def key_block(k0, block_k: int, dims: Dims, terms: ScoreTerms, block: QueryBlock, *,
+              masked: bool) -> KeyBlock:
+  """The key block at k0 of the walk of the query block ``block``. Only boundary
+  (masked) blocks can reach past S: interior blocks end before it."""
   k_idx, kv_ok = block_rows(k0, block_k, dims.S)
   rows_ok = kv_ok if masked else None
-  return (k_idx, dims.tile_mask(rows_ok, dims.head_ok(), block_k),
-          dims.tile_mask(rows_ok, dims.head_ok(value=True), block_k, value=True))
+  block_q = block.idx.shape[0]
+  place = dict(q_idx=block.idx, k_idx=k_idx, rows=pl.ds(0, block_q), cols=pl.ds(k0, block_k))
+  return KeyBlock(k0=k0, size=block_k, idx=k_idx,
+                  k_mask=dims.tile_mask(rows_ok, dims.head_ok(), block_k),
+                  v_mask=dims.tile_mask(rows_ok, dims.head_ok(value=True), block_k, value=True),
+                  place=place, user_mask=terms.mask((block_q, block_k), **place))
 
 
 def scores(logits: Logits, a, b):
   """x for the tiles a, b (a bᵀ, float32, soft-capped), and the tanh the backward needs."""
   return logits.cap(pallas.dot(a, b, trans_b=True))
-
-
-def key_block_allowed(spec: MaskSpec, kv_seg_ref, *, k0, k_idx, block_k: int, q_idx,
-                      q_segments, kv_length, user_mask=None) -> jax.Array:
-  """The (block_q, block_k) element mask of the key block at k0 for a query block (the
-  query-block kernels' boundary blocks), loading the keys' segment ids; and the mask
-  array's tile ``user_mask`` (`ScoreTerms.mask`) where given."""
-  k_segments = None
-  if kv_seg_ref is not None:
-    k_segments = pallas.load(kv_seg_ref.at[pl.ds(k0, block_k)], mask=k_idx < spec.kv_len,
-                             other=-2)
-  allowed = element_mask(spec, q_idx[:, None], k_idx[None, :], kv_length,
-                         None if q_segments is None else q_segments[:, None],
-                         None if k_segments is None else k_segments[None, :])
-  return allowed if user_mask is None else allowed & user_mask
 
 
 def max_or_inf(m):
