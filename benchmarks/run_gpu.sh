@@ -107,8 +107,9 @@ pack() { tar -czf "$top/run.tgz" -C "$out" . && cp "$out/summary.log" "$top/"; }
 # kernels KERNEL_REGEX selects (the first compiles), its report in LOG, and the lines
 # that say what limits the kernel (throughput, pipes, stalls, registers, occupancy)
 # labelled into the summary. KERNEL_REGEX matches demangled names (a CUTLASS kernel's
-# class, e.g. FA3's FlashAttnBwdSm90, is a template argument). NCU_SOURCE=1 also samples the stalls per instruction and
-# writes the SASS with them (LOG with .sass.log): where spills and waits sit.
+# class, e.g. FA3's FlashAttnBwdSm90, is a template argument). NCU_SOURCE=1 also
+# samples the stalls per instruction and writes the SASS with them (LOG with
+# .sass.log): where spills and waits sit.
 counters() {
   local log=$1 kernel=$2 label=$3
   shift 3

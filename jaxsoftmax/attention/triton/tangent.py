@@ -53,13 +53,12 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
 
   def step(j, carry, *, masked: bool):
     keys = key_block(j * bk, bk, dims, terms, block, masked=masked)
-    place = keys.place
 
     def tile(carry):
       acc, r = carry
       k = keys.load(k_ref, keys.k_mask)
       x, tanh = scores(logits, q, k)
-      x = terms.add(x, **place, slope=slope)
+      x = terms.add(x, **keys.place, slope=slope)
       allowed = keys.allowed(spec, kv_seg_ref, block) if masked else None
       p = probabilities(logits, exp2, x, m[:, None], log2_l[:, None], allowed)
       k_dot = keys.load(k_dot_ref, keys.k_mask)
@@ -67,8 +66,8 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
       # The logits' tangent; ds/dx of the soft cap is the same 1 - tanh² as the backward's.
       s_dot = cap_grad(qk_dot * logits.scale, tanh)
       if bias_dot_ref is not None:
-        s_dot = s_dot + terms.plane_tile(bias_dot_ref, aux.bias, None, place["rows"],
-                                         place["cols"], q_idx, keys.idx,
+        s_dot = s_dot + terms.plane_tile(bias_dot_ref, aux.bias, None, keys.place["rows"],
+                                         keys.place["cols"], q_idx, keys.idx,
                                          s_dot.shape).astype(jnp.float32)
       p_s_dot = p * s_dot
       v = keys.load(v_ref, keys.v_mask)
