@@ -131,8 +131,8 @@ def _triton_fn(tiles):
   def run(q, k, v, n, t=None):
     dims = triton.DecodeDims.of(q, k, t, None, cores=pallas.num_cores(), tiles=tiles)
     out, _ = run_kernels(q, k, v, n, t, dims, scale=q.shape[-1] ** -0.5,
-                         interpret=not _on_gpu())
-    return out.astype(q.dtype)
+                         interpret=not _on_gpu(), out_dtype=q.dtype)
+    return out
 
   return run
 
@@ -155,8 +155,8 @@ def _hopper_fn(blocks, paged: bool):
 
   def run(q, k, v, n, t=None):
     plan = mosaic_gpu.plan(q, k, t, None, cores=pallas.num_cores(), blocks=blocks)
-    out, _ = run_kernels(q, k, v, n, t, plan, scale=q.shape[-1] ** -0.5)
-    return out.astype(q.dtype)
+    out, _ = run_kernels(q, k, v, n, t, plan, scale=q.shape[-1] ** -0.5, out_dtype=q.dtype)
+    return out
 
   return run
 

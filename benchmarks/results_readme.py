@@ -85,6 +85,9 @@ OTHER = {
                             "the fourth, the rest from the first; each feature's cost is "
                             "over the latest run's plain row (the runs' plain rows agree "
                             "within 1.3%)",
+    "generate.log": "`examples/generate.py` at its GPU size (batch 64, 4 layers): tokens "
+                    "per second and step time of jax.nn's attention and decode_attention "
+                    "on contiguous and paged caches, and how their logits and tokens agree",
     "command_buffers.log": "the example's training step with XLA's command buffers (CUDA "
                            "graphs) on and off, and the thunks they hold "
                            "(`benchmarks/command_buffers.py`)",

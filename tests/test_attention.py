@@ -547,11 +547,11 @@ def test_matches_truth_gpu(key, backend, B, T, S, N, K, H, options, dtype):
          **options)
 
 
-def _train_step(backend, deterministic=None):
-  """A jitted step: output and gradients of causal attention under ``backend``."""
+def _train_step(backend, deterministic=None, is_causal=True):
+  """A jitted step: output and gradients of (causal) attention under ``backend``."""
   @jax.jit
   def step(q, k, v, do):
-    attention = functools.partial(js.dot_product_attention, is_causal=True,
+    attention = functools.partial(js.dot_product_attention, is_causal=is_causal,
                                   implementation=backend, deterministic=deterministic)
     o, vjp = jax.vjp(attention, q, k, v)
     return (o, *vjp(do))
@@ -563,9 +563,11 @@ def _train_step(backend, deterministic=None):
 def test_two_runs_bit_identical_gpu(key, backend):
   # deterministic=True: every output and gradient is identical from run to run (the
   # Hopper backward then takes dQ from a kernel of its own, with no atomic adds).
-  T = 1 if backend == "decode" else 1000  # the decode backend runs one query token
-  inputs = _inputs(key, 2, T, 1000, 4, 2, 128, jnp.bfloat16)
-  step = _train_step(backend, deterministic=True)
+  # The decode backend runs one query token against every key (no causal mask: jax.nn
+  # aligns it with the first key).
+  decode = backend == "decode"
+  inputs = _inputs(key, 2, 1 if decode else 1000, 1000, 4, 2, 128, jnp.bfloat16)
+  step = _train_step(backend, deterministic=True, is_causal=not decode)
   for a, b in zip(step(*inputs), step(*inputs)):
     np.testing.assert_array_equal(a, b)
 

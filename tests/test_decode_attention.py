@@ -16,6 +16,7 @@ import pytest
 import jaxsoftmax as js
 from jaxsoftmax._core import mosaic_gpu as mosaic_device
 from jaxsoftmax._core import pallas
+from jaxsoftmax._core.state import reduce_lse
 from jaxsoftmax.attention.decode import api as decode_api
 from jaxsoftmax.attention.decode import mosaic_gpu, reference
 from tolerance import assert_2x, truth
@@ -200,17 +201,65 @@ def test_split_counts_agree(key):
       np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("splits, sinks", [(1, False), (5, True), (70, True)],
+                         ids=["one-split", "five-sinks", "two-chunks-sinks"])
+def test_merge_kernel_matches_the_float32_merge(key, splits, sinks):
+  # The merge kernel against the same merge in jnp (`merge_splits`), on partial results
+  # with an empty split, an empty row, head dim 96 (padded to 128) and more splits than
+  # one chunk; a NaN in one split's statistics is the row's NaN.
+  from jaxsoftmax.attention.decode import triton
+  from jaxsoftmax.attention.logits import lse as natural_lse
+  B, T, N, K, H = 2, 3, 8, 2, 96
+  dims = triton.DecodeDims(B, T, N, K, H, 8192, None, 0, splits)
+  R = dims.rows
+  ko, km, kl, ks = jax.random.split(key, 4)
+  o = jax.random.normal(ko, (splits, B, K, R, H))
+  m = (3 * jax.random.normal(km, (splits, B, K, R))).at[0, 0, 0, 0].set(-jnp.inf)
+  m = m.at[:, 1, 1, 2].set(-jnp.inf).at[-1, 1, 0, 5].set(jnp.nan)
+  log2_l = 4 * jax.random.uniform(kl, (splits, B, K, R))
+  sink = jax.random.normal(ks, (B, N)) if sinks else None
+  got = triton.merge(o, m, log2_l, dims=dims, scale=0.3, softcap=None, sinks=sink,
+                     out_dtype=jnp.float32, interpret=not ON_GPU)
+  # The same merge in jnp, rows (t, g) of each KV head moved to (t, k·G + g).
+  lse_s = natural_lse(m, log2_l, scale=0.3, softcap=None)
+  parts = lse_s if sink is None else jnp.concatenate(
+      [lse_s, jnp.tile(sink.reshape(1, B, K, 1, N // K), (1, 1, 1, T, 1)).reshape(
+          1, B, K, R)])
+  lse = reduce_lse(parts, axis=0)
+  w = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse_s - lse[None]))
+  out = jnp.sum(w[..., None] * o, axis=0)
+  to_heads = lambda x: jnp.moveaxis(x.reshape(B, K, T, N // K, *x.shape[3:]), 2, 1)
+  for a, b in zip(got, (to_heads(out).reshape(B, T, N, H), to_heads(lse).reshape(B, T, N))):
+    np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6)
+  assert np.isnan(np.asarray(got[0][1, 1, 1])).all()  # row (t=1, g=1) of head 1: NaN
+
+
 def test_default_split_count():
-  # About three programs per SM, each split holding at least four blocks of the cache.
-  from jaxsoftmax.attention.decode.triton import DecodeDims
+  # One wave of programs, each split holding at least four blocks of the cache: one
+  # program of four stages a SM on a contiguous cache whose (sequence, KV head) pairs fit
+  # on the SMs, else three programs of two stages (`DecodeBlocks.choose`).
+  from jaxsoftmax.attention.decode.triton import DecodeBlocks, DecodeDims
   sds = jax.ShapeDtypeStruct
-  dims = lambda B, S, K, **kw: DecodeDims.of(sds((B, 1, 4 * K, 128), jnp.bfloat16),
-                                             sds((B, S, K, 128), jnp.bfloat16), None, None,
-                                             cores=132, **kw)
-  assert dims(1, 131072, 8).splits == 50  # 400 programs over 8 heads
-  assert dims(64, 4096, 8).splits == 1
-  assert dims(8, 8192, 8).splits == 7  # 448 programs over 64 (sequence, head) pairs
+
+  def dims(B, S, K, H=128, dtype=jnp.bfloat16, page_size=None):
+    q = sds((B, 1, 4 * K, H), dtype)
+    if page_size is None:
+      return DecodeDims.of(q, sds((B, S, K, H), dtype), None, None, cores=132)
+    pool, table = sds((B * S // page_size, page_size, K, H), dtype), sds(
+        (B, S // page_size), jnp.int32)
+    return DecodeDims.of(q, pool, table, None, cores=132)
+
+  streaming, shared = DecodeBlocks(num_stages=4, programs_per_core=1), DecodeBlocks()
+  assert (dims(1, 131072, 8).splits, dims(1, 131072, 8).tiles) == (16, streaming)
+  assert (dims(8, 8192, 8).splits, dims(8, 8192, 8).tiles) == (2, streaming)
+  assert (dims(16, 32768, 8).splits, dims(16, 32768, 8).tiles) == (1, streaming)
+  assert (dims(64, 4096, 8).splits, dims(64, 4096, 8).tiles) == (1, shared)  # 512 pairs
   assert dims(1, 100, 8).splits == 1  # two blocks: fewer than four a split
+  # Paged, or four stages past 128 KiB (head dim 256, float32): three programs a SM.
+  assert (dims(1, 131072, 8, page_size=64).splits,
+          dims(1, 131072, 8, page_size=64).tiles) == (49, shared)
+  assert dims(8, 8192, 8, H=256).tiles == shared
+  assert dims(8, 8192, 8, dtype=jnp.float32).tiles == shared
 
 
 def test_backward_raises():
@@ -260,13 +309,14 @@ def test_lowers_for_cuda(as_if_on_an_h200, page_size, dtype):
   B, T, N, K, H = 4, 4, 32, 8, 128
   paged = page_size is not None
   k = sds((300, page_size, K, H), dtype) if paged else sds((B, 1000, K, H), dtype)
-  table = sds((B, 20), jnp.int32) if paged else None
+  table = sds((B, 1280 // page_size), jnp.int32) if paged else None
   run = lambda q, k, v, lengths, table: js.decode_attention(
       q, k, v, lengths, block_table=table, implementation="triton", interpret=False,
       logits_soft_cap=30.0, local_window_size=100)
   text = jax.jit(run).trace(sds((B, T, N, H), dtype), k, k, sds((B,), jnp.int32),
                             table).lower(lowering_platforms=("cuda",)).as_text()
   assert re.search(r'name = \\?"decode_attention', text)
+  assert re.search(r'name = \\?"decode_attention_merge', text)  # 4-5 splits merge
 
 
 @pytest.mark.gpu

@@ -5,12 +5,11 @@ Kernels: `mosaic_gpu` (Hopper GPUs: the K/V blocks streamed by TMA through a rin
 shared-memory slots, wgmma products, persistent CTAs) and `triton` (flash-decoding in
 Pallas' Triton lowering, any GPU and the CPU interpreter). Both split the cache over
 programs and pack the query heads of a KV head into one tile, and their splits merge in
-float32 in XLA. With ``implementation=None`` a Hopper GPU takes `mosaic_gpu` where it
-supports the call (`mosaic_gpu.unsupported`) once `HOPPER_BY_DEFAULT` is on, else
-`triton`. Off a GPU the XLA path
-(`reference`) runs unless kernels are asked for, as for every op (`interpret=`,
-``implementation="triton"``). Decoding has no backward: a gradient through the kernels
-raises.
+float32 in a second small kernel (`triton.merge`). With ``implementation=None`` a Hopper
+GPU takes `mosaic_gpu` where it supports the call (`mosaic_gpu.unsupported`) once
+`HOPPER_BY_DEFAULT` is on, else `triton`. Off a GPU the XLA path (`reference`) runs
+unless kernels are asked for, as for every op (`interpret=`, ``implementation="triton"``).
+Decoding has no backward: a gradient through the kernels raises.
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ __all__ = ["decode_attention", "run_kernels", "IMPLEMENTATIONS"]
 IMPLEMENTATIONS = (None, "mosaic_gpu", "triton", "xla")
 _OP = "decode_attention"
 # Whether implementation=None takes the Hopper kernel on a Hopper GPU where it runs the
-# call. Off: it passes its GPU tests on the H200 but is not faster than the Triton
-# kernel everywhere (slower by 3-7% on the large batches of
-# benchmarks/results/decode_attention.md, faster by 2-4% at T = 4 and B = 1).
+# call. Off: it passes its GPU tests on the H200 but is 1-10% slower than the Triton
+# kernel on every shape of benchmarks/results/decode_attention.md.
 # implementation="mosaic_gpu" runs it.
 HOPPER_BY_DEFAULT = False
 
@@ -89,13 +87,15 @@ def _check(query, key, value, lengths, block_table):
 
 def run_kernels(q, k, v, lengths, block_table, plan, *, scale: float,
                 softcap: float | None = None, window_left: int | None = None,
-                interpret: bool = False, sinks=None):
-  """(out, lse), both float32, (B, T, N, H) and (B, T, N): the one sequence every caller
-  of the kernels runs (this op, the `dot_product_attention` decode backend, the
-  benchmark's and tests' own tiles): the kernel that ``plan`` names (a
-  `mosaic_gpu.Plan`: the Hopper kernel; a `triton.DecodeDims`: the Triton kernel) writes
-  each split's partial result, and `triton.merge_splits` merges them, the ``sinks``
-  (None or (B, N) float32) with them. No derivatives: `decode_attention` says why."""
+                interpret: bool = False, sinks=None, out_dtype=jnp.float32):
+  """(out in ``out_dtype``, lse float32), (B, T, N, H) and (B, T, N): the one sequence
+  every caller of the kernels runs (this op, the `dot_product_attention` decode backend,
+  the benchmark's and tests' own tiles): the kernel that ``plan`` names (a
+  `mosaic_gpu.Plan`: the Hopper kernel; a `triton.DecodeDims`: the Triton kernel)
+  writes each split's partial result, and `triton.merge` merges them in float32, the
+  ``sinks`` (None or (B, N) float32) with them; one split without sinks is the result
+  as the Triton kernel writes it (`triton.single_split`). No derivatives:
+  `decode_attention` says why."""
   if isinstance(plan, mosaic_gpu.Plan):
     dims = plan.dims
     o, m, log2_l = mosaic_gpu.forward(q, k, v, lengths, block_table, plan=plan,
@@ -103,20 +103,25 @@ def run_kernels(q, k, v, lengths, block_table, plan, *, scale: float,
                                       window_left=window_left)
   else:
     dims = plan
+    alone = dims.splits == 1 and sinks is None
     o, m, log2_l = triton.forward(q, k, v, lengths, block_table, dims=dims, scale=scale,
                                   softcap=softcap, window_left=window_left,
-                                  interpret=interpret)
-  return triton.merge_splits(o, m, log2_l, dims=dims, scale=scale, softcap=softcap,
-                             sinks=sinks)
+                                  interpret=interpret,
+                                  o_dtype=out_dtype if alone else jnp.float32)
+    if alone:
+      return triton.single_split(o, m, log2_l, dims=dims, scale=scale, softcap=softcap,
+                                 out_dtype=out_dtype)
+  return triton.merge(o, m, log2_l, dims=dims, scale=scale, softcap=softcap, sinks=sinks,
+                      out_dtype=out_dtype, interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def _kernels(q, k, v, lengths, block_table, sinks, plan, scale, softcap, window_left,
              interpret):
   """`run_kernels`, the output in the query's dtype, under a backward that raises."""
-  out, lse = run_kernels(q, k, v, lengths, block_table, plan, scale=scale, softcap=softcap,
-                         window_left=window_left, interpret=interpret, sinks=sinks)
-  return out.astype(q.dtype), lse
+  return run_kernels(q, k, v, lengths, block_table, plan, scale=scale, softcap=softcap,
+                     window_left=window_left, interpret=interpret, sinks=sinks,
+                     out_dtype=q.dtype)
 
 
 def _kernels_fwd(*args):

@@ -62,7 +62,8 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
   lengths = jnp.maximum(lengths, 0)
   dims = triton.DecodeDims.of(q, k, None, None, cores=pallas.num_cores())
   out, lse = run_kernels(q, k, v, lengths, None, dims, scale=call.scale,
-                         softcap=call.softcap, interpret=call.interpret, sinks=sinks)
+                         softcap=call.softcap, interpret=call.interpret, sinks=sinks,
+                         out_dtype=jnp.float32 if float32_output else q.dtype)
   factor = Logits(call.scale, call.softcap, fused=False).factor
   m = jnp.transpose(lse, (0, 2, 1)) / factor  # -inf (no key) and NaN stay what they are
   stats = (m, jnp.zeros_like(m))

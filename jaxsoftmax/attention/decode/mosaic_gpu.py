@@ -5,9 +5,9 @@ The work items are (split of the cache, sequence b, KV head h), as in the Triton
 one tile of T·G <= 64 query rows (row r = t·G + g), padded to the 64 rows of a wgmma
 tile, so that each K/V byte is read once for all of them. A sequence's blocks of
 ``block_k`` positions below its length are cut into ``splits`` runs of one size at run
-time (`DecodeDims`), and the splits' partial results merge in float32 in XLA
-(`triton.merge_splits`): the kernel writes the same per-split (o, m, log2 l) as the
-Triton kernel.
+time (`DecodeDims`), and the splits' partial results merge in float32 in the Triton
+merge kernel (`triton.merge`): the kernel writes the same per-split (o, m, log2 l) as
+the Triton kernel, with rows of padding past T·G.
 
 Each CTA has two warpgroups, a producer and a consumer:
 
@@ -471,8 +471,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, plan: Plan, logits: Logits,
 
 def forward(q, k, v, lengths, block_table, *, plan: Plan, scale: float,
             softcap: float | None, window_left: int | None):
-  """Per split, float32: o (splits, B, K, T·G, H), m and log2 l (splits, B, K, T·G),
-  as `triton.forward` writes them, for q
+  """Per split, float32: o (splits, B, K, rows, H), m and log2 l (splits, B, K, rows),
+  as `triton.forward` writes them but for rows >= T·G of padding, for q
   (B, T, N, H) and the cache k, v (contiguous (B, S, K, H), or pools (pages, page_size,
   K, H) with ``block_table`` (B, max_pages)) in bfloat16 or float16; ``lengths`` and
   the table int32."""
@@ -512,4 +512,4 @@ def forward(q, k, v, lengths, block_table, *, plan: Plan, scale: float,
       kernel, out_type=out_type, consumers=1, name="decode_attention_mosaic_gpu",
       softcap=softcap, scratch_types=list(scratch.values()), grid=grid,
       grid_names=grid_names)(*args)
-  return o[..., :R, :], m[..., :R], log2_l[..., :R]
+  return o, m, log2_l  # the merge reads the first R rows only

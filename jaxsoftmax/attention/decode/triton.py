@@ -7,9 +7,13 @@ rows for the tensor cores. The program walks its split's blocks of block_k cache
 positions (a contiguous cache's rows, or a paged cache's, each row's page read from the
 block table), folding each into the online-softmax state (m, l) and
 acc = Σ_j exp(s_j - m) v_j as the training forward does (`attention.triton.forward`),
-and writes its partial o = acc / l with (m, log2 l). The splits merge in float32 in
-XLA (`merge_splits`), where attention sinks join as one more part: the split count
-puts every SM to work when the batch is small and the cache long.
+and writes its partial o = acc / l with (m, log2 l). The split count puts every SM to
+work in one wave of programs when the batch is small and the cache long. The splits
+merge in float32 in a second kernel (`merge`, a program per output row), where
+attention sinks join as one more part; it writes the output in its dtype and layout,
+which XLA's merge needed two more passes for (1.5-4 us a step on the H200,
+benchmarks/results/tuning/decode_merge_trial.md). One split is the result as it is
+(`single_split`).
 
 Positions at or past a sequence's length are never read: the loads of V are masked by
 the length (a masked load reads nothing), and the keys there are masked to -inf by
@@ -27,40 +31,64 @@ from jax import lax
 
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
-from jaxsoftmax._core.state import reduce_lse, safe_shift
+from jaxsoftmax._core.state import safe_shift
 from jaxsoftmax.attention.logits import Logits, lse as natural_lse
 from jaxsoftmax.attention.masks import cdiv
 from jaxsoftmax.attention.triton.tiling import pow2_head_dim
 
-__all__ = ["DecodeBlocks", "DecodeDims", "forward", "merge_splits"]
+__all__ = ["DecodeBlocks", "DecodeDims", "forward", "merge", "single_split"]
+
+# Splits a merge program loads at once (a float32 (64, 128) tile is 64 registers a
+# thread over 4 warps); more are merged a chunk at a time.
+_MERGE_CHUNK = 64
 
 # Blocks of cache positions a split holds at least, where the split count is ours.
 _MIN_BLOCKS_PER_SPLIT = 4
 
 
+# K/V bytes a streaming program keeps in flight where it has its SM to itself (four
+# stages of 64 positions at head dim 128 in bfloat16).
+_IN_FLIGHT_BYTES = 128 * 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeBlocks:
-  """Tiles of the Triton decode kernel.
+  """Tiles of the Triton decode kernel (`choose` picks them for a call).
 
   Attributes:
     block_k: cache positions a block holds. A whole page of 256 as one block asked for
-      288 KiB of shared memory at T·G = 128 rows on an H200 (which has 227 KiB), and
-      pages of 16 as blocks ran at half the read bandwidth of 64-position blocks
-      (benchmarks/results/decode_attention.md).
+      288 KiB of shared memory at T·G = 128 rows on an H200 (which has 227 KiB), pages
+      of 16 as blocks ran at half the read bandwidth of 64-position blocks
+      (benchmarks/results/decode_attention.md), and blocks of 128 ran 10-20% slower than
+      64 at one program per SM (benchmarks/results/tuning/tune_decode_waves2.md).
     num_stages: Triton's software-pipelining stages of the loop over the blocks (K/V
       blocks in flight per program).
-    programs_per_core: where the split count is ours, the programs it aims at per SM.
-      Three (three programs of two stages fit an SM's shared memory) against two, on
-      the H200 in one run: one sequence of 131072 keys 4-5% faster, 8 of 8192 1-2%, 64
-      of 4096 unchanged (one split either way), 16 of 32768 1% slower
-      (benchmarks/results/decode_attention.md, `jaxsoftmax triton 64x2p2`). A third
-      stage, blocks of 128 or four programs per SM each won on one shape and lost up to
-      15% on another (benchmarks/results/tuning/tune_decode.md, tune_decode_repeat.md).
+    programs_per_core: where the split count is ours, the programs of one wave per SM
+      that it fills (`DecodeDims.of`).
   """
 
   block_k: int = 64
   num_stages: int = 2
   programs_per_core: int = 3
+
+  @classmethod
+  def choose(cls, *, pairs: int, paged: bool, stage_bytes: int, cores: int):
+    """The tiles for ``pairs`` (sequence, KV head) pairs over ``cores`` SMs, a stage of
+    K and V blocks taking ``stage_bytes``.
+
+    A contiguous cache whose pairs fit on the SMs streams with one program per SM and
+    four stages in flight, where four stages fit in `_IN_FLIGHT_BYTES` (head dims up
+    to 128 in 16 bits): on the H200, 1.5-5% faster than three programs of two stages at
+    one sequence of 131072 positions, 8 of 8192 (T = 1 and 4) and 16 of 32768, and
+    level with cuDNN or ahead of it (benchmarks/results/tuning/tune_decode_waves.md,
+    tune_decode_waves2.md); with two stages it read at 60%. Paged caches keep three
+    programs of two stages a SM: one program a SM read them at 56-62% of the bound at
+    two to four stages (the page index each block's address waits on is not pipelined
+    as deep) and 0-3% slower at five, and so do more pairs than SMs (64 sequences of
+    4096: one program a SM in four waves was 3% slower)."""
+    if paged or pairs > cores or 4 * stage_bytes > _IN_FLIGHT_BYTES:
+      return cls()
+    return cls(num_stages=4, programs_per_core=1)
 
   def __post_init__(self):
     for name, least in (("block_k", 16), ("num_stages", 1), ("programs_per_core", 1)):
@@ -135,11 +163,14 @@ class DecodeDims:
     else:
       page_size, pages = key.shape[1], key.shape[0]
       S = block_table.shape[1] * page_size
-    tiles = tiles or DecodeBlocks()
+    if tiles is None:
+      stage_bytes = 2 * DecodeBlocks.block_k * pow2_head_dim(H) * query.dtype.itemsize
+      tiles = DecodeBlocks.choose(pairs=B * K, paged=block_table is not None,
+                                  stage_bytes=stage_bytes, cores=cores)
     dims = cls(B, T, N, K, H, S, page_size, pages, 1, tiles)
-    if num_splits is None:  # a few programs per SM, each a few blocks at least
-      num_splits = max(1, min(pl.cdiv(tiles.programs_per_core * cores, B * K),
-                              dims.blocks // _MIN_BLOCKS_PER_SPLIT))
+    if num_splits is None:  # one wave of a few programs per SM, each a few blocks at least
+      waves = (tiles.programs_per_core * cores) // (B * K)  # splits filling one wave
+      num_splits = max(1, min(waves, dims.blocks // _MIN_BLOCKS_PER_SPLIT))
     return dataclasses.replace(dims, splits=min(num_splits, dims.blocks))
 
 
@@ -217,16 +248,20 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, dims: DecodeDims, logits: Logit
   m, l, acc = lax.fori_loop(lo, jnp.maximum(hi, lo), block, carry)
   some = l != 0  # NaN stays NaN (NaN != 0)
   l_safe = jnp.where(some, l, 1.0)
-  pallas.store(o_ref, jnp.where(some[:, None], acc / l_safe[:, None], 0.0), mask=tile_mask)
+  o = jnp.where(some[:, None], acc / l_safe[:, None], 0.0)
+  pallas.store(o_ref, o.astype(o_ref.dtype), mask=tile_mask)
   pallas.store(m_ref, jnp.where(some, jnp.where(l == l, m, jnp.nan), -jnp.inf), mask=row_ok)
   pallas.store(log2_l_ref, jnp.log2(l_safe), mask=row_ok)
 
 
 def forward(q, k, v, lengths, block_table, *, dims: DecodeDims, scale: float,
-            softcap: float | None, window_left: int | None, interpret: bool):
-  """Per split, float32: o (splits, B, K, T·G, H), m and log2 l (splits, B, K, T·G), for
-  q (B, T, N, H) and the cache k, v (contiguous (B, S, K, H), or pools (pages, page_size,
-  K, H) with ``block_table`` (B, max_pages)); ``lengths`` and the table int32."""
+            softcap: float | None, window_left: int | None, interpret: bool,
+            o_dtype=jnp.float32):
+  """Per split: o (splits, B, K, T·G, H) in ``o_dtype`` (float32 where the splits merge;
+  the output's dtype where one split is the result), m and log2 l (splits, B, K, T·G)
+  float32, for q (B, T, N, H) and the cache k, v (contiguous (B, S, K, H), or pools
+  (pages, page_size, K, H) with ``block_table`` (B, max_pages)); ``lengths`` and the
+  table int32."""
   B, T, N, H = q.shape
   K, G, R, R_pad, H_pad = dims.K, dims.G, dims.rows, dims.rows_pad, dims.H_pad
   # Rows (t, g) of each KV head's tile: a transpose of the few new tokens only.
@@ -252,29 +287,93 @@ def forward(q, k, v, lengths, block_table, *, dims: DecodeDims, scale: float,
   return pallas.pallas_call(
       kernel, name="decode_attention", grid=(dims.splits, B, K), in_specs=in_specs,
       out_specs=[o_spec, stat_spec, stat_spec],
-      out_shape=[jax.ShapeDtypeStruct((dims.splits, B, K, R, H), jnp.float32), stat, stat],
+      out_shape=[jax.ShapeDtypeStruct((dims.splits, B, K, R, H), o_dtype), stat, stat],
       num_warps=dims.num_warps, num_stages=dims.tiles.num_stages,
       interpret=interpret)(*args)
 
 
-def merge_splits(o, m, log2_l, *, dims: DecodeDims, scale: float, softcap: float | None,
-                 sinks=None):
-  """The splits' partial results merged in float32: (out (B, T, N, H) float32, lse
-  (B, T, N) float32, -inf for a row with no position). ``sinks``: None, or (B, N)
-  logits, one per query head (attention sinks, docs/math.md): each joins the merge as
-  one more part whose output is 0, so a row with no position gives out 0 and lse = its
-  sink."""
+def single_split(o, m, log2_l, *, dims: DecodeDims, scale: float, softcap: float | None,
+                 out_dtype):
+  """The result where one split holds every position and there are no sinks: the
+  kernel's o and (m, log2 l) as (out (B, T, N, H) in ``out_dtype``, lse (B, T, N)
+  float32), the rows (t, g) of each KV head moved to their places (no move at T = 1).
+  The merge would weigh the one part by 1, or by 0 for a row with no position, whose o
+  the kernel wrote as 0 already."""
   B, T, K, G, H = dims.B, dims.T, dims.K, dims.G, dims.H
-  lse_s = natural_lse(m, log2_l, scale=scale, softcap=softcap)  # (splits, B, K, R)
-  parts = lse_s
-  if sinks is not None:  # rows R = (t, g): head k·G + g's sink for every t
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(B, K, 1, G), (B, K, T, G))
-    parts = jnp.concatenate([lse_s, sink.reshape(1, B, K, T * G)], axis=0)
-  lse = reduce_lse(parts, axis=0)
-  # As `merge_attention_states`, over every split: an empty row's weights are 0; NaN
-  # carries.
-  w = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse_s - lse[None]))
-  out = jnp.sum(w[..., None] * o, axis=0)
+  lse = natural_lse(m[0, ..., :T * G], log2_l[0, ..., :T * G], scale=scale,
+                    softcap=softcap)
+  out = o[0, :, :, :T * G].astype(out_dtype)
   out = out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, H)
-  lse = lse.reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, K * G)
-  return out, lse
+  return out, lse.reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, K * G)
+
+
+def _merge_kernel(o_ref, m_ref, log2_l_ref, *refs, splits: int, H: int, logits: Logits):
+  """One row (sequence b, KV head k, row r = (t, g)) of the merge: the splits' partial
+  (o, lse) folded a chunk at a time into a running (max lse, Σ exp(lse - max),
+  Σ exp(lse - max)·o), which starts from the row's sink where there is one (a part
+  whose output is 0, docs/math.md, "Attention sinks")."""
+  sink_ref = refs[0] if len(refs) == 3 else None
+  out_ref, lse_ref = refs[-2:]
+  H_pad = o_ref.shape[-1]
+  C = min(o_ref.shape[0], _MERGE_CHUNK)
+  h_ok = jnp.arange(H_pad, dtype=jnp.int32) < H
+
+  def chunk(c, carry):
+    mx, total, acc = carry
+    ok = c * C + jnp.arange(C, dtype=jnp.int32) < splits
+    m = pallas.load(m_ref.at[pl.ds(c * C, C)], mask=ok, other=-jnp.inf)
+    log2_l = pallas.load(log2_l_ref.at[pl.ds(c * C, C)], mask=ok, other=0.0)
+    lse = jnp.where(m == -jnp.inf, -jnp.inf, logits.lse(m, log2_l))
+    o = pallas.load(o_ref.at[pl.ds(c * C, C), :], mask=ok[:, None] & h_ok[None, :],
+                    other=0.0)
+    m_new = jnp.maximum(mx, jnp.max(lse))
+    shift = safe_shift(m_new)
+    w = jnp.exp(lse - shift)  # 0 for an empty split (lse = -inf) and past the splits
+    alpha = jnp.exp(mx - shift)
+    return m_new, total * alpha + jnp.sum(w), acc * alpha + jnp.sum(w[:, None] * o, axis=0)
+
+  if sink_ref is None:
+    start = (jnp.float32(-jnp.inf), jnp.float32(0.0))
+  else:
+    sink = jnp.max(pallas.load(sink_ref))
+    start = (sink, jnp.exp(sink - safe_shift(sink)))
+  mx, total, acc = lax.fori_loop(0, pl.cdiv(splits, C), chunk,
+                                 (*start, jnp.zeros((H_pad,), jnp.float32)))
+  some = total != 0  # a row with no part gives 0; NaN stays NaN (NaN != 0)
+  out = jnp.where(some, acc / jnp.where(some, total, 1.0), 0.0)
+  pallas.store(out_ref, out.astype(out_ref.dtype), mask=h_ok)
+  pallas.store(lse_ref, jnp.full((1,), safe_shift(mx) + jnp.log(total), jnp.float32))
+
+
+def merge(o, m, log2_l, *, dims: DecodeDims, scale: float, softcap: float | None,
+          sinks=None, out_dtype, interpret: bool):
+  """The splits' partial results (o (splits, B, K, rows, H) float32, m and log2 l
+  (splits, B, K, rows), rows >= T·G) merged in float32 in one kernel, a program per
+  output row: (out (B, T, N, H) in ``out_dtype``, written in that layout at once; lse
+  (B, T, N) float32, -inf for a row with no position). ``sinks``: None, or (B, N)
+  logits, one per query head (attention sinks, docs/math.md), each one more part whose
+  output is 0, so that a row with no position gives out 0 and lse = its sink."""
+  B, T, K, G, H = dims.B, dims.T, dims.K, dims.G, dims.H
+  splits, H_pad = o.shape[0], dims.H_pad
+  S_pad = pl.next_power_of_2(splits)
+  rows = lambda b, k, r: (b, r // G, k, r % G)  # row r = (t, g) of KV head k's tile
+  in_specs = [
+      pl.BlockSpec((S_pad, None, None, None, H_pad), lambda b, k, r: (0, b, k, r, 0)),
+      pl.BlockSpec((S_pad, None, None, None), lambda b, k, r: (0, b, k, r)),
+      pl.BlockSpec((S_pad, None, None, None), lambda b, k, r: (0, b, k, r))]
+  args = [o, m, log2_l]
+  if sinks is not None:
+    in_specs.append(pl.BlockSpec((None, None, 1), lambda b, k, r: (b, k, r % G)))
+    args.append(sinks.astype(jnp.float32).reshape(B, K, G))
+  kernel = functools.partial(_merge_kernel, splits=splits, H=H,
+                             logits=Logits(scale, softcap, fused=False))
+  out, lse = pallas.pallas_call(
+      kernel, name="decode_attention_merge", grid=(B, K, T * G), in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, None, None, None, H_pad),
+                              lambda b, k, r: (*rows(b, k, r), 0)),
+                 pl.BlockSpec((None, None, None, 1), rows)],
+      out_shape=[jax.ShapeDtypeStruct((B, T, K, G, H), out_dtype),
+                 jax.ShapeDtypeStruct((B, T, K, G), jnp.float32)],
+      num_warps=4 if min(S_pad, _MERGE_CHUNK) * H_pad <= 64 * 128 else 8, num_stages=1,
+      interpret=interpret)(*args)
+  return out.reshape(B, T, K * G, H), lse.reshape(B, T, K * G)
