@@ -115,14 +115,16 @@ def _hopper_variants():
   return variants
 
 
+def parse_triton_tiles(spec: str) -> triton.DecodeBlocks:
+  """The `triton.DecodeBlocks` of a BLOCKxSTAGESpPROGRAMS spec, e.g. "64x4p1"."""
+  block_k, stages, programs = re.fullmatch(r"(\d+)x(\d+)p(\d+)", spec).groups()
+  return triton.DecodeBlocks(int(block_k), int(stages), int(programs))
+
+
 def _triton_variants():
   """(row name, DecodeBlocks) of DECODE_TRITON_VARIANTS."""
-  variants = []
-  for spec in _env_list("DECODE_TRITON_VARIANTS") or []:
-    block_k, stages, programs = re.fullmatch(r"(\d+)x(\d+)p(\d+)", spec).groups()
-    tiles = triton.DecodeBlocks(int(block_k), int(stages), int(programs))
-    variants.append((f"{OURS} {spec}", tiles))
-  return variants
+  return [(f"{OURS} {spec}", parse_triton_tiles(spec))
+          for spec in _env_list("DECODE_TRITON_VARIANTS") or []]
 
 
 def _triton_fn(tiles):

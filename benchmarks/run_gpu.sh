@@ -263,14 +263,16 @@ for stage in $stages; do
         | tee -a "$out/decode_bench.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     decode-ncu)
       # Nsight Compute on one decode step of each ;-separated DECODE_PROFILES entry
-      # ("impl B,S,N,K,H,T [page_size]"; impl mosaic_gpu, triton or cudnn): throughput,
-      # memory traffic, stalls (profile_decode.py).
+      # ("impl B,S,N,K,H,T [page_size [tiles]]"; impl mosaic_gpu, triton or cudnn; page
+      # size 0: contiguous; tiles as profile_decode.py's --tiles): throughput, memory
+      # traffic, stalls (profile_decode.py).
       IFS=';' read -ra profiles <<< "${DECODE_PROFILES:-mosaic_gpu 64,4096,32,8,128,1;cudnn 64,4096,32,8,128,1}"
       for i in "${!profiles[@]}"; do
-        read -r impl shape page <<< "${profiles[$i]}"
+        read -r impl shape page tiles <<< "${profiles[$i]}"
         counters "$out/ncu_decode_$i.log" "${DECODE_KERNEL:-decode_attention|fmha|cudnn|sm90|flash}" \
-          "decode $impl $shape${page:+ page $page}" \
-          $python benchmarks/profile_decode.py --impl "$impl" --shape "$shape" ${page:+--page-size "$page"}
+          "decode $impl $shape${page:+ page $page}${tiles:+ tiles $tiles}" \
+          $python benchmarks/profile_decode.py --impl "$impl" --shape "$shape" \
+          ${page:+--page-size "$page"} ${tiles:+--tiles "$tiles"}
       done ;;
     ring-tests)
       # Context parallelism on every visible GPU (the nvidia-h200-x2 machine).

@@ -83,9 +83,10 @@ class DecodeBlocks:
     level with cuDNN or ahead of it (benchmarks/results/tuning/tune_decode_waves.md,
     tune_decode_waves2.md); with two stages it read at 60%. Paged caches keep three
     programs of two stages a SM: one program a SM read them at 56-62% of the bound at
-    two to four stages (the page index each block's address waits on is not pipelined
-    as deep) and 0-3% slower at five, and so do more pairs than SMs (64 sequences of
-    4096: one program a SM in four waves was 3% slower)."""
+    two to four stages (Triton stages no K/V load whose address waits on a page index
+    through shared memory: tuning/ncu_decode_paged_t4.log) and 0-3% slower at five,
+    and so do more pairs than SMs (64 sequences of 4096: one program a SM in four waves
+    was 3% slower)."""
     if paged or pairs > cores or 4 * stage_bytes > _IN_FLIGHT_BYTES:
       return cls()
     return cls(num_stages=4, programs_per_core=1)
