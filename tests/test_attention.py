@@ -251,6 +251,10 @@ SCORE_TERM_CASES = [
                  id="alibi-causal"),
     pytest.param(1, 30, 30, 2, 1, 16, (2, 30, 30), (30, 30), True,
                  dict(local_window_size=5), id="alibi-bias-mask-window"),
+    # One-sided (the row term in the statistics, `tiling.ScoreTerms`): a left window,
+    # keys hundreds of positions from a block's first query.
+    pytest.param(1, 300, 300, 2, 1, 16, None, None, True,
+                 dict(local_window_size=(200, 0)), id="alibi-left-window-long"),
     pytest.param(2, 1, 77, 4, 2, 64, (2, 1, 1, 77), (2, 1, 1, 77), True,
                  dict(key_value_seq_lengths=jnp.array([77, 5])), id="T1-decode"),
 ]
@@ -388,6 +392,11 @@ FORWARD_MODE_CASES = [
                      jnp.arange(3), 10)[None]), id="mqa-window-segments"),
     pytest.param(2, 1, 77, 4, 2, 64, 64, None, True,
                  dict(key_value_seq_lengths=jnp.array([77, 5])), id="T1-decode-sinks"),
+    pytest.param(1, 40, 45, 2, 1, 16, 16, None, True,
+                 dict(is_causal=True, alibi_slopes=jnp.array([0.5, 0.125])),
+                 id="alibi-causal-sinks"),
+    pytest.param(1, 33, 33, 2, 2, 16, 16, None, False,
+                 dict(alibi_slopes=jnp.array([0.25, 1.0])), id="alibi-two-sided"),
 ]
 
 

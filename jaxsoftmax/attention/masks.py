@@ -55,6 +55,12 @@ class MaskSpec:
   has_segments: bool = False
   has_mask: bool = False  # a mask array (B, N, T, S) or broadcast: every block reads it
 
+  @property
+  def one_sided(self) -> bool:
+    """Whether every allowed key sits at or before its query (k <= q): causal masking,
+    or a window with no right side."""
+    return self.is_causal or (self.window_right is not None and self.window_right <= 0)
+
 
 # Block arithmetic on non-negative int32 scalars, where truncation is the floor. The
 # operands are made int32 first: under jax_enable_x64, Python ints and lengths promote

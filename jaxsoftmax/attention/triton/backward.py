@@ -61,7 +61,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
   v = pallas.load(v_ref, mask=v_mask, other=0)
   q_length, kv_length = load_scalar(q_len_ref), load_scalar(kv_len_ref)
   k_seg = None if kv_seg_ref is None else pallas.load(kv_seg_ref, mask=kv_ok, other=-2)
-  terms = ScoreTerms(aux, aux_refs, logits.factor, dims, transposed=True)
+  terms = ScoreTerms(aux, aux_refs, logits.factor, dims, transposed=True,
+                     one_sided=spec.one_sided)
 
   def step(i, carry, *, g, masked: bool):
     q0 = i * bq
@@ -80,8 +81,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
       m = max_or_inf(pallas.load(m_ref.at[g, rows], mask=q_ok, other=-jnp.inf))
       log2_l = pallas.load(log2_l_ref.at[g, rows], mask=q_ok, other=0)
       delta = pallas.load(delta_ref.at[g, rows], mask=q_ok, other=0)
+      slope = terms.slope(g)
+      alibi_row = terms.alibi_row(slope, q_idx, q0)
+      if alibi_row is not None:  # the maximum of the tiles `add` makes
+        m = m - alibi_row
       x_t, tanh_t = scores(logits, k, q)  # (bk, bq)
-      x_t = terms.add(x_t, **place, slope=terms.slope(g))
+      x_t = terms.add(x_t, **place, slope=slope, q0=q0)
       allowed = None
       if masked:
         q_seg = None
@@ -184,8 +189,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   m = max_or_inf(pallas.load(m_ref, mask=q_ok, other=-jnp.inf))
   log2_l = pallas.load(log2_l_ref, mask=q_ok, other=0)
   delta = pallas.load(delta_ref, mask=q_ok, other=0)
-  terms = ScoreTerms(aux, aux_refs, logits.factor, dims)
+  terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
+  alibi_row = terms.alibi_row(slope, q_idx, q0)
+  if alibi_row is not None:  # the maximum of the tiles `add` makes
+    m = m - alibi_row
   dbias = _DBiasPartial(dbias_ref[0], aux.bias, q_idx, bq, dims) if dbias_ref else None
 
   def step(j, carry, *, masked: bool):
@@ -196,7 +204,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
       k = keys.load(k_ref, keys.k_mask)
       v = keys.load(v_ref, keys.v_mask)
       x, tanh = scores(logits, q, k)
-      x = terms.add(x, **keys.place, slope=slope)
+      x = terms.add(x, **keys.place, slope=slope, q0=q0)
       allowed = keys.allowed(spec, kv_seg_ref, block) if masked else None
       p = probabilities(logits, exp2, x, m[:, None], log2_l[:, None], allowed)
       dp = pallas.dot(do, v, trans_b=True)

@@ -49,7 +49,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
   q_idx, q_ok, o_mask, q = block.idx, block.ok, block.o_mask, block.tile
   q_length, kv_length = block.q_length, block.kv_length
 
-  terms = ScoreTerms(aux, aux_refs, logits.factor, dims)
+  terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
 
   def step(j, carry, *, masked: bool):
@@ -59,7 +59,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
       m, l, acc = carry
       k = keys.load(k_ref, keys.k_mask)
       x, _ = scores(logits, q, k)
-      x = terms.add(x, **keys.place, slope=slope)
+      x = terms.add(x, **keys.place, slope=slope, q0=q0)
       if masked:
         x = jnp.where(keys.allowed(spec, kv_seg_ref, block), x, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(x, axis=1))
@@ -76,6 +76,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
   carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
            jnp.zeros((bq, dims.Hv_pad), jnp.float32))
   m, l, acc = walk_block_ranges(ranges, step, carry)
+  alibi_row = terms.alibi_row(slope, q_idx, q0)
+  if alibi_row is not None:  # the true maximum (-inf and NaN stay)
+    m = m + alibi_row
 
   some = l != 0  # rows with an allowed key; a NaN input's NaN l stays NaN (NaN != 0)
   if q_length is not None:

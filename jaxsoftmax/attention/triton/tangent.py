@@ -48,8 +48,11 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
   q_dot = pallas.load(q_dot_ref, mask=block.mask, other=0)
   m = max_or_inf(pallas.load(m_ref, mask=block.ok, other=-jnp.inf))
   log2_l = pallas.load(log2_l_ref, mask=block.ok, other=0)
-  terms = ScoreTerms(aux, aux_refs, logits.factor, dims)
+  terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
+  alibi_row = terms.alibi_row(slope, q_idx, q0)
+  if alibi_row is not None:  # the maximum of the tiles `add` makes
+    m = m - alibi_row
 
   def step(j, carry, *, masked: bool):
     keys = key_block(j * bk, bk, dims, terms, block, masked=masked)
@@ -58,7 +61,7 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
       acc, r = carry
       k = keys.load(k_ref, keys.k_mask)
       x, tanh = scores(logits, q, k)
-      x = terms.add(x, **keys.place, slope=slope)
+      x = terms.add(x, **keys.place, slope=slope, q0=q0)
       allowed = keys.allowed(spec, kv_seg_ref, block) if masked else None
       p = probabilities(logits, exp2, x, m[:, None], log2_l[:, None], allowed)
       k_dot = keys.load(k_dot_ref, keys.k_mask)

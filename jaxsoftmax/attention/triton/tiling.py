@@ -211,13 +211,23 @@ class ScoreTerms(NamedTuple):
   """What one program adds to its scores beyond the position masks (`masks`): the bias
   and the ALiBi term, in x's units (logits = x · factor, `logits.Logits`), and the mask
   array's tile. Tiles are (block_q, block_k), or (block_k, block_q) when ``transposed``
-  (the dK/dV kernel)."""
+  (the dK/dV kernel).
+
+  With ``one_sided`` (every allowed key at or before its query: causal, or a window with
+  no right side) ALiBi's -slope·|i - j| is slope·(j - q0) - slope·(i - q0) for a block
+  of queries from q0: `add` adds the column term only (one add an element, where the
+  distance took four), and the row term, the same for every key of a row, moves into
+  the row's statistics (`alibi_row`): the forward's running maximum is the true one
+  minus it, and the backward kernels subtract it from the saved one. Both terms stay
+  small where the weights are large (near the diagonal), so float32 keeps them exact
+  there (docs/kernels.md, ALiBi)."""
 
   aux: Aux
   refs: AuxArrays
   factor: float
   dims: Dims
   transposed: bool = False
+  one_sided: bool = False
 
   def plane_tile(self, ref, plane: Plane, head, rows, cols, q_idx, k_idx, shape):
     """A plane's tile for the queries q_idx at ``rows`` of the ref's block and the keys
@@ -242,18 +252,29 @@ class ScoreTerms(NamedTuple):
       return None
     return jnp.max(pallas.load(ref if head is None else ref.at[pl.ds(head, 1)]))
 
-  def add(self, x, *, q_idx, k_idx, rows, cols, head=None, slope=None):
-    """x plus the bias and ALiBi terms: x is the tile of the queries q_idx, the rows
-    ``rows`` of the refs' blocks, and the keys k_idx, their columns ``cols``; ``slope``
-    from `slope`."""
+  def add(self, x, *, q_idx, k_idx, rows, cols, head=None, slope=None, q0=None):
+    """x plus the bias and ALiBi terms: x is the tile of the queries q_idx (a block from
+    ``q0``), the rows ``rows`` of the refs' blocks, and the keys k_idx, their columns
+    ``cols``; ``slope`` from `slope`. One-sided, the ALiBi term leaves out the row
+    term `alibi_row`."""
     if self.refs.bias is not None:
       bias = self.plane_tile(self.refs.bias, self.aux.bias, head, rows, cols, q_idx,
                              k_idx, x.shape)
       x = x + bias.astype(jnp.float32) * (1 / self.factor)
-    if slope is not None:  # ALiBi: -slope · |i - j|
+    if slope is not None and self.one_sided:  # slope · (j - q0)
+      column = (slope / self.factor) * (k_idx - q0).astype(jnp.float32)
+      x = x + (column[:, None] if self.transposed else column[None, :])
+    elif slope is not None:  # ALiBi: -slope · |i - j|
       distance = jnp.abs(q_idx[:, None] - k_idx[None, :]).astype(jnp.float32)
       x = x - (slope / self.factor) * (distance.T if self.transposed else distance)
     return x
+
+  def alibi_row(self, slope, q_idx, q0):
+    """One-sided ALiBi's row term -slope·(i - q0) in x's units, per query of q_idx (a
+    block from ``q0``), which `add` leaves out of the tile; None without one."""
+    if slope is None or not self.one_sided:
+      return None
+    return -(slope / self.factor) * (q_idx - q0).astype(jnp.float32)
 
   def mask(self, shape, *, q_idx, k_idx, rows, cols, head=None):
     """The mask array's tile (bool, True: attend) of ``shape``, placed as in `add`; None
