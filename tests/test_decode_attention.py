@@ -204,7 +204,7 @@ def test_split_counts_agree(key):
 @pytest.mark.parametrize("splits, sinks", [(1, False), (5, True), (70, True)],
                          ids=["one-split", "five-sinks", "two-chunks-sinks"])
 def test_merge_kernel_matches_the_float32_merge(key, splits, sinks):
-  # The merge kernel against the same merge in jnp (`merge_splits`), on partial results
+  # The merge kernel against the same merge in jnp, on partial results
   # with an empty split, an empty row, head dim 96 (padded to 128) and more splits than
   # one chunk; a NaN in one split's statistics is the row's NaN.
   from jaxsoftmax.attention.decode import triton
