@@ -12,7 +12,9 @@ a FlashAttention backward counted against the forward's two. Errors: the largest
 dq, dk, dv errors against the float64 truth on batch row 0 and the query heads of K/V
 head 0, as in bench_attention.py. Shapes: bench_attention.py's head-dim-128 and 64 ones,
 and head dim 256 (the Hopper backward's wide design; deterministic calls there take the
-Triton backward, and the row's label says so).
+Triton backward, and the row's label says so); then (--only 6,7) GQA causal, 32 query
+heads over 8 K/V heads, beside 32 heads of their own at the same FLOPs, which tells what
+walking a head group costs the Hopper backward from what every step costs.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from bench_attention import (OURS, TARGET_SHAPES, case_inputs, fwd_bwd, implemen
                              truth_slices, vs_best_peer)
 import jaxsoftmax as js
 
-SHAPES = TARGET_SHAPES
+SHAPES = TARGET_SHAPES + [((4, 4096, 32, 8, 128, True), jnp.bfloat16),
+                          ((4, 4096, 32, 32, 128, True), jnp.bfloat16)]
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
 # Our rows: bench_attention's names, with the implementation and determinism each asks
 # for; the row's label names the backward that runs (`our_backward`).
