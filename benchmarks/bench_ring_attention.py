@@ -1,8 +1,9 @@
 """Context-parallel attention on several GPUs against our attention on one, same problem.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_ring_attention.py --out benchmarks/results
-    ... --smoke   # tiny sizes on the CPU's virtual devices (interpreted kernels): causal
-                  # forward + backward and full forward only
+    ... --smoke   # tiny sizes on the CPU's virtual devices: causal forward + backward
+                  # and full forward (the XLA path unless JAXSOFTMAX_INTERPRET=1 asks for
+                  # the interpreted kernels)
 
 bfloat16, B=1, N=16 (and GQA 32/8), H=128, T = 32k to 256k tokens in total, causal
 (zigzag layout) and not (contiguous), forward and forward + backward, for the ring and
@@ -261,9 +262,8 @@ def main():
   timelines = path + "_timelines"  # each context-parallel row's kernels, per GPU
   os.makedirs(timelines, exist_ok=True)
   rows = []
-  # A --smoke run checks the script and its results, not the speed: two cases per shape,
-  # both layouts and both modes (interpreted on 8 CPU devices, each case took about 50 s
-  # of the test suite).
+  # A --smoke run checks the script and its results, not the speed: two cases, both
+  # layouts and both modes.
   cases = ([(True, "fwd+bwd"), (False, "fwd")] if args.smoke else
            [(causal, mode) for causal in (True, False) for mode in ("fwd", "fwd+bwd")])
   for T, N, K in shapes:
