@@ -301,9 +301,8 @@ def single_split(o, m, log2_l, *, dims: DecodeDims, scale: float, softcap: float
   The merge would weigh the one part by 1, or by 0 for a row with no position, whose o
   the kernel wrote as 0 already."""
   B, T, K, G, H = dims.B, dims.T, dims.K, dims.G, dims.H
-  lse = natural_lse(m[0, ..., :T * G], log2_l[0, ..., :T * G], scale=scale,
-                    softcap=softcap)
-  out = o[0, :, :, :T * G].astype(out_dtype)
+  lse = natural_lse(m[0], log2_l[0], scale=scale, softcap=softcap)
+  out = o[0].astype(out_dtype)
   out = out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, H)
   return out, lse.reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, K * G)
 
