@@ -11,7 +11,7 @@ and writes its partial o = acc / l with (m, log2 l). The split count puts every 
 work in one wave of programs when the batch is small and the cache long. The splits
 merge in float32 in a second kernel (`merge`, a program per output row), where
 attention sinks join as one more part; it writes the output in its dtype and layout,
-which XLA's merge needed two more passes for (1.5-4 us a step on the H200,
+which XLA's merge needed two more passes for (1.5-4.4 us a step on the H200,
 benchmarks/results/tuning/decode_merge_trial.md). One split is the result as it is
 (`single_split`).
 
@@ -170,8 +170,8 @@ class DecodeDims:
                                   stage_bytes=stage_bytes, cores=cores)
     dims = cls(B, T, N, K, H, S, page_size, pages, 1, tiles)
     if num_splits is None:  # one wave of a few programs per SM, each a few blocks at least
-      waves = (tiles.programs_per_core * cores) // (B * K)  # splits filling one wave
-      num_splits = max(1, min(waves, dims.blocks // _MIN_BLOCKS_PER_SPLIT))
+      one_wave = (tiles.programs_per_core * cores) // (B * K)  # splits filling one wave
+      num_splits = max(1, min(one_wave, dims.blocks // _MIN_BLOCKS_PER_SPLIT))
     return dataclasses.replace(dims, splits=min(num_splits, dims.blocks))
 
 
