@@ -307,7 +307,8 @@ def single_split(o, m, log2_l, *, dims: DecodeDims, scale: float, softcap: float
   return out, lse.reshape(B, K, T, G).transpose(0, 2, 1, 3).reshape(B, T, K * G)
 
 
-def _merge_kernel(o_ref, m_ref, log2_l_ref, *refs, splits: int, H: int, logits: Logits):
+def _merge_kernel(o_ref, m_ref, log2_l_ref, *refs, splits: int, H: int, scale: float,
+                  softcap: float | None):
   """One row (sequence b, KV head k, row r = (t, g)) of the merge: the splits' partial
   (o, lse) folded a chunk at a time into a running (max lse, Σ exp(lse - max),
   Σ exp(lse - max)·o), which starts from the row's sink where there is one (a part
@@ -323,7 +324,7 @@ def _merge_kernel(o_ref, m_ref, log2_l_ref, *refs, splits: int, H: int, logits: 
     ok = c * C + jnp.arange(C, dtype=jnp.int32) < splits
     m = pallas.load(m_ref.at[pl.ds(c * C, C)], mask=ok, other=-jnp.inf)
     log2_l = pallas.load(log2_l_ref.at[pl.ds(c * C, C)], mask=ok, other=0.0)
-    lse = jnp.where(m == -jnp.inf, -jnp.inf, logits.lse(m, log2_l))
+    lse = natural_lse(m, log2_l, scale=scale, softcap=softcap)
     o = pallas.load(o_ref.at[pl.ds(c * C, C), :], mask=ok[:, None] & h_ok[None, :],
                     other=0.0)
     m_new = jnp.maximum(mx, jnp.max(lse))
@@ -365,8 +366,8 @@ def merge(o, m, log2_l, *, dims: DecodeDims, scale: float, softcap: float | None
   if sinks is not None:
     in_specs.append(pl.BlockSpec((None, None, 1), lambda b, k, r: (b, k, r % G)))
     args.append(sinks.astype(jnp.float32).reshape(B, K, G))
-  kernel = functools.partial(_merge_kernel, splits=splits, H=H,
-                             logits=Logits(scale, softcap, fused=False))
+  kernel = functools.partial(_merge_kernel, splits=splits, H=H, scale=scale,
+                             softcap=softcap)
   out, lse = pallas.pallas_call(
       kernel, name="decode_attention_merge", grid=(B, K, T * G), in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, None, None, None, H_pad),

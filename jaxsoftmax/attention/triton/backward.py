@@ -82,9 +82,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
       log2_l = pallas.load(log2_l_ref.at[g, rows], mask=q_ok, other=0)
       delta = pallas.load(delta_ref.at[g, rows], mask=q_ok, other=0)
       slope = terms.slope(g)
-      alibi_row = terms.alibi_row(slope, q_idx, q0)
-      if alibi_row is not None:  # the maximum of the tiles `add` makes
-        m = m - alibi_row
+      m = terms.tile_max(m, slope, q_idx, q0)
       x_t, tanh_t = scores(logits, k, q)  # (bk, bq)
       x_t = terms.add(x_t, **place, slope=slope, q0=q0)
       allowed = None
@@ -191,9 +189,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   delta = pallas.load(delta_ref, mask=q_ok, other=0)
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
-  alibi_row = terms.alibi_row(slope, q_idx, q0)
-  if alibi_row is not None:  # the maximum of the tiles `add` makes
-    m = m - alibi_row
+  m = terms.tile_max(m, slope, q_idx, q0)
   dbias = _DBiasPartial(dbias_ref[0], aux.bias, q_idx, bq, dims) if dbias_ref else None
 
   def step(j, carry, *, masked: bool):

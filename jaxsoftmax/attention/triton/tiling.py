@@ -218,7 +218,7 @@ class ScoreTerms(NamedTuple):
   of queries from q0: `add` adds the column term only (one add an element, where the
   distance took four), and the row term, the same for every key of a row, moves into
   the row's statistics (`alibi_row`): the forward's running maximum is the true one
-  minus it, and the backward kernels subtract it from the saved one. Both terms stay
+  minus it, and the backward kernels subtract it from the saved one (`tile_max`). Both terms stay
   small where the weights are large (near the diagonal), so float32 keeps them exact
   there (docs/kernels.md, ALiBi)."""
 
@@ -275,6 +275,12 @@ class ScoreTerms(NamedTuple):
     if slope is None or not self.one_sided:
       return None
     return -(slope / self.factor) * (q_idx - q0).astype(jnp.float32)
+
+  def tile_max(self, m, slope, q_idx, q0):
+    """A saved row maximum m (in x's units) as the tiles `add` makes reach it: less
+    one-sided ALiBi's row term (`alibi_row`), else m itself."""
+    row = self.alibi_row(slope, q_idx, q0)
+    return m if row is None else m - row
 
   def mask(self, shape, *, q_idx, k_idx, rows, cols, head=None):
     """The mask array's tile (bool, True: attend) of ``shape``, placed as in `add`; None
