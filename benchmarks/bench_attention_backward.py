@@ -15,10 +15,17 @@ and head dim 256 (the Hopper backward's wide design; deterministic calls there t
 Triton backward, and the row's label says so); then (--only 6,7) GQA causal, 32 query
 heads over 8 K/V heads, beside 32 heads of their own at the same FLOPs, which tells what
 walking a head group costs the Hopper backward from what every step costs.
+
+HOPPER_BWD_SCHEDULES (comma-separated; each a "+"-joined set of `SCHEDULE_FLAGS`, e.g.
+"fresh,fresh+fa3,fresh+fa3+kv,fresh+det") adds a row of the Hopper backward per
+schedule (`HopperBackwardBlockSizes`; "det" for deterministic=True), named
+"jaxsoftmax mosaic_gpu fresh+fa3".
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +34,7 @@ import harness
 from bench_attention import (OURS, TARGET_SHAPES, case_inputs, fwd_bwd, implementations,
                              truth_slices, vs_best_peer)
 import jaxsoftmax as js
+from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 
 SHAPES = TARGET_SHAPES + [((4, 4096, 32, 8, 128, True), jnp.bfloat16),
                           ((4, 4096, 32, 32, 128, True), jnp.bfloat16)]
@@ -37,6 +45,27 @@ OUR_ROWS = {f"{OURS} mosaic_gpu": ("mosaic_gpu", False),
             f"{OURS} mosaic_gpu deterministic": ("mosaic_gpu", True),
             f"{OURS} triton": ("triton", False)}
 PEERS = ("cudnn", "fa3", "tokamax mosaic")
+# HOPPER_BWD_SCHEDULES' flags: the `HopperBackwardBlockSizes` field each one sets.
+SCHEDULE_FLAGS = {"fresh": "fresh_tile_addresses", "fa3": "fa3_step_order",
+                  "kv": "key_tiles_fastest"}
+
+
+def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes, bool]:
+  """(the Hopper backward's blocks, deterministic) of a schedule such as "fresh+fa3"."""
+  flags = spec.split("+")
+  unknown = set(flags) - {*SCHEDULE_FLAGS, "det"}
+  if unknown:
+    raise ValueError(f"unknown schedule flags {sorted(unknown)} in {spec!r}; known: "
+                     f"{sorted(SCHEDULE_FLAGS)} and det")
+  blocks = dataclasses.replace(mosaic_backward.BLOCKS,
+                               **{SCHEDULE_FLAGS[f]: True for f in flags if f != "det"})
+  return blocks, "det" in flags
+
+
+def schedules() -> dict[str, tuple[mosaic_backward.HopperBackwardBlockSizes, bool]]:
+  """Row suffix -> `parse_schedule` of each of HOPPER_BWD_SCHEDULES."""
+  specs = filter(None, os.environ.get("HOPPER_BWD_SCHEDULES", "").split(","))
+  return {spec: parse_schedule(spec) for spec in specs}
 
 
 def our_backward(name: str, q, k, v, causal: bool) -> str:
@@ -60,27 +89,43 @@ def bench_shape(report: harness.Report, case, dtype):
   (q, k, v, do), common, flops = case_inputs(case, dtype)
   truth = harness.float64_truth(fwd_bwd(ref), part_q(q), part_kv(k), part_kv(v), part_q(do))
   impls = implementations(N, K, H, causal)
-  for name in (*OUR_ROWS, *PEERS):
+  rows = [(name, name, None) for name in (*OUR_ROWS, *PEERS)]
+  for suffix, (blocks, deterministic) in schedules().items():
+    name = f"{OURS} mosaic_gpu" + " deterministic" * deterministic
+    rows.append((name, f"{OURS} mosaic_gpu {suffix}", blocks))
+  for name, impl, blocks in rows:
     attention, why = impls[name]
     if attention is None:
-      report.skip(impl=name, mode="bwd", note=why, **common)
+      report.skip(impl=impl, mode="bwd", note=why, **common)
       continue
+    default_blocks = mosaic_backward.BLOCKS
+    mosaic_backward.BLOCKS = blocks or default_blocks  # read when the pullback traces
     try:
-      _, vjp = jax.vjp(jax.jit(attention), q, k, v)
-    except Exception as e:  # noqa: BLE001 - a peer that fails is a result, not a crash
-      report.skip(impl=name, mode="bwd", note=f"{type(e).__name__}: {str(e)[:160]}",
-                  **common)
-      continue
-    impl = f"{name} ({our_backward(name, q, k, v, causal)})" if name in OUR_ROWS else name
-    report.measure(mode="bwd", impl=impl, fn=_pullback, arg_sets=[(vjp, do)],
-                   flops=flops * 2.5, truth=truth,
-                   compare=compare_bwd,
-                   **common)
-    del vjp
+      _measure(report, name, impl, attention, q, k, v, do, causal, flops, truth,
+               compare_bwd, common)
+    finally:
+      mosaic_backward.BLOCKS = default_blocks
+
+
+def _measure(report: harness.Report, name: str, impl: str, attention, q, k, v, do,
+             causal: bool, flops, truth, compare, common):
+  """The row ``impl`` of ``attention``'s pullback (row ``name``), or a skip row saying
+  why it failed."""
+  try:
+    _, vjp = jax.vjp(jax.jit(attention), q, k, v)
+  except Exception as e:  # noqa: BLE001 - a peer that fails is a result, not a crash
+    report.skip(impl=impl, mode="bwd", note=f"{type(e).__name__}: {str(e)[:160]}",
+                **common)
+    return
+  if name in OUR_ROWS:
+    impl = f"{impl} ({our_backward(name, q, k, v, causal)})"
+  report.measure(mode="bwd", impl=impl, fn=_pullback, arg_sets=[(vjp, do)],
+                 flops=flops * 2.5, truth=truth, compare=compare, **common)
 
 
 if __name__ == "__main__":
   harness.run("attention_backward", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda case, dtype, modes: len(OUR_ROWS) + len(PEERS), unit="TFLOP/s",
+              lambda case, dtype, modes: len(OUR_ROWS) + len(PEERS) + len(schedules()),
+              unit="TFLOP/s",
               summary=vs_best_peer,
               flops_doc="2.5 · 4·B·N·T·S·H (halved when causal): the backward's")

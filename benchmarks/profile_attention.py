@@ -11,7 +11,9 @@ deterministic=True) or a peer of bench_attention.py (cudnn, fa3, "tokamax mosaic
 and tokamax from the peer wheels); --shape: B,T,N,K,H,causal; --mode fwd+bwd: the
 forward and the backward (pick the backward's kernels with ncu's -k, e.g.
 regex:backward|bprop|bwd for ours, cuDNN's and FA3's); --alibi: ALiBi slopes 2^-(n+1),
-as bench_attention_features.py's (ours only).
+as bench_attention_features.py's (ours only); --schedule: the Hopper backward's
+schedule, as bench_attention_backward.py's HOPPER_BWD_SCHEDULES names one (e.g.
+fresh+fa3; a "det" there is --impl deterministic here).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import jax
 
 import jaxsoftmax as js
 from bench_attention import OURS, case_inputs, implementations
+from bench_attention_backward import parse_schedule
+from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 
 # --impl names of our rows in `implementations`.
 _OURS = {"mosaic_gpu": f"{OURS} mosaic_gpu", "triton": f"{OURS} triton",
@@ -35,7 +39,12 @@ def main():
   parser.add_argument("--shape", default="4,4096,16,16,128,0")
   parser.add_argument("--mode", default="fwd", choices=("fwd", "fwd+bwd"))
   parser.add_argument("--alibi", action="store_true")
+  parser.add_argument("--schedule", default="")
   args = parser.parse_args()
+  if args.schedule:
+    mosaic_backward.BLOCKS, deterministic = parse_schedule(args.schedule)
+    if deterministic:
+      parser.error("--schedule: pass --impl deterministic rather than det")
   B, T, N, K, H, causal = (int(x) for x in args.shape.split(","))
   (q, k, v, do), _, _ = case_inputs((B, T, N, K, H, bool(causal)), jax.numpy.bfloat16)
   if args.alibi:

@@ -22,7 +22,9 @@
 #                           (TUNE_ONLY picks shapes)
 #   attn-bench              bench_attention.py (ATTN_ONLY="0,1" picks shapes, ATTN_NAME
 #                           names the results, ATTN_MODES="fwd" measures the forward alone)
-#   attn-bench-bwd          bench_attention_backward.py: the backwards alone (ATTN_ONLY)
+#   attn-bench-bwd          bench_attention_backward.py: the backwards alone (ATTN_ONLY;
+#                           HOPPER_BWD_SCHEDULES adds rows of the Hopper backward's
+#                           schedules, e.g. "fresh,fresh+fa3,fresh+fa3+kv")
 #   attn-features           bench_attention_features.py: sinks, ALiBi, bias and mask
 #                           arrays against the plain kernels and cuDNN (ATTN_ONLY;
 #                           ATTN_MODES="fwd,fwd+bwd,jvp" adds forward mode; ATTN_FEATURES
@@ -188,23 +190,28 @@ for stage in $stages; do
       # Nsight Compute on one forward of each of PROFILE_IMPLS (default: ours on Hopper
       # and cuDNN) at PROFILE_SHAPE: throughput, tensor-pipe use, stall reasons.
       # PROFILE_MODE=fwd+bwd runs the backward too (PROFILE_KERNEL then picks its kernels).
-      # PROFILE_ALIBI=1 gives our calls ALiBi slopes.
+      # PROFILE_ALIBI=1 gives our calls ALiBi slopes; PROFILE_SCHEDULE (e.g. fresh+fa3)
+      # picks the Hopper backward's schedule, and names the logs ncu_IMPL_fresh_fa3.log.
+      tag=$(echo "${PROFILE_SCHEDULE:+_$PROFILE_SCHEDULE}" | tr '+' '_')
       for impl in ${PROFILE_IMPLS:-mosaic_gpu cudnn}; do
-        counters "$out/ncu_$impl.log" "${PROFILE_KERNEL:-attention|fmha|flash|sm90}" "$impl" \
+        counters "$out/ncu_$impl$tag.log" "${PROFILE_KERNEL:-attention|fmha|flash|sm90}" "$impl" \
           $python benchmarks/profile_attention.py --impl "$impl" \
           --shape "${PROFILE_SHAPE:-4,4096,16,16,128,0}" --mode "${PROFILE_MODE:-fwd}" \
-          ${PROFILE_ALIBI:+--alibi}
+          ${PROFILE_ALIBI:+--alibi} ${PROFILE_SCHEDULE:+--schedule "$PROFILE_SCHEDULE"}
       done ;;
     attn-resources)
       # ptxas' report (registers, spilled bytes) and the SASS of the Mosaic GPU kernels
       # that one forward + backward compiles at each ;-separated PROFILE_SHAPES (Mosaic
       # GPU's MOSAIC_GPU_DUMP_* switches); the SASS shows where the spills sit.
+      # PROFILE_SCHEDULE picks the backward's schedule, as in attn-ncu. Without a GPU,
+      # benchmarks/resources_offline.sh reports the same ptxas figures.
       IFS=';' read -ra shapes <<< "${PROFILE_SHAPES:-4,4096,16,16,128,0;4,4096,16,16,128,1;2,8192,16,16,256,0}"
       for shape in "${shapes[@]}"; do
+        log="$out/ptxas_$(echo "$shape${PROFILE_SCHEDULE:+_$PROFILE_SCHEDULE}" | tr ',+' 'x_').log"
         MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 timeout 120 $python \
           benchmarks/profile_attention.py --impl mosaic_gpu --shape "$shape" \
-          --mode fwd+bwd > "$out/ptxas_$shape.log" 2>&1
-        grep -iE "Compiling entry|spill|Used [0-9]+ registers|error" "$out/ptxas_$shape.log" \
+          --mode fwd+bwd ${PROFILE_SCHEDULE:+--schedule "$PROFILE_SCHEDULE"} > "$log" 2>&1
+        grep -iE "Compiling entry|spill|Used [0-9]+ registers|error" "$log" \
           | head -n 20 | sed "s/^/$shape: /" | tee -a "$out/summary.log"
       done ;;
     pytest)

@@ -591,20 +591,33 @@ def test_hopper_backward_atomic_spread_gpu(key):
   (o1, dq1, dk1, dv1), (o2, dq2, dk2, dv2) = step(*inputs), step(*inputs)
   for a, b in ((o1, o2), (dk1, dk2), (dv1, dv2)):
     np.testing.assert_array_equal(a, b)
-  dq1, dq2 = (np.asarray(x, np.float32) for x in (dq1, dq2))
-  magnitude = np.maximum(np.abs(dq1), np.abs(dq2))
+  _assert_within_an_ulp(dq1, dq2)
+
+
+def _assert_within_an_ulp(a, b):
+  """a and b (bfloat16 or float16) differ by at most one bfloat16 unit in the last place
+  of the larger: what summing the same float32 terms in another order leaves."""
+  a, b = (np.asarray(x, np.float32) for x in (a, b))
+  magnitude = np.maximum(np.abs(a), np.abs(b))
   ulp = np.exp2(np.floor(np.log2(np.maximum(magnitude, np.finfo(np.float32).tiny))) - 7)
-  assert np.all(np.abs(dq1 - dq2) <= ulp)
+  assert np.all(np.abs(a - b) <= ulp)
+
+
+# (B, T, S, N, K, H, dtype, options) of the Hopper backward's variants up to head dim 128.
+HOPPER_BACKWARD_CASES = [
+    pytest.param(2, 1000, 1000, 8, 2, 128, jnp.bfloat16, dict(is_causal=True),
+                 id="causal-gqa-H128"),
+    pytest.param(2, 300, 300, 4, 2, 96, jnp.float16,
+                 dict(query_seq_lengths=jnp.array([300, 123]),
+                      key_value_seq_lengths=jnp.array([77, 300])), id="lengths-H96-float16"),
+    pytest.param(1, 513, 700, 2, 1, 64, jnp.bfloat16,
+                 dict(local_window_size=(100, 20), logits_soft_cap=20.0),
+                 id="window-softcap-T!=S-H64"),
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B, T, S, N, K, H, dtype, options", [
-    (2, 1000, 1000, 8, 2, 128, jnp.bfloat16, dict(is_causal=True)),
-    (2, 300, 300, 4, 2, 96, jnp.float16, dict(query_seq_lengths=jnp.array([300, 123]),
-                                              key_value_seq_lengths=jnp.array([77, 300]))),
-    (1, 513, 700, 2, 1, 64, jnp.bfloat16, dict(local_window_size=(100, 20),
-                                               logits_soft_cap=20.0)),
-], ids=["causal-gqa-H128", "lengths-H96-float16", "window-softcap-T!=S-H64"])
+@pytest.mark.parametrize("B, T, S, N, K, H, dtype, options", HOPPER_BACKWARD_CASES)
 def test_hopper_deterministic_backward_gpu(key, B, T, S, N, K, H, dtype, options):
   # The Hopper backward's deterministic variant: dK/dV, then dQ from a kernel of its own.
   inputs = _inputs(key, B, T, S, N, K, H, dtype)
@@ -682,6 +695,36 @@ def test_hopper_block_sizes_gpu(key, blocks):
          key_value_seq_lengths=jnp.array([1000, 613]))
 
 
+# The Hopper backward's schedules other than the default (`HopperBackwardBlockSizes`),
+# as benchmarks/tune_attention_hopper_backward.py sweeps them.
+BACKWARD_SCHEDULES = {
+    "fresh-addresses": dict(fresh_tile_addresses=True),
+    "fa3-order": dict(fresh_tile_addresses=True, fa3_step_order=True),
+    "key-tiles-fastest": dict(fresh_tile_addresses=True, fa3_step_order=True,
+                              key_tiles_fastest=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", BACKWARD_SCHEDULES)
+@pytest.mark.parametrize("B, T, S, N, K, H, dtype, options", HOPPER_BACKWARD_CASES + [
+    pytest.param(2, 400, 400, 4, 2, 256, jnp.bfloat16, dict(is_causal=True),
+                 id="causal-gqa-H256")])  # the wide design
+def test_hopper_backward_schedules_gpu(key, monkeypatch, schedule, B, T, S, N, K, H, dtype,
+                                       options):
+  # Each schedule against float64 by the 2x rule, and against the default schedule: the
+  # same products of the same operands, so dK and dV are identical and dQ differs only
+  # by the order of its atomic float32 adds (at most one bfloat16 unit in the last place).
+  inputs = _inputs(key, B, T, S, N, K, H, dtype)
+  *_, dq0, dk0, dv0 = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
+      mosaic_backward.BLOCKS, **BACKWARD_SCHEDULES[schedule]))
+  *_, dq, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
+  np.testing.assert_array_equal(dk, dk0)
+  np.testing.assert_array_equal(dv, dv0)
+  _assert_within_an_ulp(dq, dq0)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("batch, heads, q_tiles, sms", [(4, 16, 16, 132), (1, 3, 5, 132),
                                                        (2, 4, 33, 132), (1, 2, 2, 8)])
@@ -750,6 +793,24 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_
   H, Hv = H if isinstance(H, tuple) else (H, H)
   if deterministic and max(H, Hv) > 128:
     pytest.skip("the deterministic Hopper backward takes head dims up to 128")
+  _lower_backward(H, Hv, dtype, options, deterministic=deterministic, grad_dtype=grad_dtype)
+
+
+@pytest.mark.parametrize("schedule", BACKWARD_SCHEDULES)
+@pytest.mark.parametrize("H, dtype, options", [
+    (128, jnp.bfloat16, dict(is_causal=True)),
+    (64, jnp.float16, dict(has_segments=True, window_left=100, window_right=20)),
+    (256, jnp.bfloat16, dict(is_causal=True)),  # the wide design
+], ids=["causal-H128", "segments-window-H64-float16", "causal-H256"])
+def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule):
+  # The schedules test_hopper_backward_schedules_gpu runs, lowered on any machine.
+  blocks = dataclasses.replace(mosaic_backward.BLOCKS, **BACKWARD_SCHEDULES[schedule])
+  _lower_backward(H, H, dtype, options, blocks=blocks)
+
+
+def _lower_backward(H, Hv, dtype, options, **kwargs):
+  """Lowers the Hopper backward for CUDA at head dims H (query, key) and Hv (value),
+  ``kwargs`` passed on to it."""
   B, T, S, N, K = 2, 1000, 777, 4, 2
   spec = MaskSpec(T, S, **options)
   i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
@@ -760,8 +821,7 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_
     arrays = iter(aux_arrays)
     return mosaic_backward.backward(
         q, k, v, o, m, log2_l, do, AuxArrays(*(None if a is None else next(arrays) for a in aux)),
-        spec=spec, scale=0.1, softcap=None, deterministic=deterministic,
-        grad_dtype=grad_dtype)
+        spec=spec, scale=0.1, softcap=None, **kwargs)
 
   x, f32 = (functools.partial(jax.ShapeDtypeStruct, dtype=t) for t in (dtype, jnp.float32))
   args = (x((B, T, N, H)), x((B, S, K, H)), x((B, S, K, Hv)), f32((B, T, N, Hv)),

@@ -84,12 +84,32 @@ MAX_HEAD_DIM = 256
 
 @dataclasses.dataclass(frozen=True)
 class HopperBackwardBlockSizes:
-  """Tiles of the Hopper backward: block_q query rows per streamed block, block_kv keys
-  per consumer (a CTA holds 2 · block_kv), num_stages slots of the Q/dO ring."""
+  """Tiles and schedule of the Hopper backward.
+
+  Attributes:
+    block_q: query rows per streamed block.
+    block_kv: keys per consumer (a CTA holds 2 · block_kv, or block_kv in the wide
+      design).
+    num_stages: slots of the Q/dO ring.
+    fresh_tile_addresses: the consumers address their K and V tiles afresh in every
+      step, through a key-block index LLVM cannot see is constant
+      (`lax.optimization_barrier`). Otherwise LLVM hoists the wgmma descriptors of the
+      K, V and dQ-chunk tiles out of the loop, two registers each, and ptxas spills them
+      and reloads them in every step (docs/kernels.md, on what the backward spills).
+    fa3_step_order: up to head dim 128, FlashAttention-3's order of a step's products:
+      Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ runs, then dV, dK and dQ issued
+      from Pᵀ and dSᵀ in 16 bits, so that no float32 tile is live beside dK and dV while
+      they run. Otherwise dPᵀ is issued after Pᵀ, with dV, and dSᵀ formed while dV runs.
+    key_tiles_fastest: the grid's fastest axis walks the key tiles of one K/V head
+      (whose CTAs stream the same Q and dO), instead of the K/V heads.
+  """
 
   block_q: int = 64
   block_kv: int = 64
   num_stages: int = 2
+  fresh_tile_addresses: bool = False
+  fa3_step_order: bool = False
+  key_tiles_fastest: bool = False
 
   def keys_per_tile(self, wide: bool) -> int:
     """Keys per CTA: each consumer's own block_kv, or one block_kv shared by both in the
@@ -172,9 +192,15 @@ def _probabilities(k_tile, q_tile, lse2_tile, logits: Logits, mask=None):
     plgpu.wgmma(acc, k_tile, q_tile.T)
     return acc[...]
 
-  x, tanh = logits.cap(pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32)))
+  return _scores_to_probabilities(pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32)),
+                                  lse2_tile, logits, mask)
+
+
+def _scores_to_probabilities(qk, lse2_tile, logits: Logits, mask=None):
+  """`_probabilities` from the tile's products qk = K Qᵀ."""
+  x, tanh = logits.cap(qk)
   lse2 = plgpu.load(lse2_tile, layout=_COL)
-  p = jnp.exp2(x * (logits.factor * LOG2E) - _cols(lse2, shape))
+  p = jnp.exp2(x * (logits.factor * LOG2E) - _cols(lse2, x.shape))
   return (p if mask is None else jnp.where(mask(), p, 0.0)), tanh
 
 
@@ -269,6 +295,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(tile, grad_ref.at[rows])
 
+  def key_block(c):
+    """Block c of the CTA's keys in k_smem and v_smem, its index behind an optimization
+    barrier with `fresh_tile_addresses`, so that each step addresses its K and V tiles
+    afresh (see `HopperBackwardBlockSizes`)."""
+    return lax.optimization_barrier(jnp.int32(c)) if blocks.fresh_tile_addresses else c
+
   def wide_consumers():
     """Head dims above `SPLIT_KEYS_HEAD_DIM`: both consumers take Pᵀ of the CTA's
     block_kv keys; consumer 0 accumulates dV and takes dQ, consumer 1 computes dPᵀ and
@@ -286,7 +318,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       plgpu.barrier_wait(q_loaded.at[s])
       mask = (_block_mask(spec, shape, i * bq, k0, kv_length, q_seg_ref, b, k_seg)
               if masked else None)
-      return _probabilities(k_tile, q_ring.at[s], lse2_ring.at[s], logits, mask)
+      return _probabilities(k_smem.at[key_block(0)], q_ring.at[s],
+                            lse2_ring.at[s], logits, mask)
 
     def finish(grad, tile, grad_ref):
       if not float32_grads:  # the other consumer is done reading this tile
@@ -306,10 +339,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           plgpu.barrier_arrive(slot_free.at[s])
           buf = rem32(step_index, n_buffers)
           plgpu.barrier_wait(ds_ready.at[buf])
+          k_step = k_smem.at[key_block(0)]
 
           def chunk(acc, *, columns):
             for t in range(terms):
-              plgpu.wgmma(acc, ds_smem.at[buf, t].T, k_tile.at[:, columns])
+              plgpu.wgmma(acc, ds_smem.at[buf, t].T, k_step.at[:, columns])
             return acc[...]
 
           for c in range(n_chunks):
@@ -330,7 +364,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           plgpu.barrier_wait(do_loaded.at[s])
 
           def value_grads(acc):
-            plgpu.wgmma(acc, v_tile, do_ring.at[s].T)
+            plgpu.wgmma(acc, v_smem.at[key_block(0)], do_ring.at[s].T)
             return acc[...]
 
           dp = pl.run_scoped(value_grads, plgpu.ACC(shape, jnp.float32))
@@ -370,22 +404,41 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       def step(i, n, step_index, s, *, masked: bool):
         """The products of query block i of query head n."""
         q_tile, do_tile = q_ring.at[s], do_ring.at[s]
-
-        plgpu.barrier_wait(q_loaded.at[s])
+        own = key_block(wg)
+        k_own, v_own = k_smem.at[own], v_smem.at[own]
         mask = (_block_mask(spec, shape, i * bq, key0, kv_length, q_seg_ref, b, k_seg)
                 if masked else None)
-        p, tanh = _probabilities(k_tile, q_tile, lse2_ring.at[s], logits, mask)
-        plgpu.barrier_wait(do_loaded.at[s])
+        if blocks.fa3_step_order:
+          plgpu.barrier_wait(q_loaded.at[s])
+          plgpu.barrier_wait(do_loaded.at[s])
 
-        def value_grads(acc):
-          plgpu.wgmma(acc, v_tile, do_tile.T)
-          plgpu.wgmma(dv_acc, p.astype(do_tile.dtype), do_tile)
-          return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dPᵀ; dV may still run
+          def products(s_acc, dp_acc):
+            plgpu.wgmma(s_acc, k_own, q_tile.T)
+            plgpu.wgmma(dp_acc, v_own, do_tile.T)
+            qk = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # Sᵀ; dPᵀ may still run
+            p, tanh = _scores_to_probabilities(qk, lse2_ring.at[s], logits, mask)
+            dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
+            delta = plgpu.load(delta_ring.at[s], layout=_COL)
+            ds = score_grad(p, dp, _cols(delta, shape), tanh)
+            return p.astype(do_tile.dtype), score_grad_terms(ds, q_tile.dtype)
 
-        dp = pl.run_scoped(value_grads, plgpu.ACC(shape, jnp.float32))
-        delta = plgpu.load(delta_ring.at[s], layout=_COL)
-        ds_terms = score_grad_terms(score_grad(p, dp, _cols(delta, shape), tanh),
-                                    q_tile.dtype)
+          p16, ds_terms = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
+                                        plgpu.ACC(shape, jnp.float32))
+          plgpu.wgmma(dv_acc, p16, do_tile)
+        else:
+          plgpu.barrier_wait(q_loaded.at[s])
+          p, tanh = _probabilities(k_own, q_tile, lse2_ring.at[s], logits, mask)
+          plgpu.barrier_wait(do_loaded.at[s])
+
+          def value_grads(acc):
+            plgpu.wgmma(acc, v_own, do_tile.T)
+            plgpu.wgmma(dv_acc, p.astype(do_tile.dtype), do_tile)
+            return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dPᵀ; dV may still run
+
+          dp = pl.run_scoped(value_grads, plgpu.ACC(shape, jnp.float32))
+          delta = plgpu.load(delta_ring.at[s], layout=_COL)
+          ds_terms = score_grad_terms(score_grad(p, dp, _cols(delta, shape), tanh),
+                                      q_tile.dtype)
         for term in ds_terms:
           plgpu.wgmma(dk_acc, term, q_tile)
         if atomic_dq:
@@ -404,9 +457,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         plgpu.barrier_arrive(ds_ready.at[buf])
         plgpu.barrier_wait(ds_ready.at[buf])
 
+        own = key_block(wg)
+        halves = (own, 1 - own) if blocks.fresh_tile_addresses else range(_CONSUMERS)
+
         def chunk(acc, *, columns):
           for t in range(len(ds_terms)):
-            for half in range(_CONSUMERS):
+            for half in halves:  # both consumers' keys
               plgpu.wgmma(acc, ds_smem.at[buf, t, half].T, k_smem.at[half, :, columns])
           return acc[...]
 
@@ -560,14 +616,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
 
 def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: float,
              softcap: float | None, deterministic: bool = False, grad_dtype=None,
-             delta=None, blocks: HopperBackwardBlockSizes = BLOCKS):
+             delta=None, blocks: HopperBackwardBlockSizes | None = None):
   """(dq, dk, dv) in the inputs' dtype, from the forward's inputs (bfloat16 or float16),
   its output o (float32 where the forward wrote one) and row statistics m and log2_l
   (B, N, T); ``aux_arrays`` as the forward takes them. ``deterministic``: dQ from a
   kernel of its own (7 tile products per block pair instead of 5), with no atomic adds.
   ``grad_dtype=jnp.float32``: the gradients in float32 (partial gradients that are
   summed afterwards, as context parallelism's); ``delta``: rowsum(dO ∘ O) (B, N, T)
-  where the caller has it (then o is not read)."""
+  where the caller has it (then o is not read). ``blocks``: the module's `BLOCKS`
+  unless given, read at each call so that a sweep
+  (benchmarks/tune_attention_hopper_backward.py) or a test may replace it."""
+  blocks = BLOCKS if blocks is None else blocks
   float32_grads = grad_dtype is not None and jnp.dtype(grad_dtype) == jnp.float32
   if grad_dtype is not None and not float32_grads and jnp.dtype(grad_dtype) != q.dtype:
     raise ValueError(f"grad_dtype must be float32 or the inputs' {q.dtype}, got {grad_dtype}")
@@ -642,11 +701,14 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
       return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K, width), jnp.float32)
     return jax.ShapeDtypeStruct((B, S8, K, width), q.dtype)
 
+  grid = [("heads", K), ("kv_tiles", n_kv_tiles), ("batch", B)]  # the fastest first
+  if blocks.key_tiles_fastest:
+    grid[:2] = grid[1::-1]
   dkdv_kernel = warp_specialized_kernel(
       functools.partial(_dkdv_kernel, atomic_dq=not deterministic, **statics),
       out_type=(kv_type(H_pad), kv_type(Hv_pad)), consumers=_CONSUMERS,
       name="attention_backward_mosaic_gpu", softcap=softcap, scratch_types=scratch,
-      grid=(K, n_kv_tiles, B), grid_names=("heads", "kv_tiles", "batch"))
+      grid=tuple(size for _, size in grid), grid_names=tuple(name for name, _ in grid))
   inputs = (q, k, v, do, lse2, delta, *aux_inputs)
   if deterministic:
     dk, dv = dkdv_kernel(*inputs)

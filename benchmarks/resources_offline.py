@@ -1,0 +1,93 @@
+"""ptxas' registers and spills of our Hopper attention kernels, on a machine without a
+GPU: what `bash benchmarks/run_gpu.sh attn-resources` reports, at no device time.
+
+    bash benchmarks/resources_offline.sh 4,4096,16,16,128,1 [--schedule fresh+fa3]
+
+Run through resources_offline.sh, which sets up what this needs: JAX 0.11.2 (the GPU
+machine's) with its CUDA plugin, ptxas, and a stand-in libcuda. Each shape
+(B,T,N,K,H,causal, bfloat16, as profile_attention.py's) is lowered for CUDA on the CPU
+as a forward + backward of `dot_product_attention` (implementation="mosaic_gpu"), and
+each Mosaic GPU kernel it holds is compiled for sm_90a by the CUDA plugin's own
+pipeline (MosaicGpuCompile: the passes, LLVM's PTX, ptxas), which stops at loading the
+binary, the one step that needs a device. ptxas' report, per kernel: registers, bytes
+of spill stores and loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import glob
+import os
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.mosaic.gpu import core as mosaic_core
+
+import jaxsoftmax as js
+from jaxsoftmax._core import mosaic_gpu as mosaic_device
+from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
+from bench_attention_backward import parse_schedule
+
+
+def kernel_modules(shape: str, deterministic: bool) -> list[bytes]:
+  """The serialized Mosaic GPU modules that one forward + backward at ``shape`` lowers
+  to (the CUDA lowering rule records each one it emits)."""
+  B, T, N, K, H, causal = (int(x) for x in shape.split(","))
+  x = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+  attention = functools.partial(js.dot_product_attention, is_causal=bool(causal),
+                                implementation="mosaic_gpu", deterministic=deterministic,
+                                interpret=False)
+
+  def step(q, k, v, do):
+    return jax.vjp(attention, q, k, v)[1](do)
+
+  mosaic_core.KNOWN_KERNELS.clear()
+  jax.jit(step).trace(x((B, T, N, H)), x((B, T, K, H)), x((B, T, K, H)),
+                      x((B, T, N, H))).lower(lowering_platforms=("cuda",))
+  return list(mosaic_core.KNOWN_KERNELS.values())
+
+
+def compile_module(module: bytes):
+  """Compiles one module with the CUDA plugin's MosaicGpuCompile (ptxas' report goes to
+  MOSAIC_GPU_DUMP_TO); its loading step fails without a device, which is expected."""
+  import jax_plugins.xla_cuda13 as cuda_plugin
+  compile_fn = ctypes.CDLL(cuda_plugin._get_library_path()).MosaicGpuCompile
+  compile_fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
+  compile_fn.restype = ctypes.c_void_p
+  compile_fn(ctypes.c_char_p(module), ctypes.c_int(len(module)))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("shapes", nargs="+", help="B,T,N,K,H,causal")
+  parser.add_argument("--schedule", default="",
+                      help="the Hopper backward's schedule (bench_attention_backward.py)")
+  args = parser.parse_args()
+  deterministic = False
+  if args.schedule:
+    mosaic_backward.BLOCKS, deterministic = parse_schedule(args.schedule)
+  # Dispatch as on an H200: the kernels are lowered here, never run.
+  mosaic_device.hopper_device = lambda: True
+  dump = tempfile.mkdtemp(prefix="ptxas")
+  os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
+  for shape in args.shapes:
+    for module in kernel_modules(shape, deterministic):
+      for old in glob.glob(f"{dump}/*.ptxas"):
+        os.remove(old)
+      compile_module(module)
+      for path in glob.glob(f"{dump}/*.ptxas"):
+        text = open(path).read()
+        registers = re.search(r"Used (\d+) registers", text).group(1)
+        stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                                  text).groups()
+        kernel = re.sub(r"_\d+$", "", os.path.basename(path).split(".")[0])
+        print(f"{shape} {args.schedule or 'default'} {kernel}: {registers} registers, "
+              f"spills {stores} bytes stored, {loads} loaded", flush=True)
+
+
+if __name__ == "__main__":
+  main()
