@@ -17,8 +17,8 @@ heads over 8 K/V heads, beside 32 heads of their own at the same FLOPs, which te
 walking a head group costs the Hopper backward from what every step costs.
 
 HOPPER_BWD_SCHEDULES (comma-separated; each a "+"-joined set of `SCHEDULE_FLAGS`, e.g.
-"fresh,fresh+fa3,fresh+fa3+kv,fresh+det") adds a row of the Hopper backward per
-schedule (`HopperBackwardBlockSizes`; "det" for deterministic=True), named
+"fresh,fresh+fa3,fresh+fa3+kv,fresh+s3,fresh+det") adds a row of the Hopper backward
+per schedule (`HopperBackwardBlockSizes`; "det" for deterministic=True), named
 "jaxsoftmax mosaic_gpu fresh+fa3".
 """
 
@@ -45,9 +45,11 @@ OUR_ROWS = {f"{OURS} mosaic_gpu": ("mosaic_gpu", False),
             f"{OURS} mosaic_gpu deterministic": ("mosaic_gpu", True),
             f"{OURS} triton": ("triton", False)}
 PEERS = ("cudnn", "fa3", "tokamax mosaic")
-# HOPPER_BWD_SCHEDULES' flags: the `HopperBackwardBlockSizes` field each one sets.
-SCHEDULE_FLAGS = {"fresh": "fresh_tile_addresses", "fa3": "fa3_step_order",
-                  "kv": "key_tiles_fastest"}
+# HOPPER_BWD_SCHEDULES' flags: the `HopperBackwardBlockSizes` field each one sets, and
+# its value (s3: a third slot in the Q/dO ring, which shared memory holds up to head
+# dim 128).
+SCHEDULE_FLAGS = {"fresh": ("fresh_tile_addresses", True), "fa3": ("fa3_step_order", True),
+                  "kv": ("key_tiles_fastest", True), "s3": ("num_stages", 3)}
 
 
 def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes, bool]:
@@ -58,7 +60,7 @@ def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes,
     raise ValueError(f"unknown schedule flags {sorted(unknown)} in {spec!r}; known: "
                      f"{sorted(SCHEDULE_FLAGS)} and det")
   blocks = dataclasses.replace(mosaic_backward.BLOCKS,
-                               **{SCHEDULE_FLAGS[f]: True for f in flags if f != "det"})
+                               **dict(SCHEDULE_FLAGS[f] for f in flags if f != "det"))
   return blocks, "det" in flags
 
 
