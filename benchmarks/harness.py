@@ -159,11 +159,10 @@ def time_call(fn: Callable, arg_sets: Sequence[tuple]):
   ``arg_sets``: input sets the iterations rotate through (see `rotations`). Without a
   GPU (a smoke run of the scripts, which checks them and their results, not speed: its
   interpreted kernels take up to seconds a call) one call's wall time is both, timer
-  "wall".
+  "wall"; `Report.measure` has compiled and run ``fn`` once before.
   """
   jitted = jax.jit(fn)
   if jax.default_backend() != "gpu":
-    jax.block_until_ready(jitted(*arg_sets[0]))
     start = time.perf_counter()
     jax.block_until_ready(jitted(*arg_sets[0]))
     wall = (time.perf_counter() - start) * 1e6

@@ -800,12 +800,16 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_
   _lower_backward(H, Hv, dtype, options, deterministic=deterministic, grad_dtype=grad_dtype)
 
 
-@pytest.mark.parametrize("schedule", BACKWARD_SCHEDULES)
-@pytest.mark.parametrize("H, dtype, options", [
-    (128, jnp.bfloat16, dict(is_causal=True)),
-    (64, jnp.float16, dict(has_segments=True, window_left=100, window_right=20)),
-    (256, jnp.bfloat16, dict(is_causal=True)),  # the wide design
-], ids=["causal-H128", "segments-window-H64-float16", "causal-H256"])
+@pytest.mark.parametrize("schedule, H, dtype, options", [
+    *(pytest.param(schedule, 128, jnp.bfloat16, dict(is_causal=True), id=f"{schedule}-causal-H128")
+      for schedule in BACKWARD_SCHEDULES),
+    pytest.param("fa3-order", 64, jnp.float16,
+                 dict(has_segments=True, window_left=100, window_right=20),
+                 id="fa3-order-segments-window-H64-float16"),
+    pytest.param("three-stages", 128, jnp.float16, {}, id="three-stages-H128-float16"),
+    pytest.param("fresh-addresses", 256, jnp.bfloat16, dict(is_causal=True),
+                 id="fresh-addresses-causal-H256"),  # the wide design
+])
 def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, monkeypatch):
   # The schedules test_hopper_backward_schedules_gpu runs, lowered on any machine.
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(

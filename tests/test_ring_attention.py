@@ -75,9 +75,9 @@ def test_matches_single_device(key, strategy, layout, is_causal):
 
 
 def test_error_does_not_grow_with_devices(key):
-  # The same causal problem on 1, 2 and 8 devices: partial results merge in float32,
-  # so the error against the truth stays that of one device.
-  errors = {P: _check(key, P, layout="zigzag", is_causal=True) for P in (1, 2, 8)}
+  # The same causal problem on 1 and 8 devices (4 elsewhere): partial results merge in
+  # float32, so the error against the truth stays that of one device.
+  errors = {P: _check(key, P, layout="zigzag", is_causal=True) for P in (1, 8)}
   for P, errs in errors.items():
     for what, err, err_1 in zip(("output", "dq", "dk", "dv"), errs, errors[1]):
       assert err <= 1.5 * err_1 + 1e-6, (P, what, err, err_1)
