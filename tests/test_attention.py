@@ -696,7 +696,7 @@ def test_hopper_block_sizes_gpu(key, blocks):
 
 
 # The Hopper backward's schedules other than the default (`HopperBackwardBlockSizes`),
-# as benchmarks/tune_attention_hopper_backward.py sweeps them.
+# as the HOPPER_BWD_SCHEDULES rows of benchmarks/bench_attention_backward.py time them.
 BACKWARD_SCHEDULES = {
     "fresh-addresses": dict(fresh_tile_addresses=True),
     "fa3-order": dict(fresh_tile_addresses=True, fa3_step_order=True),

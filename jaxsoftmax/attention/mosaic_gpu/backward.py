@@ -624,8 +624,8 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   ``grad_dtype=jnp.float32``: the gradients in float32 (partial gradients that are
   summed afterwards, as context parallelism's); ``delta``: rowsum(dO ∘ O) (B, N, T)
   where the caller has it (then o is not read). ``blocks``: the module's `BLOCKS`
-  unless given, read at each call so that a sweep
-  (benchmarks/tune_attention_hopper_backward.py) or a test may replace it."""
+  unless given, read at each call so that a sweep (HOPPER_BWD_SCHEDULES in
+  benchmarks/bench_attention_backward.py) or a test may replace it."""
   blocks = BLOCKS if blocks is None else blocks
   float32_grads = grad_dtype is not None and jnp.dtype(grad_dtype) == jnp.float32
   if grad_dtype is not None and not float32_grads and jnp.dtype(grad_dtype) != q.dtype:
