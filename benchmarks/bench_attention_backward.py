@@ -17,7 +17,7 @@ heads over 8 K/V heads, beside 32 heads of their own at the same FLOPs, which te
 walking a head group costs the Hopper backward from what every step costs.
 
 HOPPER_BWD_SCHEDULES (comma-separated; each a "+"-joined set of `SCHEDULE_FLAGS`, e.g.
-"fresh,fresh+fa3,fresh+fa3+kv,fresh+s3,fresh+det") adds a row of the Hopper backward
+"fresh,fresh+fa3,fresh+fa3+kv,fresh+s3,fresh+qh,fresh+det") adds a row of the Hopper backward
 per schedule (`HopperBackwardBlockSizes`; "det" for deterministic=True), named
 "jaxsoftmax mosaic_gpu fresh+fa3".
 """
@@ -49,7 +49,8 @@ PEERS = ("cudnn", "fa3", "tokamax mosaic")
 # its value (s3: a third slot in the Q/dO ring, which shared memory holds up to head
 # dim 128).
 SCHEDULE_FLAGS = {"fresh": ("fresh_tile_addresses", True), "fa3": ("fa3_step_order", True),
-                  "kv": ("key_tiles_fastest", True), "s3": ("num_stages", 3)}
+                  "kv": ("key_tiles_fastest", True), "s3": ("num_stages", 3),
+                  "qh": ("cta_per_query_head", True)}
 
 
 def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes, bool]:

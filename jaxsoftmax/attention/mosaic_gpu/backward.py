@@ -102,6 +102,10 @@ class HopperBackwardBlockSizes:
       they run. Otherwise dPᵀ is issued after Pᵀ, with dV, and dSᵀ formed while dV runs.
     key_tiles_fastest: the grid's fastest axis walks the key tiles of one K/V head
       (whose CTAs stream the same Q and dO), instead of the K/V heads.
+    cta_per_query_head: under GQA, one CTA per query head and key tile, as
+      FlashAttention-3 launches them, instead of one per K/V head walking its whole
+      group: each CTA's dK and dV are its query head's share, written in float32 and
+      summed over the group afterwards (by XLA: (B, S, N, H) float32 arrays, read once).
   """
 
   block_q: int = 64
@@ -110,6 +114,7 @@ class HopperBackwardBlockSizes:
   fresh_tile_addresses: bool = False
   fa3_step_order: bool = False
   key_tiles_fastest: bool = False
+  cta_per_query_head: bool = False
 
   def keys_per_tile(self, wide: bool) -> int:
     """Keys per CTA: each consumer's own block_kv, or one block_kv shared by both in the
@@ -249,7 +254,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   n_chunks = head_dim // _CHUNK  # of dQ, as wide as Q and K
   key_blocks = k_smem.shape[0]  # blocks of block_kv keys the CTA holds
   wg = lax.axis_index("wg")
-  b, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+  # The grid's heads are the K/V heads, or with cta_per_query_head the query heads, each
+  # CTA then walking its own head alone; its gradients leave at that head's index.
+  b, head = lax.axis_index("batch"), lax.axis_index("heads")
+  per_query_head = blocks.cta_per_query_head and group > 1
+  kv_head = div32(head, group) if per_query_head else head
+  heads_walked = 1 if per_query_head else group
   k0 = lax.axis_index("kv_tiles") * (key_blocks * bkv)
   q_length = None if q_len_ref is None else q_len_ref[b]
   kv_length = None if kv_len_ref is None else kv_len_ref[b]
@@ -258,18 +268,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   blocks_per_head = hi - lo
 
   def query_head(g):
-    return kv_head * group + g
+    return (head if per_query_head else kv_head * group) + g
 
   def walk_steps(step):
     """``step(i, n, step_index, s, masked=...)`` for every query block i of every query
     head n of the group, the step_index-th of the CTA, in ring slot s."""
-    def head(g, carry):
+    def walk_head(g, carry):
       def block(i, carry, *, masked: bool):
         step_index = g * blocks_per_head + i - lo
         step(i, query_head(g), step_index, rem32(step_index, stages), masked=masked)
         return carry
       return walk_block_ranges(ranges, block, carry)
-    lax.fori_loop(0, group, head, 0)
+    lax.fori_loop(0, heads_walked, walk_head, 0)
 
   def add_dq_chunk(acc_fn, staging, i, n, c):
     """Chunk c (64 head-dim columns) of dQ for query block i of head n, from the product
@@ -287,7 +297,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     """Sends a consumer's gradient of the CTA's ``keys`` out: from registers in float32,
     else through its input's tile in shared memory (``tile``, K's or V's, which every
     product has finished reading) in the inputs' dtype."""
-    rows = (b, keys, kv_head)
+    rows = (b, keys, head)
     if float32_grads:
       grad_ref.at[rows][...] = grad
     else:
@@ -491,7 +501,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[c], kv_loaded)
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[c], kv_loaded)
 
-    def head(g, carry):
+    def walk_head(g, carry):
       n = query_head(g)
 
       def block(i, carry):
@@ -508,7 +518,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
       return lax.fori_loop(lo, hi, block, carry)
 
-    lax.fori_loop(0, group, head, 0)
+    lax.fori_loop(0, heads_walked, walk_head, 0)
 
 
 
@@ -695,17 +705,24 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
         ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),  # both halves of dSᵀ
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
     )
+  # With cta_per_query_head (under GQA) the dK/dV kernel writes each query head's share
+  # in float32, summed over the group below.
+  per_query_head = blocks.cta_per_query_head and N > K
+  heads = N if per_query_head else K
+  dkdv_float32 = float32_grads or per_query_head
+
   # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
   def kv_type(width):
-    if float32_grads:
-      return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K, width), jnp.float32)
+    if dkdv_float32:
+      return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, heads, width), jnp.float32)
     return jax.ShapeDtypeStruct((B, S8, K, width), q.dtype)
 
-  grid = [("heads", K), ("kv_tiles", n_kv_tiles), ("batch", B)]  # the fastest first
+  grid = [("heads", heads), ("kv_tiles", n_kv_tiles), ("batch", B)]  # the fastest first
   if blocks.key_tiles_fastest:
     grid[:2] = grid[1::-1]
   dkdv_kernel = warp_specialized_kernel(
-      functools.partial(_dkdv_kernel, atomic_dq=not deterministic, **statics),
+      functools.partial(_dkdv_kernel, atomic_dq=not deterministic,
+                        **{**statics, "float32_grads": dkdv_float32}),
       out_type=(kv_type(H_pad), kv_type(Hv_pad)), consumers=_CONSUMERS,
       name="attention_backward_mosaic_gpu", softcap=softcap, scratch_types=scratch,
       grid=tuple(size for _, size in grid), grid_names=tuple(name for name, _ in grid))
@@ -737,4 +754,8 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     dk, dv = dkdv_kernel(*inputs, dq32)
     dq = jax.freeze(dq32) * scale
     dq = dq if float32_grads else dq.astype(q.dtype)
+  if per_query_head:  # each query head's share, summed over its K/V head's group
+    dk, dv = (g.reshape(B, g.shape[1], K, N // K, g.shape[3]).sum(3) for g in (dk, dv))
+    if not float32_grads:
+      dk, dv = dk.astype(q.dtype), dv.astype(q.dtype)
   return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :Hv]
