@@ -5,12 +5,12 @@ GPU: what `bash benchmarks/run_gpu.sh attn-resources` reports, at no device time
 
 Run through resources_offline.sh, which sets up what this needs: JAX 0.11.2 (the GPU
 machine's) with its CUDA plugin, ptxas, and a stand-in libcuda. Each shape
-(B,T,N,K,H,causal, bfloat16, as profile_attention.py's) is lowered for CUDA on the CPU
-as a forward + backward of `dot_product_attention` (implementation="mosaic_gpu"), and
-each Mosaic GPU kernel it holds is compiled for sm_90a by the CUDA plugin's own
-pipeline (MosaicGpuCompile: the passes, LLVM's PTX, ptxas), which stops at loading the
-binary, the one step that needs a device. ptxas' report, per kernel: registers, bytes
-of spill stores and loads.
+(B,T,N,K,H,causal, as profile_attention.py's; bfloat16 unless --dtype) is lowered for
+CUDA on the CPU as a forward + backward of `dot_product_attention`
+(implementation="mosaic_gpu"), and each Mosaic GPU kernel it holds is compiled for
+sm_90a by the CUDA plugin's own pipeline (MosaicGpuCompile: the passes, LLVM's PTX,
+ptxas), which stops at loading the binary, the one step that needs a device. ptxas'
+report, per kernel: registers, bytes of spill stores and loads.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from bench_attention_backward import parse_schedule
 
 
-def kernel_modules(shape: str, deterministic: bool) -> list[bytes]:
+def kernel_modules(shape: str, deterministic: bool, dtype) -> list[bytes]:
   """The serialized Mosaic GPU modules that one forward + backward at ``shape`` lowers
   to (the CUDA lowering rule records each one it emits)."""
   B, T, N, K, H, causal = (int(x) for x in shape.split(","))
-  x = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+  x = functools.partial(jax.ShapeDtypeStruct, dtype=dtype)
   attention = functools.partial(js.dot_product_attention, is_causal=bool(causal),
                                 implementation="mosaic_gpu", deterministic=deterministic,
                                 interpret=False)
@@ -66,6 +66,7 @@ def main():
   parser.add_argument("shapes", nargs="+", help="B,T,N,K,H,causal")
   parser.add_argument("--schedule", default="",
                       help="the Hopper backward's schedule (bench_attention_backward.py)")
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
   args = parser.parse_args()
   deterministic = False
   if args.schedule:
@@ -75,7 +76,7 @@ def main():
   dump = tempfile.mkdtemp(prefix="ptxas")
   os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
   for shape in args.shapes:
-    for module in kernel_modules(shape, deterministic):
+    for module in kernel_modules(shape, deterministic, jnp.dtype(args.dtype)):
       for old in glob.glob(f"{dump}/*.ptxas"):
         os.remove(old)
       compile_module(module)
@@ -85,7 +86,7 @@ def main():
         stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
                                   text).groups()
         kernel = re.sub(r"_\d+$", "", os.path.basename(path).split(".")[0])
-        print(f"{shape} {args.schedule or 'default'} {kernel}: {registers} registers, "
+        print(f"{shape} {args.dtype} {args.schedule or 'default'} {kernel}: {registers} registers, "
               f"spills {stores} bytes stored, {loads} loaded", flush=True)
 
 
