@@ -116,6 +116,11 @@ class HopperBackwardBlockSizes:
   key_tiles_fastest: bool = False
   cta_per_query_head: bool = False
 
+  def per_query_head(self, group: int) -> bool:
+    """Whether the dK/dV kernel runs a CTA per query head: `cta_per_query_head`, under
+    GQA (``group`` query heads per K/V head above 1)."""
+    return self.cta_per_query_head and group > 1
+
   def keys_per_tile(self, wide: bool) -> int:
     """Keys per CTA: each consumer's own block_kv, or one block_kv shared by both in the
     wide design (`wide_design`)."""
@@ -209,6 +214,13 @@ def _scores_to_probabilities(qk, lse2_tile, logits: Logits, mask=None):
   return (p if mask is None else jnp.where(mask(), p, 0.0)), tanh
 
 
+def _score_grad_operands(p, dp, tanh, delta_tile, dtype):
+  """dSᵀ = Pᵀ ∘ (dPᵀ - delta) (`logits.score_grad`) as wgmma operands of ``dtype``
+  (`logits.score_grad_terms`), delta read from its ring slot along the queries."""
+  delta = plgpu.load(delta_tile, layout=_COL)
+  return score_grad_terms(score_grad(p, dp, _cols(delta, p.shape), tanh), dtype)
+
+
 def _block_mask(spec: MaskSpec, shape, q0, key0, kv_length, q_seg_ref, b, k_seg):
   """A function giving the allowed pairs of the Sᵀ tile of keys [key0, ...) and queries
   [q0, ...): for `_probabilities`, which calls it after the scores."""
@@ -257,7 +269,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   # The grid's heads are the K/V heads, or with cta_per_query_head the query heads, each
   # CTA then walking its own head alone; its gradients leave at that head's index.
   b, head = lax.axis_index("batch"), lax.axis_index("heads")
-  per_query_head = blocks.cta_per_query_head and group > 1
+  per_query_head = blocks.per_query_head(group)
   kv_head = div32(head, group) if per_query_head else head
   heads_walked = 1 if per_query_head else group
   k0 = lax.axis_index("kv_tiles") * (key_blocks * bkv)
@@ -378,9 +390,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
             return acc[...]
 
           dp = pl.run_scoped(value_grads, plgpu.ACC(shape, jnp.float32))
-          delta = plgpu.load(delta_ring.at[s], layout=_COL)
-          ds_terms = score_grad_terms(score_grad(p, dp, _cols(delta, shape), tanh),
-                                      q_ring.dtype)
+          ds_terms = _score_grad_operands(p, dp, tanh, delta_ring.at[s], q_ring.dtype)
           buf = rem32(step_index, n_buffers)
           pl.when(step_index >= n_buffers)(lambda: plgpu.barrier_wait(ds_free.at[buf]))
           for t, term in enumerate(ds_terms):
@@ -428,9 +438,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
             qk = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # Sᵀ; dPᵀ may still run
             p, tanh = _scores_to_probabilities(qk, lse2_ring.at[s], logits, mask)
             dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
-            delta = plgpu.load(delta_ring.at[s], layout=_COL)
-            ds = score_grad(p, dp, _cols(delta, shape), tanh)
-            return p.astype(do_tile.dtype), score_grad_terms(ds, q_tile.dtype)
+            return p.astype(do_tile.dtype), _score_grad_operands(
+                p, dp, tanh, delta_ring.at[s], q_tile.dtype)
 
           p16, ds_terms = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
                                         plgpu.ACC(shape, jnp.float32))
@@ -446,20 +455,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
             return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dPᵀ; dV may still run
 
           dp = pl.run_scoped(value_grads, plgpu.ACC(shape, jnp.float32))
-          delta = plgpu.load(delta_ring.at[s], layout=_COL)
-          ds_terms = score_grad_terms(score_grad(p, dp, _cols(delta, shape), tanh),
-                                      q_tile.dtype)
+          ds_terms = _score_grad_operands(p, dp, tanh, delta_ring.at[s], q_tile.dtype)
         for term in ds_terms:
           plgpu.wgmma(dk_acc, term, q_tile)
         if atomic_dq:
-          query_grads(i, n, step_index, ds_terms)
+          query_grads(i, n, step_index, ds_terms, own)
         plgpu.wgmma_wait(0)  # dK's product has read Q
         plgpu.barrier_arrive(slot_free.at[s])
 
-      def query_grads(i, n, step_index, ds_terms):
+      def query_grads(i, n, step_index, ds_terms, own):
         """This consumer's chunks of dQ for query block i of head n: dSᵀ goes to shared
         memory, and once both consumers' halves are there, dQ = dS K over the CTA's keys
-        in 64-column chunks, each added into the float32 dQ by TMA."""
+        in 64-column chunks, each added into the float32 dQ by TMA. ``own``: this
+        consumer's block of the CTA's keys (`key_block`)."""
         buf = rem32(step_index, 2)
         for t, term in enumerate(ds_terms):
           ds_smem.at[buf, t, wg][...] = term
@@ -467,7 +475,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         plgpu.barrier_arrive(ds_ready.at[buf])
         plgpu.barrier_wait(ds_ready.at[buf])
 
-        own = key_block(wg)
         halves = (own, 1 - own) if blocks.fresh_tile_addresses else range(_CONSUMERS)
 
         def chunk(acc, *, columns):
@@ -707,7 +714,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     )
   # With cta_per_query_head (under GQA) the dK/dV kernel writes each query head's share
   # in float32, summed over the group below.
-  per_query_head = blocks.cta_per_query_head and N > K
+  per_query_head = blocks.per_query_head(N // K)
   heads = N if per_query_head else K
   dkdv_float32 = float32_grads or per_query_head
 
