@@ -14,7 +14,9 @@ head 0, as in bench_attention.py. Shapes: bench_attention.py's head-dim-128 and 
 and head dim 256 (the Hopper backward's wide design; deterministic calls there take the
 Triton backward, and the row's label says so); then (--only 6,7) GQA causal, 32 query
 heads over 8 K/V heads, beside 32 heads of their own at the same FLOPs, which tells what
-walking a head group costs the Hopper backward from what every step costs.
+walking a head group costs the Hopper backward from what every step costs; then (--only
+8,9) MLA's head dims (H 192, Hv 128), causal and not, where the wide design runs unless
+the schedule has "mla" (`split_keys_width`).
 
 HOPPER_BWD_SCHEDULES (comma-separated; each a "+"-joined set of `SCHEDULE_FLAGS`, e.g.
 "fresh,fresh+fa3,fresh+fa3+kv,fresh+s3,fresh+qh,fresh+det") adds a row of the Hopper backward
@@ -31,13 +33,15 @@ import jax
 import jax.numpy as jnp
 
 import harness
-from bench_attention import (OURS, TARGET_SHAPES, case_inputs, fwd_bwd, implementations,
-                             truth_slices, vs_best_peer)
+from bench_attention import (OURS, TARGET_SHAPES, case_inputs, dims, fwd_bwd,
+                             implementations, truth_slices, vs_best_peer)
 import jaxsoftmax as js
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 
 SHAPES = TARGET_SHAPES + [((4, 4096, 32, 8, 128, True), jnp.bfloat16),
-                          ((4, 4096, 32, 32, 128, True), jnp.bfloat16)]
+                          ((4, 4096, 32, 32, 128, True), jnp.bfloat16),
+                          ((4, 4096, 16, 16, 192, True, 128), jnp.bfloat16),
+                          ((4, 4096, 16, 16, 192, False, 128), jnp.bfloat16)]
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
 # Our rows: bench_attention's names, with the implementation and determinism each asks
 # for; the row's label names the backward that runs (`our_backward`).
@@ -50,7 +54,7 @@ PEERS = ("cudnn", "fa3", "tokamax mosaic")
 # dim 128).
 SCHEDULE_FLAGS = {"fresh": ("fresh_tile_addresses", True), "fa3": ("fa3_step_order", True),
                   "kv": ("key_tiles_fastest", True), "s3": ("num_stages", 3),
-                  "qh": ("cta_per_query_head", True)}
+                  "qh": ("cta_per_query_head", True), "mla": ("split_keys_width", 320)}
 
 
 def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes, bool]:
@@ -87,7 +91,7 @@ def _pullback(vjp, do):
 
 
 def bench_shape(report: harness.Report, case, dtype):
-  B, T, N, K, H, causal = case
+  B, T, N, K, H, causal, _ = dims(case)
   part_q, part_kv, compare_bwd, ref = truth_slices(case)
   (q, k, v, do), common, flops = case_inputs(case, dtype)
   truth = harness.float64_truth(fwd_bwd(ref), part_q(q), part_kv(k), part_kv(v), part_q(do))

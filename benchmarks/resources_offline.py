@@ -5,7 +5,8 @@ GPU: what `bash benchmarks/run_gpu.sh attn-resources` reports, at no device time
 
 Run through resources_offline.sh, which sets up what this needs: JAX 0.11.2 (the GPU
 machine's) with its CUDA plugin, ptxas, and a stand-in libcuda. Each shape
-(B,T,N,K,H,causal, as profile_attention.py's; bfloat16 unless --dtype) is lowered for
+(B,T,N,K,H,causal as profile_attention.py's, with a value head dim Hv as a seventh
+field where it differs from H; bfloat16 unless --dtype) is lowered for
 CUDA on the CPU as a forward + backward of `dot_product_attention`
 (implementation="mosaic_gpu"), and each Mosaic GPU kernel it holds is compiled for
 sm_90a by the CUDA plugin's own pipeline (MosaicGpuCompile: the passes, LLVM's PTX,
@@ -36,7 +37,8 @@ from bench_attention_backward import parse_schedule
 def kernel_modules(shape: str, deterministic: bool, dtype) -> list[bytes]:
   """The serialized Mosaic GPU modules that one forward + backward at ``shape`` lowers
   to (the CUDA lowering rule records each one it emits)."""
-  B, T, N, K, H, causal = (int(x) for x in shape.split(","))
+  B, T, N, K, H, causal, *value_dim = (int(x) for x in shape.split(","))
+  Hv = value_dim[0] if value_dim else H
   x = functools.partial(jax.ShapeDtypeStruct, dtype=dtype)
   attention = functools.partial(js.dot_product_attention, is_causal=bool(causal),
                                 implementation="mosaic_gpu", deterministic=deterministic,
@@ -46,8 +48,8 @@ def kernel_modules(shape: str, deterministic: bool, dtype) -> list[bytes]:
     return jax.vjp(attention, q, k, v)[1](do)
 
   mosaic_core.KNOWN_KERNELS.clear()
-  jax.jit(step).trace(x((B, T, N, H)), x((B, T, K, H)), x((B, T, K, H)),
-                      x((B, T, N, H))).lower(lowering_platforms=("cuda",))
+  jax.jit(step).trace(x((B, T, N, H)), x((B, T, K, H)), x((B, T, K, Hv)),
+                      x((B, T, N, Hv))).lower(lowering_platforms=("cuda",))
   return list(mosaic_core.KNOWN_KERNELS.values())
 
 
@@ -63,7 +65,7 @@ def compile_module(module: bytes):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("shapes", nargs="+", help="B,T,N,K,H,causal")
+  parser.add_argument("shapes", nargs="+", help="B,T,N,K,H,causal[,Hv]")
   parser.add_argument("--schedule", default="",
                       help="the Hopper backward's schedule (bench_attention_backward.py)")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))

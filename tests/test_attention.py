@@ -22,6 +22,7 @@ from jaxsoftmax._core import mosaic_gpu as mosaic_device
 from jaxsoftmax.attention import BlockSizes, HopperBlockSizes, api
 from jaxsoftmax.attention.triton import tangent, tiling
 from jaxsoftmax.attention.call import AuxArrays, Call
+from jaxsoftmax.attention.logits import score_grad_term_count
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
@@ -734,6 +735,46 @@ def test_hopper_backward_schedules_gpu(key, monkeypatch, schedule, B, T, S, N, K
     np.testing.assert_array_equal(dk, dk0)
     np.testing.assert_array_equal(dv, dv0)
   _assert_within_an_ulp(dq, dq0)
+
+
+# MLA's head dims in the split-keys design (`HopperBackwardBlockSizes.split_keys_width`),
+# with the schedule the offline spill counts favour there (docs/kernels.md).
+MLA_SPLIT_KEYS = dict(split_keys_width=320, fresh_tile_addresses=True, fa3_step_order=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [dict(is_causal=True),
+                                     dict(key_value_seq_lengths=jnp.array([700, 333]))],
+                         ids=["causal", "lengths"])
+def test_hopper_backward_split_keys_mla_gpu(key, monkeypatch, options):
+  # H 192, Hv 128 with split keys against float64 by the 2x rule, and against the wide
+  # design: the same products of the same operands, summed in another grouping, so dK
+  # and dV within an ulp as dQ.
+  B, T, S, N, K = 2, 500, 700, 4, 2
+  q, k, _, _ = _inputs(key, B, T, S, N, K, 192, jnp.bfloat16)
+  kv, kd = jax.random.split(jax.random.fold_in(key, 1))
+  v = jax.random.normal(kv, (B, S, K, 128), jnp.float32).astype(jnp.bfloat16)
+  do = jax.random.normal(kd, (B, T, N, 128), jnp.float32).astype(jnp.bfloat16)
+  wide = _check(q, k, v, do, backend="mosaic_gpu", interpret=False, **options)
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
+      mosaic_backward.BLOCKS, **MLA_SPLIT_KEYS))
+  split = _check(q, k, v, do, backend="mosaic_gpu", interpret=False, **options)
+  for a, b in zip(split[2:], wide[2:]):
+    _assert_within_an_ulp(a, b)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+def test_hopper_backward_split_keys_at_mla_dims_lower_for_cuda(dtype, monkeypatch):
+  # split_keys_width=320 takes MLA's 192 / 128 into the split-keys design where its
+  # shared memory fits (bfloat16, with 1 KiB to spare) and leaves float16, whose dS takes
+  # two terms, in the wide design; the default takes the wide design at both.
+  itemsize, terms = jnp.dtype(dtype).itemsize, score_grad_term_count(dtype)
+  assert mosaic_backward.BLOCKS.wide(192, 128, itemsize, terms)
+  blocks = dataclasses.replace(mosaic_backward.BLOCKS, **MLA_SPLIT_KEYS)
+  assert blocks.wide(192, 128, itemsize, terms) == (dtype == jnp.float16)
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", blocks)
+  assert mosaic_backward.unsupported(192, dtype, value_head_dim=128) is None
+  _lower_backward(192, 128, dtype, dict(is_causal=True))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

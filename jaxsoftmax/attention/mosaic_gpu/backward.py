@@ -24,14 +24,14 @@ three warpgroups:
   block pair costs 5 tile products instead of the 7 of separate dK/dV and dQ kernels).
 
 Above head dim 128 (`SPLIT_KEYS_HEAD_DIM`; for a value head dim Hv of its own, where
-H + Hv exceeds twice that, `wide_design`) a consumer cannot hold both dK and dV of its
-keys (256 float32 registers a thread at 256), so the wide design gives each CTA one block
-of block_kv keys and splits the gradients instead: both consumers compute Pᵀ; consumer 0
-accumulates dV += Pᵀ dO and takes every chunk of dQ, consumer 1 computes dPᵀ and dSᵀ,
-hands dSᵀ to consumer 0 through shared memory and accumulates dK += dSᵀ Q. Sᵀ is
-computed twice, so a block pair costs 6 tile products, three a consumer. On the H200 at
-2x8192x16x256 it measured 362 TFLOP/s against cuDNN's 352, backward alone
-(`benchmarks/results/attention_backward.md`).
+H + Hv exceeds twice that, `HopperBackwardBlockSizes.wide`) a consumer cannot hold both
+dK and dV of its keys (256 float32 registers a thread at 256), so the wide design gives
+each CTA one block of block_kv keys and splits the gradients instead: both consumers
+compute Pᵀ; consumer 0 accumulates dV += Pᵀ dO and takes every chunk of dQ, consumer 1
+computes dPᵀ and dSᵀ, hands dSᵀ to consumer 0 through shared memory and accumulates
+dK += dSᵀ Q. Sᵀ is computed twice, so a block pair costs 6 tile products, three a
+consumer. On the H200 at 2x8192x16x256 it measured 362 TFLOP/s against cuDNN's 352,
+backward alone (`benchmarks/results/attention_backward.md`).
 
 The order of the adds into dQ varies from run to run: results agree to float32 rounding,
 not bit for bit. ``deterministic=True`` (head dims up to 128) runs the same kernel
@@ -106,6 +106,14 @@ class HopperBackwardBlockSizes:
       FlashAttention-3 launches them, instead of one per K/V head walking its whole
       group: each CTA's dK and dV are its query head's share, written in float32 and
       summed over the group afterwards (by XLA: (B, S, N, H) float32 arrays, read once).
+    split_keys_width: the largest sum of the padded head dims H + Hv at which each
+      consumer holds dK and dV of its own block of keys (above 2 · `SPLIT_KEYS_HEAD_DIM`
+      only where its shared memory fits); above it, the wide design. By default
+      2 · `SPLIT_KEYS_HEAD_DIM`. At MLA's 192 + 128 = 320 the split-keys design fits
+      bfloat16 (1 KiB to spare) and does 5 tile products a block pair instead of 6, but
+      holds 160 float32 registers of gradients a thread (ptxas, offline: 144 bytes of
+      spills causal with fresh tile addresses and FlashAttention-3's step order, none in
+      the wide design).
   """
 
   block_q: int = 64
@@ -115,6 +123,7 @@ class HopperBackwardBlockSizes:
   fa3_step_order: bool = False
   key_tiles_fastest: bool = False
   cta_per_query_head: bool = False
+  split_keys_width: int = 2 * SPLIT_KEYS_HEAD_DIM
 
   def per_query_head(self, group: int) -> bool:
     """Whether the dK/dV kernel runs a CTA per query head: `cta_per_query_head`, under
@@ -123,15 +132,30 @@ class HopperBackwardBlockSizes:
 
   def keys_per_tile(self, wide: bool) -> int:
     """Keys per CTA: each consumer's own block_kv, or one block_kv shared by both in the
-    wide design (`wide_design`)."""
+    wide design (`wide`)."""
     return self.block_kv * (1 if wide else _CONSUMERS)
+
+  def wide(self, head_dim: int, value_head_dim: int, itemsize: int, terms: int) -> bool:
+    """Whether the dK/dV kernel takes the wide design at these padded head dims: a
+    consumer holds dK (block_kv x head_dim) and dV (block_kv x value_head_dim) in float32
+    registers only up to `split_keys_width`; past 2 · `SPLIT_KEYS_HEAD_DIM`, only where
+    that design's shared memory fits (not float16's two dS terms at 192 + 128)."""
+    width = head_dim + value_head_dim
+    if width > self.split_keys_width:
+      return True
+    return (width > 2 * SPLIT_KEYS_HEAD_DIM and SMEM_BYTES
+            < self._smem_bytes(False, head_dim, value_head_dim, itemsize, terms))
 
   def smem_bytes(self, head_dim: int, value_head_dim: int, itemsize: int, terms: int) -> int:
     """Shared memory of the dK/dV kernel at these (padded) head dims of Q/K and of V/dO:
     K and V, the Q/dO ring with its row statistics, the dSᵀ buffers (`ds_buffers`,
     ``terms`` float16 terms each), the dQ chunks on their way out (one per consumer
     taking dQ), and 1 KiB for barriers and alignment."""
-    wide = wide_design(head_dim, value_head_dim)
+    wide = self.wide(head_dim, value_head_dim, itemsize, terms)
+    return self._smem_bytes(wide, head_dim, value_head_dim, itemsize, terms)
+
+  def _smem_bytes(self, wide: bool, head_dim: int, value_head_dim: int, itemsize: int,
+                  terms: int) -> int:
     keys = self.keys_per_tile(wide)
     kv = keys * (head_dim + value_head_dim) * itemsize
     ring = self.num_stages * (self.block_q * (head_dim + value_head_dim) * itemsize
@@ -142,13 +166,6 @@ class HopperBackwardBlockSizes:
 
 
 BLOCKS = HopperBackwardBlockSizes()
-
-
-def wide_design(head_dim: int, value_head_dim: int) -> bool:
-  """Whether the dK/dV kernel takes the wide design: a consumer holds dK (block_kv x
-  head_dim) and dV (block_kv x value_head_dim) in float32 registers only while their
-  padded widths sum to at most 2 · `SPLIT_KEYS_HEAD_DIM`."""
-  return head_dim + value_head_dim > 2 * SPLIT_KEYS_HEAD_DIM
 
 
 def ds_buffers(wide: bool, terms: int) -> int:
@@ -653,7 +670,8 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   why = unsupported(H, q.dtype, deterministic, value_head_dim=Hv)
   if why is not None:
     raise ValueError(why)
-  wide = wide_design(H_pad, Hv_pad)
+  terms = score_grad_term_count(q.dtype)
+  wide = blocks.wide(H_pad, Hv_pad, q.dtype.itemsize, terms)
   bq, bkv = blocks.block_q, blocks.block_kv
   keys_per_tile = blocks.keys_per_tile(wide)
   key_blocks = keys_per_tile // bkv
@@ -679,7 +697,6 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   aux = AuxArrays(q_len, kv_len, q_seg, kv_seg)
   aux_inputs = tuple(a for a in aux if a is not None)
 
-  terms = score_grad_term_count(q.dtype)
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages
   statics = dict(aux_present=AuxArrays(*aux).present, spec=spec, blocks=blocks,
