@@ -143,8 +143,9 @@ class HopperBackwardBlockSizes:
     width = head_dim + value_head_dim
     if width > self.split_keys_width:
       return True
-    return (width > 2 * SPLIT_KEYS_HEAD_DIM and SMEM_BYTES
-            < self._smem_bytes(False, head_dim, value_head_dim, itemsize, terms))
+    if width <= 2 * SPLIT_KEYS_HEAD_DIM:
+      return False
+    return self._smem_bytes(False, head_dim, value_head_dim, itemsize, terms) > SMEM_BYTES
 
   def smem_bytes(self, head_dim: int, value_head_dim: int, itemsize: int, terms: int) -> int:
     """Shared memory of the dK/dV kernel at these (padded) head dims of Q/K and of V/dO:
