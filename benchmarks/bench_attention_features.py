@@ -21,11 +21,11 @@ Features: `sinks` (N,) logits; `alibi` slopes 2^-(n+1); `bias keys` (B, 1, 1, S)
 key-padding bias); `bias heads` (1, N, T, S) (a relative-position bias); `mask`
 (B, 1, T, S) booleans, 10% False, with every key past 3/4 of S masked for batch row 1
 (whole tiles the kernels skip); `mask keys` (B, 1, 1, S), a key-padding mask: batch row
-b attends to its first S · (1 - b/8) keys. The mode fwd+bwd differentiates q, k and v (the bias and
-mask held fixed, as a model's frozen bias would be); jvp is forward mode, ``jax.jvp`` with
-tangents for q, k and v (our forward, then the Triton tangent kernel), beside
-``jax.nn.dot_product_attention(implementation="xla")``'s (`xla`, jvp rows only; cuDNN's
-has no forward mode, its rows say so).
+b attends to its first S · (1 - b/8) keys. The mode fwd+bwd differentiates q, k and v
+(the bias and mask held fixed, as a model's frozen bias would be); jvp is forward mode,
+``jax.jvp`` with tangents for q, k and v (our forward, then the Triton tangent kernel),
+beside ``jax.nn.dot_product_attention(implementation="xla")``'s (`xla`, jvp rows only;
+cuDNN's has no forward mode, its rows say so).
 
 Errors against the float64 truth of the same feature on batch row 0 and the query heads
 of K/V head 0 (`bench_attention.truth_slices`). FLOPs: the plain call's, 4·B·N·T·S·H
@@ -112,9 +112,9 @@ def attention_fn(impl: str, causal: bool, kw: dict):
                                                            **kw)[0]
   backend = impl.split()[-1]
   if backend == "mosaic_gpu" and "mask" in kw:  # a key-padding mask, as segment ids
+    segments = key_mask_as_segments(kw["mask"], kw["mask"].shape[-1])  # T = S here
     return lambda q, k, v: js.dot_product_attention(
-        q, k, v, is_causal=causal, implementation=backend,
-        segment_ids=key_mask_as_segments(kw["mask"], q.shape[1]))
+        q, k, v, is_causal=causal, implementation=backend, segment_ids=segments)
   return lambda q, k, v: js.dot_product_attention(q, k, v, is_causal=causal,
                                                   implementation=backend, **kw)
 
