@@ -215,9 +215,12 @@ for stage in $stages; do
           | head -n 20 | sed "s/^/$shape: /" | tee -a "$out/summary.log"
       done ;;
     pytest)
-      # Any tests: PYTEST_ARGS (e.g. "tests/test_norms.py -k online"), on the GPU.
+      # Any tests: PYTEST_ARGS (e.g. "tests/test_norms.py -k 'online or rows'"), on the
+      # GPU; split into words as the shell splits a command line, quotes included.
+      eval "pytest_args=(${PYTEST_ARGS:-})"
       timeout ${TEST_TIMEOUT:-300} $python -m pytest -q -p no:cacheprovider -rfEs \
-        $PYTEST_ARGS 2>&1 | tee -a "$out/pytest.log" | tail -n 6 | tee -a "$out/summary.log" ;;
+        "${pytest_args[@]}" 2>&1 | tee -a "$out/pytest.log" | tail -n 6 \
+        | tee -a "$out/summary.log" ;;
     lce-tests)
       # Compiling dominates (196 s on 4 workers before the 18 extreme-input cases came):
       # four workers, a fifth of the memory each.
