@@ -111,9 +111,7 @@ class HopperBackwardBlockSizes:
       only where its shared memory fits); above it, the wide design. By default
       2 · `SPLIT_KEYS_HEAD_DIM`. At MLA's 192 + 128 = 320 the split-keys design fits
       bfloat16 (1 KiB to spare) and does 5 tile products a block pair instead of 6, but
-      holds 160 float32 registers of gradients a thread (ptxas, offline: 144 bytes of
-      spills causal with fresh tile addresses and FlashAttention-3's step order, none in
-      the wide design).
+      holds 160 float32 registers of gradients a thread (its spills: docs/kernels.md).
   """
 
   block_q: int = 64
