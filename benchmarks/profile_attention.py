@@ -11,7 +11,9 @@ deterministic=True) or a peer of bench_attention.py (cudnn, fa3, "tokamax mosaic
 and tokamax from the peer wheels); --shape: B,T,N,K,H,causal; --mode fwd+bwd: the
 forward and the backward (pick the backward's kernels with ncu's -k, e.g.
 regex:backward|bprop|bwd for ours, cuDNN's and FA3's); --alibi: ALiBi slopes 2^-(n+1),
-as bench_attention_features.py's (ours only); --schedule: the Hopper backward's
+as bench_attention_features.py's (ours only); --bias heads: a (1, N, T, S) bfloat16
+bias, bench_attention_features.py's relative-position one (triton and cudnn, which
+read it in their kernels); --schedule: the Hopper backward's
 schedule, as bench_attention_backward.py's HOPPER_BWD_SCHEDULES names one (e.g.
 fresh+fa3; a "det" there is --impl deterministic here).
 """
@@ -39,6 +41,7 @@ def main():
   parser.add_argument("--shape", default="4,4096,16,16,128,0")
   parser.add_argument("--mode", default="fwd", choices=("fwd", "fwd+bwd"))
   parser.add_argument("--alibi", action="store_true")
+  parser.add_argument("--bias", choices=("heads",))
   parser.add_argument("--schedule", default="")
   args = parser.parse_args()
   if args.schedule:
@@ -47,12 +50,21 @@ def main():
       parser.error("--schedule: pass --impl deterministic rather than det")
   B, T, N, K, H, causal = (int(x) for x in args.shape.split(","))
   (q, k, v, do), _, _ = case_inputs((B, T, N, K, H, bool(causal)), jax.numpy.bfloat16)
+  if args.alibi and args.bias:
+    parser.error("--alibi and --bias: one feature at a time")
   if args.alibi:
     if args.impl not in ("mosaic_gpu", "triton"):
       parser.error(f"--alibi: ours only (mosaic_gpu, triton), not {args.impl}")
     slopes = 2.0 ** -(jax.numpy.arange(N) + 1.0)
     fn = functools.partial(js.dot_product_attention, implementation=args.impl,
                            alibi_slopes=slopes, is_causal=bool(causal))
+  elif args.bias:
+    attention = {"triton": js.dot_product_attention, "cudnn": jax.nn.dot_product_attention}
+    if args.impl not in attention:
+      parser.error(f"--bias: triton or cudnn (the kernels that read a bias), not {args.impl}")
+    bias = jax.random.normal(jax.random.key(1), (1, N, T, T), jax.numpy.bfloat16)
+    fn = functools.partial(attention[args.impl], bias=bias, implementation=args.impl,
+                           is_causal=bool(causal))
   else:
     fn, why = implementations(N, K, H, bool(causal)).get(_OURS.get(args.impl, args.impl),
                                                          (None, "no such implementation"))
