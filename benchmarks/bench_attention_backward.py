@@ -15,13 +15,14 @@ and head dim 256 (the Hopper backward's wide design; deterministic calls there t
 Triton backward, and the row's label says so); then (--only 6,7) GQA causal, 32 query
 heads over 8 K/V heads, beside 32 heads of their own at the same FLOPs, which tells what
 walking a head group costs the Hopper backward from what every step costs; then (--only
-8,9) MLA's head dims (H 192, Hv 128), causal and not, where the wide design runs unless
-the schedule has "mla" (`split_keys_width`).
+8,9) MLA's head dims (H 192, Hv 128), causal and not, where the split-keys design runs
+unless the schedule has "wide" (`split_keys_width`).
 
 HOPPER_BWD_SCHEDULES (comma-separated; each a "+"-joined set of `SCHEDULE_FLAGS`, e.g.
-"fresh,fresh+fa3,fresh+fa3+kv,fresh+s3,fresh+qh,fresh+det") adds a row of the Hopper backward
-per schedule (`HopperBackwardBlockSizes`; "det" for deterministic=True), named
-"jaxsoftmax mosaic_gpu fresh+fa3".
+"stale,fa3,nofa3,wide,stale+det") adds a row of the Hopper backward per schedule: the
+default `HopperBackwardBlockSizes` with those fields changed ("det" for
+deterministic=True), named "jaxsoftmax mosaic_gpu fa3". The sweep that chose today's
+default: benchmarks/results/tuning/attention_backward_schedules.md.
 """
 
 from __future__ import annotations
@@ -50,15 +51,15 @@ OUR_ROWS = {f"{OURS} mosaic_gpu": ("mosaic_gpu", False),
             f"{OURS} triton": ("triton", False)}
 PEERS = ("cudnn", "fa3", "tokamax mosaic")
 # HOPPER_BWD_SCHEDULES' flags: the `HopperBackwardBlockSizes` field each one sets, and
-# its value (s3: a third slot in the Q/dO ring, which shared memory holds up to head
-# dim 128).
-SCHEDULE_FLAGS = {"fresh": ("fresh_tile_addresses", True), "fa3": ("fa3_step_order", True),
-                  "kv": ("key_tiles_fastest", True), "s3": ("num_stages", 3),
-                  "qh": ("cta_per_query_head", True), "mla": ("split_keys_width", 320)}
+# its value (stale: the tile addresses LLVM hoists, and ptxas spills, as before the
+# default took fresh ones; wide: MLA's head dims in the wide design).
+SCHEDULE_FLAGS = {"stale": ("fresh_tile_addresses", False),
+                  "fa3": ("fa3_step_order", True), "nofa3": ("fa3_step_order", False),
+                  "wide": ("split_keys_width", 2 * mosaic_backward.SPLIT_KEYS_HEAD_DIM)}
 
 
 def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes, bool]:
-  """(the Hopper backward's blocks, deterministic) of a schedule such as "fresh+fa3"."""
+  """(the Hopper backward's blocks, deterministic) of a schedule such as "stale+fa3"."""
   flags = spec.split("+")
   unknown = set(flags) - {*SCHEDULE_FLAGS, "det"}
   if unknown:

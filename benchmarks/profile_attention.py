@@ -13,9 +13,9 @@ forward and the backward (pick the backward's kernels with ncu's -k, e.g.
 regex:backward|bprop|bwd for ours, cuDNN's and FA3's); --alibi: ALiBi slopes 2^-(n+1),
 as bench_attention_features.py's (ours only); --bias heads: a (1, N, T, S) bfloat16
 bias, bench_attention_features.py's relative-position one (triton and cudnn, which
-read it in their kernels); --schedule: the Hopper backward's
-schedule, as bench_attention_backward.py's HOPPER_BWD_SCHEDULES names one (e.g.
-fresh+fa3; a "det" there is --impl deterministic here).
+read it in their kernels); --schedule: the Hopper backward's schedule, as
+bench_attention_backward.py's HOPPER_BWD_SCHEDULES names one (e.g. stale+fa3; a "det"
+there is --impl deterministic here).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """ptxas' registers and spills of our Hopper attention kernels, on a machine without a
 GPU: what `bash benchmarks/run_gpu.sh attn-resources` reports, at no device time.
 
-    bash benchmarks/resources_offline.sh 4,4096,16,16,128,1 [--schedule fresh+fa3]
+    bash benchmarks/resources_offline.sh 4,4096,16,16,128,1 [--schedule stale]
 
 Run through resources_offline.sh, which sets up what this needs: JAX 0.11.2 (the GPU
 machine's) with its CUDA plugin, ptxas, and a stand-in libcuda. Each shape

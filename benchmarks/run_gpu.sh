@@ -24,7 +24,7 @@
 #                           names the results, ATTN_MODES="fwd" measures the forward alone)
 #   attn-bench-bwd          bench_attention_backward.py: the backwards alone (ATTN_ONLY;
 #                           HOPPER_BWD_SCHEDULES adds rows of the Hopper backward's
-#                           schedules, e.g. "fresh,fresh+fa3,fresh+fa3+kv")
+#                           schedules, e.g. "stale,fa3,wide,stale+det")
 #   attn-features           bench_attention_features.py: sinks, ALiBi, bias and mask
 #                           arrays against the plain kernels and cuDNN (ATTN_ONLY;
 #                           ATTN_MODES="fwd,fwd+bwd,jvp" adds forward mode; ATTN_FEATURES
@@ -191,8 +191,9 @@ for stage in $stages; do
       # and cuDNN) at PROFILE_SHAPE: throughput, tensor-pipe use, stall reasons.
       # PROFILE_MODE=fwd+bwd runs the backward too (PROFILE_KERNEL then picks its kernels).
       # PROFILE_ALIBI=1 gives our calls ALiBi slopes, PROFILE_BIAS=heads a (1, N, T, S)
-      # bias (triton, cudnn; logs named ncu_IMPL_bias_heads.log); PROFILE_SCHEDULE (e.g. fresh+fa3)
-      # picks the Hopper backward's schedule, and names the logs ncu_IMPL_fresh_fa3.log.
+      # bias (triton, cudnn; logs named ncu_IMPL_bias_heads.log); PROFILE_SCHEDULE (e.g.
+      # stale+fa3) picks the Hopper backward's schedule, and names the logs
+      # ncu_IMPL_stale_fa3.log.
       tag=$(echo "${PROFILE_BIAS:+_bias_$PROFILE_BIAS}${PROFILE_SCHEDULE:+_$PROFILE_SCHEDULE}" | tr '+' '_')
       for impl in ${PROFILE_IMPLS:-mosaic_gpu cudnn}; do
         counters "$out/ncu_$impl$tag.log" "${PROFILE_KERNEL:-attention|fmha|flash|sm90}" "$impl" \

@@ -697,49 +697,37 @@ def test_hopper_block_sizes_gpu(key, blocks):
 
 
 # The Hopper backward's schedules other than the default (`HopperBackwardBlockSizes`),
-# as the HOPPER_BWD_SCHEDULES rows of benchmarks/bench_attention_backward.py time them.
+# as the HOPPER_BWD_SCHEDULES rows of benchmarks/bench_attention_backward.py time them:
+# the tile addresses as LLVM hoists them (the default before the sweep), and
+# FlashAttention-3's step order at head dims up to 128.
 BACKWARD_SCHEDULES = {
-    "fresh-addresses": dict(fresh_tile_addresses=True),
-    "fa3-order": dict(fresh_tile_addresses=True, fa3_step_order=True),
-    "key-tiles-fastest": dict(fresh_tile_addresses=True, fa3_step_order=True,
-                              key_tiles_fastest=True),
-    "three-stages": dict(fresh_tile_addresses=True, fa3_step_order=True, num_stages=3),
-    "query-head-ctas": dict(fresh_tile_addresses=True, fa3_step_order=True,
-                            cta_per_query_head=True),
+    "stale-addresses": dict(fresh_tile_addresses=False),
+    "fa3-order": dict(fa3_step_order=True),
 }
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", BACKWARD_SCHEDULES)
-@pytest.mark.parametrize("B, T, S, N, K, H, dtype, options", HOPPER_BACKWARD_CASES + [
-    pytest.param(2, 400, 400, 4, 2, 256, jnp.bfloat16, dict(is_causal=True),
-                 id="causal-gqa-H256")])  # the wide design
+@pytest.mark.parametrize("B, T, S, N, K, H, dtype, options", HOPPER_BACKWARD_CASES)
 def test_hopper_backward_schedules_gpu(key, monkeypatch, schedule, B, T, S, N, K, H, dtype,
                                        options):
   # Each schedule against float64 by the 2x rule, and against the default schedule: the
-  # same products of the same operands, so dK and dV are identical and dQ differs only
-  # by the order of its atomic float32 adds (at most one bfloat16 unit in the last place);
-  # with a CTA per query head, dK and dV sum the group's float32 shares in another order.
+  # same products of the same operands, each gradient tile accumulated in the same
+  # order, so dK and dV are identical. dQ is not compared bit for bit, nor to within an
+  # ulp: its atomic float32 adds come in another order, and where the terms cancel
+  # their sum's rounding exceeds one 16-bit ulp of the result (as the H200 showed under
+  # GQA and in float16); the 2x rule bounds it.
   inputs = _inputs(key, B, T, S, N, K, H, dtype)
-  *_, dq0, dk0, dv0 = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
+  *_, dk0, dv0 = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, **BACKWARD_SCHEDULES[schedule]))
-  why = mosaic_backward.unsupported(H, dtype)  # three stages fit bfloat16 up to H 128
-  if why is not None:
-    pytest.skip(why)
-  *_, dq, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
-  if BACKWARD_SCHEDULES[schedule].get("cta_per_query_head"):
-    _assert_within_an_ulp(dk, dk0)
-    _assert_within_an_ulp(dv, dv0)
-  else:
-    np.testing.assert_array_equal(dk, dk0)
-    np.testing.assert_array_equal(dv, dv0)
-  _assert_within_an_ulp(dq, dq0)
+  *_, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
+  np.testing.assert_array_equal(dk, dk0)
+  np.testing.assert_array_equal(dv, dv0)
 
 
-# MLA's head dims in the split-keys design (`HopperBackwardBlockSizes.split_keys_width`),
-# with the schedule the offline spill counts favour there (docs/kernels.md).
-MLA_SPLIT_KEYS = dict(split_keys_width=320, fresh_tile_addresses=True, fa3_step_order=True)
+# MLA's head dims in the wide design, which the default's split keys replace there.
+MLA_WIDE = dict(split_keys_width=2 * mosaic_backward.SPLIT_KEYS_HEAD_DIM)
 
 
 @pytest.mark.gpu
@@ -747,32 +735,33 @@ MLA_SPLIT_KEYS = dict(split_keys_width=320, fresh_tile_addresses=True, fa3_step_
                                      dict(key_value_seq_lengths=jnp.array([700, 333]))],
                          ids=["causal", "lengths"])
 def test_hopper_backward_split_keys_mla_gpu(key, monkeypatch, options):
-  # H 192, Hv 128 with split keys against float64 by the 2x rule, and against the wide
-  # design: the same products of the same operands, summed in another grouping, so dK
-  # and dV within an ulp as dQ.
+  # H 192, Hv 128 in the default's split-keys design and in the wide one, each against
+  # float64 by the 2x rule (they group dK's and dQ's sums differently, so the two agree
+  # only to rounding).
   B, T, S, N, K = 2, 500, 700, 4, 2
   q, k, _, _ = _inputs(key, B, T, S, N, K, 192, jnp.bfloat16)
   kv, kd = jax.random.split(jax.random.fold_in(key, 1))
   v = jax.random.normal(kv, (B, S, K, 128), jnp.float32).astype(jnp.bfloat16)
   do = jax.random.normal(kd, (B, T, N, 128), jnp.float32).astype(jnp.bfloat16)
-  wide = _check(q, k, v, do, backend="mosaic_gpu", interpret=False, **options)
+  assert not mosaic_backward.BLOCKS.wide(192, 128, 2, 1)
+  _check(q, k, v, do, backend="mosaic_gpu", interpret=False, **options)
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
-      mosaic_backward.BLOCKS, **MLA_SPLIT_KEYS))
-  split = _check(q, k, v, do, backend="mosaic_gpu", interpret=False, **options)
-  for a, b in zip(split[2:], wide[2:]):
-    _assert_within_an_ulp(a, b)
+      mosaic_backward.BLOCKS, **MLA_WIDE))
+  _check(q, k, v, do, backend="mosaic_gpu", interpret=False, **options)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
 def test_hopper_backward_split_keys_at_mla_dims_lower_for_cuda(dtype, monkeypatch):
-  # split_keys_width=320 takes MLA's 192 / 128 into the split-keys design where its
-  # shared memory fits (bfloat16, with 1 KiB to spare) and leaves float16, whose dS takes
-  # two terms, in the wide design; the default takes the wide design at both.
+  # The default takes MLA's 192 / 128 into the split-keys design where its shared memory
+  # fits (bfloat16, with 1 KiB to spare), with FlashAttention-3's step order, and leaves
+  # float16, whose dS takes two terms, in the wide design; split_keys_width=256 takes
+  # the wide design at both.
   itemsize, terms = jnp.dtype(dtype).itemsize, score_grad_term_count(dtype)
-  assert mosaic_backward.BLOCKS.wide(192, 128, itemsize, terms)
-  blocks = dataclasses.replace(mosaic_backward.BLOCKS, **MLA_SPLIT_KEYS)
-  assert blocks.wide(192, 128, itemsize, terms) == (dtype == jnp.float16)
-  monkeypatch.setattr(mosaic_backward, "BLOCKS", blocks)
+  assert mosaic_backward.BLOCKS.wide(192, 128, itemsize, terms) == (dtype == jnp.float16)
+  assert mosaic_backward.BLOCKS.fa3_order(192, 128)
+  assert not mosaic_backward.BLOCKS.fa3_order(128, 128)
+  assert dataclasses.replace(mosaic_backward.BLOCKS, **MLA_WIDE).wide(192, 128, itemsize,
+                                                                      terms)
   assert mosaic_backward.unsupported(192, dtype, value_head_dim=128) is None
   _lower_backward(192, 128, dtype, dict(is_causal=True))
 
@@ -854,19 +843,11 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_
     pytest.param("fa3-order", 64, jnp.float16,
                  dict(has_segments=True, window_left=100, window_right=20),
                  id="fa3-order-segments-window-H64-float16"),
-    pytest.param("three-stages", 128, jnp.float16, {}, id="three-stages-H128-float16"),
-    pytest.param("fresh-addresses", 256, jnp.bfloat16, dict(is_causal=True),
-                 id="fresh-addresses-causal-H256"),  # the wide design
 ])
 def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, monkeypatch):
   # The schedules test_hopper_backward_schedules_gpu runs, lowered on any machine.
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, **BACKWARD_SCHEDULES[schedule]))
-  why = mosaic_backward.unsupported(H, dtype)
-  if why is not None:
-    with pytest.raises(ValueError, match="shared memory"):
-      _lower_backward(H, H, dtype, options)
-    pytest.skip(why)
   _lower_backward(H, H, dtype, options)
 
 

@@ -24,22 +24,23 @@ three warpgroups:
   block pair costs 5 tile products instead of the 7 of separate dK/dV and dQ kernels).
 
 Above head dim 128 (`SPLIT_KEYS_HEAD_DIM`; for a value head dim Hv of its own, where
-H + Hv exceeds twice that, `HopperBackwardBlockSizes.wide`) a consumer cannot hold both
-dK and dV of its keys (256 float32 registers a thread at 256), so the wide design gives
-each CTA one block of block_kv keys and splits the gradients instead: both consumers
-compute Pᵀ; consumer 0 accumulates dV += Pᵀ dO and takes every chunk of dQ, consumer 1
-computes dPᵀ and dSᵀ, hands dSᵀ to consumer 0 through shared memory and accumulates
-dK += dSᵀ Q. Sᵀ is computed twice, so a block pair costs 6 tile products, three a
-consumer. On the H200 at 2x8192x16x256 it measured 362 TFLOP/s against cuDNN's 352,
-backward alone (`benchmarks/results/attention_backward.md`).
+H + Hv exceeds twice that, save MLA's 192 + 128 in bfloat16:
+`HopperBackwardBlockSizes.wide`) a consumer cannot hold both dK and dV of its keys (256
+float32 registers a thread at 256), so the wide design gives each CTA one block of
+block_kv keys and splits the gradients instead: both consumers compute Pᵀ; consumer 0
+accumulates dV += Pᵀ dO and takes every chunk of dQ, consumer 1 computes dPᵀ and dSᵀ,
+hands dSᵀ to consumer 0 through shared memory and accumulates dK += dSᵀ Q. Sᵀ is
+computed twice, so a block pair costs 6 tile products, three a consumer. On the H200 at
+2x8192x16x256 it measured 362 TFLOP/s against cuDNN's 352, backward alone
+(`benchmarks/results/attention_backward.md`).
 
 The order of the adds into dQ varies from run to run: results agree to float32 rounding,
 not bit for bit. ``deterministic=True`` (head dims up to 128) runs the same kernel
 without dQ and then a dQ kernel of its own (one CTA per query tile, laid out as the
-forward, recomputing S and dP: 7 tile products per block pair). On the H200 that
-measured 0.80x-1.01x the atomic design's speed and 1.03x-1.36x the Triton backward's
-(`benchmarks/results/attention_backward.md`), so the atomic design is the default and
-this one serves deterministic calls.
+forward, recomputing S and dP: 7 tile products per block pair). On the H200 it
+measured 0.80x-0.88x the atomic design's speed on the causal and GQA shapes
+(`benchmarks/results/tuning/attention_backward_schedules.md`), so the atomic design is
+the default and this one serves deterministic calls.
 
 Masks as in the forward: element masks only on the boundary query blocks, and on every
 block of a key tile that holds keys past the key length or past S (their probabilities
@@ -84,49 +85,54 @@ MAX_HEAD_DIM = 256
 
 @dataclasses.dataclass(frozen=True)
 class HopperBackwardBlockSizes:
-  """Tiles and schedule of the Hopper backward.
+  """Tiles and schedule of the Hopper backward. The defaults are the schedule that won
+  the sweep on the H200 (`benchmarks/results/tuning/attention_backward_schedules.md`).
 
   Attributes:
     block_q: query rows per streamed block.
     block_kv: keys per consumer (a CTA holds 2 · block_kv, or block_kv in the wide
       design).
-    num_stages: slots of the Q/dO ring.
-    fresh_tile_addresses: the consumers address their K and V tiles afresh in every
-      step, through a key-block index LLVM cannot see is constant
+    num_stages: slots of the Q/dO ring. Three measured no faster than two at head dim
+      128; in the wide design three gave a wrong dQ on the H200 (head dim 256, causal
+      GQA: 2.6e-2 against the 2x rule's 2.4e-2), not traced, so it takes two only.
+    fresh_tile_addresses: in the split-keys design, the consumers address their K and V
+      tiles afresh in every step, through a key-block index LLVM cannot see is constant
       (`lax.optimization_barrier`). Otherwise LLVM hoists the wgmma descriptors of the
       K, V and dQ-chunk tiles out of the loop, two registers each, and ptxas spills them
-      and reloads them in every step (docs/kernels.md, on what the backward spills).
-    fa3_step_order: up to head dim 128, FlashAttention-3's order of a step's products:
-      Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ runs, then dV, dK and dQ issued
-      from Pᵀ and dSᵀ in 16 bits, so that no float32 tile is live beside dK and dV while
-      they run. Otherwise dPᵀ is issued after Pᵀ, with dV, and dSᵀ formed while dV runs.
-    key_tiles_fastest: the grid's fastest axis walks the key tiles of one K/V head
-      (whose CTAs stream the same Q and dO), instead of the K/V heads.
-    cta_per_query_head: under GQA, one CTA per query head and key tile, as
-      FlashAttention-3 launches them, instead of one per K/V head walking its whole
-      group: each CTA's dK and dV are its query head's share, written in float32 and
-      summed over the group afterwards (by XLA: (B, S, N, H) float32 arrays, read once).
+      and reloads them in every step (docs/kernels.md, on what the backward spills): on
+      the H200 this took the causal and GQA backwards from 384-531 to 524-618 TFLOP/s.
+      The wide design addresses its tiles as they are: at MLA's head dims, where it
+      spills nothing either way, fresh addresses measured 4% slower causal; at head dim
+      256 they would remove 16 bytes of spills, untimed.
+    fa3_step_order: FlashAttention-3's order of a step's products in the split-keys
+      design: Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ runs, then dV, dK and dQ
+      issued from Pᵀ and dSᵀ in 16 bits, so that no float32 tile is live beside dK and
+      dV while they run. Otherwise dPᵀ is issued after Pᵀ, with dV, and dSᵀ formed while
+      dV runs. None (the default): where H + Hv exceeds 2 · `SPLIT_KEYS_HEAD_DIM`
+      (MLA's 192 + 128), whose spills it cuts from 464 to 144 bytes; at 128 + 128 it
+      measured 1-2% slower (`fa3_order`).
     split_keys_width: the largest sum of the padded head dims H + Hv at which each
       consumer holds dK and dV of its own block of keys (above 2 · `SPLIT_KEYS_HEAD_DIM`
-      only where its shared memory fits); above it, the wide design. By default
-      2 · `SPLIT_KEYS_HEAD_DIM`. At MLA's 192 + 128 = 320 the split-keys design fits
-      bfloat16 (1 KiB to spare) and does 5 tile products a block pair instead of 6, but
-      holds 160 float32 registers of gradients a thread (its spills: docs/kernels.md).
+      only where its shared memory fits); above it, the wide design. At MLA's
+      192 + 128 = 320 the split-keys design fits bfloat16 (1 KiB to spare) and does 5
+      tile products a block pair instead of 6, holding 160 float32 registers of
+      gradients a thread (its spills: docs/kernels.md): 395 and 437 TFLOP/s causal and
+      not, against the wide design's 290 and 302.
   """
 
   block_q: int = 64
   block_kv: int = 64
   num_stages: int = 2
-  fresh_tile_addresses: bool = False
-  fa3_step_order: bool = False
-  key_tiles_fastest: bool = False
-  cta_per_query_head: bool = False
-  split_keys_width: int = 2 * SPLIT_KEYS_HEAD_DIM
+  fresh_tile_addresses: bool = True
+  fa3_step_order: bool | None = None
+  split_keys_width: int = 192 + 128  # MLA's head dims
 
-  def per_query_head(self, group: int) -> bool:
-    """Whether the dK/dV kernel runs a CTA per query head: `cta_per_query_head`, under
-    GQA (``group`` query heads per K/V head above 1)."""
-    return self.cta_per_query_head and group > 1
+  def fa3_order(self, head_dim: int, value_head_dim: int) -> bool:
+    """Whether the split-keys consumers take `fa3_step_order` at these padded head
+    dims: as set, or by default past 2 · `SPLIT_KEYS_HEAD_DIM`."""
+    if self.fa3_step_order is not None:
+      return self.fa3_step_order
+    return head_dim + value_head_dim > 2 * SPLIT_KEYS_HEAD_DIM
 
   def keys_per_tile(self, wide: bool) -> int:
     """Keys per CTA: each consumer's own block_kv, or one block_kv shared by both in the
@@ -137,12 +143,16 @@ class HopperBackwardBlockSizes:
     """Whether the dK/dV kernel takes the wide design at these padded head dims: a
     consumer holds dK (block_kv x head_dim) and dV (block_kv x value_head_dim) in float32
     registers only up to `split_keys_width`; past 2 · `SPLIT_KEYS_HEAD_DIM`, only where
-    that design's shared memory fits (not float16's two dS terms at 192 + 128)."""
+    that design's shared memory fits (not float16's two dS terms at 192 + 128) and
+    neither head dim exceeds 192. (256 + 64 and 64 + 256 would fit, but ptxas spills 640
+    and 384 bytes there against MLA's 144, and neither has been timed.)"""
     width = head_dim + value_head_dim
     if width > self.split_keys_width:
       return True
     if width <= 2 * SPLIT_KEYS_HEAD_DIM:
       return False
+    if max(head_dim, value_head_dim) > 192:
+      return True
     return self._smem_bytes(False, head_dim, value_head_dim, itemsize, terms) > SMEM_BYTES
 
   def smem_bytes(self, head_dim: int, value_head_dim: int, itemsize: int, terms: int) -> int:
@@ -282,12 +292,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   n_chunks = head_dim // _CHUNK  # of dQ, as wide as Q and K
   key_blocks = k_smem.shape[0]  # blocks of block_kv keys the CTA holds
   wg = lax.axis_index("wg")
-  # The grid's heads are the K/V heads, or with cta_per_query_head the query heads, each
-  # CTA then walking its own head alone; its gradients leave at that head's index.
-  b, head = lax.axis_index("batch"), lax.axis_index("heads")
-  per_query_head = blocks.per_query_head(group)
-  kv_head = div32(head, group) if per_query_head else head
-  heads_walked = 1 if per_query_head else group
+  b, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   k0 = lax.axis_index("kv_tiles") * (key_blocks * bkv)
   q_length = None if q_len_ref is None else q_len_ref[b]
   kv_length = None if kv_len_ref is None else kv_len_ref[b]
@@ -295,19 +300,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   lo, hi = ranges[0], ranges[3]
   blocks_per_head = hi - lo
 
-  def query_head(g):
-    return (head if per_query_head else kv_head * group) + g
-
   def walk_steps(step):
     """``step(i, n, step_index, s, masked=...)`` for every query block i of every query
     head n of the group, the step_index-th of the CTA, in ring slot s."""
     def walk_head(g, carry):
       def block(i, carry, *, masked: bool):
         step_index = g * blocks_per_head + i - lo
-        step(i, query_head(g), step_index, rem32(step_index, stages), masked=masked)
+        step(i, kv_head * group + g, step_index, rem32(step_index, stages), masked=masked)
         return carry
       return walk_block_ranges(ranges, block, carry)
-    lax.fori_loop(0, heads_walked, walk_head, 0)
+    lax.fori_loop(0, group, walk_head, 0)
 
   def add_dq_chunk(acc_fn, staging, i, n, c):
     """Chunk c (64 head-dim columns) of dQ for query block i of head n, from the product
@@ -325,7 +327,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     """Sends a consumer's gradient of the CTA's ``keys`` out: from registers in float32,
     else through its input's tile in shared memory (``tile``, K's or V's, which every
     product has finished reading) in the inputs' dtype."""
-    rows = (b, keys, head)
+    rows = (b, keys, kv_head)
     if float32_grads:
       grad_ref.at[rows][...] = grad
     else:
@@ -335,9 +337,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
   def key_block(c):
     """Block c of the CTA's keys in k_smem and v_smem, its index behind an optimization
-    barrier with `fresh_tile_addresses`, so that each step addresses its K and V tiles
-    afresh (see `HopperBackwardBlockSizes`)."""
-    return lax.optimization_barrier(jnp.int32(c)) if blocks.fresh_tile_addresses else c
+    barrier with `fresh_tile_addresses` in the split-keys design, so that each step
+    addresses its K and V tiles afresh (see `HopperBackwardBlockSizes`)."""
+    fresh = blocks.fresh_tile_addresses and ds_free is None
+    return lax.optimization_barrier(jnp.int32(c)) if fresh else c
 
   def wide_consumers():
     """Head dims above `SPLIT_KEYS_HEAD_DIM`: both consumers take Pᵀ of the CTA's
@@ -434,6 +437,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
     shape = (bkv, bq)
     k_seg = _key_segments(kv_seg_ref, b, key0, shape)
+    fa3_order = blocks.fa3_order(head_dim, value_dim)
     plgpu.barrier_wait(kv_loaded)
 
     def compute(dk_acc, dv_acc):
@@ -444,7 +448,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         k_own, v_own = k_smem.at[own], v_smem.at[own]
         mask = (_block_mask(spec, shape, i * bq, key0, kv_length, q_seg_ref, b, k_seg)
                 if masked else None)
-        if blocks.fa3_step_order:
+        if fa3_order:
           plgpu.barrier_wait(q_loaded.at[s])
           plgpu.barrier_wait(do_loaded.at[s])
 
@@ -525,7 +529,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[c], kv_loaded)
 
     def walk_head(g, carry):
-      n = query_head(g)
+      n = kv_head * group + g
 
       def block(i, carry):
         step_index = g * blocks_per_head + i - lo
@@ -541,8 +545,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
       return lax.fori_loop(lo, hi, block, carry)
 
-    lax.fori_loop(0, heads_walked, walk_head, 0)
-
+    lax.fori_loop(0, group, walk_head, 0)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
@@ -671,6 +674,9 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     raise ValueError(why)
   terms = score_grad_term_count(q.dtype)
   wide = blocks.wide(H_pad, Hv_pad, q.dtype.itemsize, terms)
+  if wide and blocks.num_stages != 2:
+    raise ValueError(f"the Hopper backward's wide design (head dims {H}, {Hv}) takes "
+                     f"num_stages=2, got {blocks.num_stages}")
   bq, bkv = blocks.block_q, blocks.block_kv
   keys_per_tile = blocks.keys_per_tile(wide)
   key_blocks = keys_per_tile // bkv
@@ -728,24 +734,15 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
         ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),  # both halves of dSᵀ
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
     )
-  # With cta_per_query_head (under GQA) the dK/dV kernel writes each query head's share
-  # in float32, summed over the group below.
-  per_query_head = blocks.per_query_head(N // K)
-  heads = N if per_query_head else K
-  dkdv_float32 = float32_grads or per_query_head
-
   # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
   def kv_type(width):
-    if dkdv_float32:
-      return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, heads, width), jnp.float32)
+    if float32_grads:
+      return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K, width), jnp.float32)
     return jax.ShapeDtypeStruct((B, S8, K, width), q.dtype)
 
-  grid = [("heads", heads), ("kv_tiles", n_kv_tiles), ("batch", B)]  # the fastest first
-  if blocks.key_tiles_fastest:
-    grid[:2] = grid[1::-1]
+  grid = (("heads", K), ("kv_tiles", n_kv_tiles), ("batch", B))  # the fastest first
   dkdv_kernel = warp_specialized_kernel(
-      functools.partial(_dkdv_kernel, atomic_dq=not deterministic,
-                        **{**statics, "float32_grads": dkdv_float32}),
+      functools.partial(_dkdv_kernel, atomic_dq=not deterministic, **statics),
       out_type=(kv_type(H_pad), kv_type(Hv_pad)), consumers=_CONSUMERS,
       name="attention_backward_mosaic_gpu", softcap=softcap, scratch_types=scratch,
       grid=tuple(size for _, size in grid), grid_names=tuple(name for name, _ in grid))
@@ -777,8 +774,4 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     dk, dv = dkdv_kernel(*inputs, dq32)
     dq = jax.freeze(dq32) * scale
     dq = dq if float32_grads else dq.astype(q.dtype)
-  if per_query_head:  # each query head's share, summed over its K/V head's group
-    dk, dv = (g.reshape(B, g.shape[1], K, N // K, g.shape[3]).sum(3) for g in (dk, dv))
-    if not float32_grads:
-      dk, dv = dk.astype(q.dtype), dv.astype(q.dtype)
   return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :Hv]
