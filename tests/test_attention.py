@@ -246,6 +246,9 @@ SCORE_TERM_CASES = [
     pytest.param(1, 33, 40, 2, 2, 16, (1, 1, 33, 1), None, False,
                  dict(local_window_size=(9, 4)), id="bias-queries-window"),
     pytest.param(2, 37, 45, 4, 2, 16, None, (2, 1, 37, 45), False, {}, id="mask-batch"),
+    # A key-padding mask: segment ids to the Hopper kernels (`api._key_mask_as_segments`).
+    pytest.param(2, 37, 45, 4, 2, 16, None, (2, 1, 1, 45), False, dict(is_causal=True),
+                 id="mask-keys-causal"),
     pytest.param(2, 34, 34, 2, 1, 16, (2, 1, 1, 34), (1, 2, 34, 34), False, dict(is_causal=True),
                  id="mask-heads-and-bias-keys-causal"),
     pytest.param(2, 37, 45, 4, 2, 16, None, None, True, dict(is_causal=True),
@@ -304,6 +307,39 @@ def test_score_terms(key, backend, B, T, S, N, K, H, bias_shape, mask_shape, ali
                        (q, k, v, bias, do), names)
   if bias is not None:
     assert got[5].shape == bias.shape and got[5].dtype == bias.dtype
+
+
+def test_key_padding_mask_as_segments(key):
+  # A key-padding mask (B, 1, 1, S) given to the Hopper kernels as segment ids is the
+  # same attention as the mask array, a batch row with every key masked (output 0)
+  # included; any other mask stays a mask array.
+  B, T, S, N, K, H = 3, 20, 37, 2, 1, 16
+  q, k, v, _ = _inputs(key, B, T, S, N, K, H, jnp.float32)
+  mask = jax.random.bernoulli(jax.random.fold_in(key, 3), 0.6, (B, 1, 1, S)).at[2].set(False)
+  aux = AuxArrays(mask=mask.astype(jnp.int8))
+  segmented = api._key_mask_as_segments(aux, B, T, S)
+  assert segmented.mask is None and segmented.q_segments.shape == (B, T)
+  run = functools.partial(js.dot_product_attention, q, k, v, implementation="triton",
+                          interpret=True, block_sizes=SMALL_BLOCKS)
+  want = run(mask=mask)
+  got = run(segment_ids=(segmented.q_segments, segmented.kv_segments))
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  assert not np.any(got[2]) and np.all(np.isfinite(got))
+  for other in ((B, 1, T, S), (1, N, 1, S)):
+    assert api._key_mask_as_segments(AuxArrays(mask=jnp.ones(other, jnp.int8)), B, T, S) is None
+  both = AuxArrays(q_segments=jnp.zeros((B, T), jnp.int32),
+                   kv_segments=jnp.zeros((B, S), jnp.int32), mask=aux.mask)
+  assert api._key_mask_as_segments(both, B, T, S) is None
+
+
+@pytest.mark.gpu
+def test_key_padding_mask_runs_on_hopper_gpu():
+  # On a Hopper GPU a key-padding mask takes the Hopper kernels (as segment ids), a mask
+  # with a query axis the Triton ones.
+  q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
+  key_mask, full_mask = jnp.ones((2, 1, 1, 64), bool), jnp.ones((2, 1, 64, 64), bool)
+  assert js.attention_kernels(q, q, q, mask=key_mask) == ("mosaic_gpu", "mosaic_gpu")
+  assert js.attention_kernels(q, q, q, mask=full_mask) == ("triton", "triton")
 
 
 def test_score_terms_run_in_the_kernels(key):
