@@ -498,6 +498,31 @@ def test_forward_mode_at_full_tiles_gpu(key, H, dtype):
   _against_truth(tangent_of(ours), tangent_of(ref), x, ("output", "tangent"))
 
 
+def test_forward_stages_keep_the_plain_kernels_programs_an_sm():
+  # The forward at 4x4096 head dim 128 in bfloat16 (64 x 64 tiles, three stages): plain,
+  # 114688 bytes of shared memory, two programs an SM; a (1, N, T, S) bfloat16 bias
+  # tile made it 122880 and one program on the H200
+  # (tuning/ncu_attention_bias_heads_triton.log), so it takes two stages (90112 bytes),
+  # as does a full int8 mask tile; a key-only plane (one row of keys) changes nothing.
+  dims = tiling.Dims(B=4, T=4096, S=4096, N=16, K=16, H=128, H_pad=128, Hv=128, Hv_pad=128)
+  blocks = tiling.BlockSizes.default(4096, 4096, 128, jnp.bfloat16)
+  assert (blocks.block_q, blocks.block_k, blocks.num_stages) == (64, 64, 3)
+  full, keys = tiling.Plane(False, True, True, True), tiling.Plane(True, False, False, True)
+  cases = [(None, None, 3), (full, None, 2), (None, full, 2), (keys, keys, 3)]
+  for bias_plane, mask_plane, stages in cases:
+    aux = tiling.Aux((False,) * 7, mask=mask_plane, bias=bias_plane)
+    arrays = AuxArrays(mask=None if mask_plane is None else jnp.zeros((1,), jnp.int8),
+                       bias=None if bias_plane is None else jnp.zeros((1,), jnp.bfloat16))
+    tile_bytes = aux.plane_tile_bytes(arrays, 64, 64)
+    assert tiling.forward_stages(blocks, dims, 2, tile_bytes).num_stages == stages
+  assert tiling.Aux((False,) * 7, bias=full).plane_tile_bytes(
+      AuxArrays(bias=jnp.zeros((1,), jnp.bfloat16)), 64, 64) == 8192
+  # Head dim 256 runs two stages already: never fewer.
+  wide = tiling.BlockSizes.default(8192, 8192, 256, jnp.bfloat16)
+  dims256 = dataclasses.replace(dims, H=256, H_pad=256, Hv=256, Hv_pad=256)
+  assert tiling.forward_stages(wide, dims256, 2, 64 * 128 * 4).num_stages == 2
+
+
 def test_tangent_tiles_fit_shared_memory():
   # The tangent kernel's tiles at the default blocks of 16-bit H = 128 (the case that
   # asked an H200 for 256 KiB) and of every head dim and dtype: within the budget, and

@@ -31,7 +31,7 @@ from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, join_sink
 from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, ScoreTerms,
-                                                key_block, query_block,
+                                                forward_stages, key_block, query_block,
                                                 query_block_launch, scores, when_any)
 from jaxsoftmax._core.state import safe_shift
 
@@ -110,7 +110,9 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: f
   made bfloat16 dQ 3x less accurate than XLA's. ``sinks``: None, or (B, N) float32
   logits that join each row's softmax in the epilogue (`logits.join_sink`)."""
   dims = Dims.of(q, k, v)
-  aux, aux_arrays = Aux.of(aux_arrays)
+  aux, given = Aux.of(aux_arrays)
+  blocks = forward_stages(blocks, dims, q.dtype.itemsize,
+                          aux.plane_tile_bytes(aux_arrays, blocks.block_q, blocks.block_k))
   launch = query_block_launch(dims, aux, block_q=blocks.block_q, block_k=blocks.block_k,
                               last_first=spec.is_causal)
   stat_shape = jax.ShapeDtypeStruct((dims.B, dims.N, dims.T), jnp.float32)
@@ -132,4 +134,4 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: f
       out_shape=[jax.ShapeDtypeStruct(o_shape, q.dtype), stat_shape, stat_shape]
       + [jax.ShapeDtypeStruct(o_shape, jnp.float32)] * float32_output,
       num_warps=blocks.num_warps, num_stages=blocks.num_stages, interpret=interpret,
-  )(q, k, v, *aux_arrays, *sink_inputs)
+  )(q, k, v, *given, *sink_inputs)

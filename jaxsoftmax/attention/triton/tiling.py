@@ -164,6 +164,33 @@ class Dims:
     return row_ok[:, None] & h_ok[None, :]
 
 
+# Shared memory a Hopper SM shares among its blocks (233472 bytes: Nsight Compute's
+# "Shared Memory Configuration Size"), and what the driver keeps of it per block.
+SM_SHARED_MEMORY = 228 * 1024
+BLOCK_RESERVED = 1024
+
+
+def forward_stages(blocks: BlockSizes, dims: "Dims", itemsize: int,
+                   plane_tile_bytes: int) -> BlockSizes:
+  """``blocks`` with the forward's stages cut (to no fewer than 2) where the tiles of a
+  bias or mask (``plane_tile_bytes`` a step) would leave room for fewer programs per SM
+  than the plain kernel has. Triton's forward keeps its query tile and ``num_stages``
+  copies of the K and V tiles in shared memory, and a plane's tile once beside them:
+  at head dim 128, 64 x 64 tiles and three stages, 114688 bytes plain (two programs an
+  SM) and 122880 with a bfloat16 bias tile, so one program of four warps an SM, which
+  issued an instruction every 5.1 cycles and took the forward to 2.4x its plain time
+  (`benchmarks/results/tuning/ncu_attention_bias_heads_triton.log`)."""
+  def programs(stages: int, extra: int) -> int:
+    need = (blocks.block_q * dims.H_pad
+            + stages * blocks.block_k * (dims.H_pad + dims.Hv_pad)) * itemsize + extra
+    return SM_SHARED_MEMORY // (need + BLOCK_RESERVED)
+
+  stages = blocks.num_stages
+  while stages > 2 and programs(stages, plane_tile_bytes) < programs(blocks.num_stages, 0):
+    stages -= 1
+  return dataclasses.replace(blocks, num_stages=stages)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plane:
   """Which axes of a rank-4 mask or bias array broadcast to (B, N, T, S) are full (True)
@@ -187,6 +214,15 @@ class Aux:
   present: tuple[bool, ...]
   mask: Plane | None = None
   bias: Plane | None = None
+
+  def plane_tile_bytes(self, arrays, block_q: int, block_k: int) -> int:
+    """Bytes of the mask's and the bias's tiles a (block_q x block_k) step reads (a
+    broadcast axis reads one element); ``arrays`` the `AuxArrays` this describes."""
+    arrays = AuxArrays(*arrays)
+    return sum((block_q if plane.rows else 1) * (block_k if plane.cols else 1)
+               * array.dtype.itemsize
+               for plane, array in ((self.mask, arrays.mask), (self.bias, arrays.bias))
+               if plane is not None)
 
   @classmethod
   def of(cls, arrays) -> tuple["Aux", list[jax.Array]]:
