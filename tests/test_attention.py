@@ -317,6 +317,7 @@ def test_key_padding_mask_as_segments(key):
   q, k, v, _ = _inputs(key, B, T, S, N, K, H, jnp.float32)
   mask = jax.random.bernoulli(jax.random.fold_in(key, 3), 0.6, (B, 1, 1, S)).at[2].set(False)
   aux = AuxArrays(mask=mask.astype(jnp.int8))
+  assert api._is_key_mask(aux)
   segmented = api._key_mask_as_segments(aux, B, T, S)
   assert segmented.mask is None and segmented.q_segments.shape == (B, T)
   run = functools.partial(js.dot_product_attention, q, k, v, implementation="triton",
@@ -326,10 +327,10 @@ def test_key_padding_mask_as_segments(key):
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   assert not np.any(got[2]) and np.all(np.isfinite(got))
   for other in ((B, 1, T, S), (1, N, 1, S)):
-    assert api._key_mask_as_segments(AuxArrays(mask=jnp.ones(other, jnp.int8)), B, T, S) is None
+    assert not api._is_key_mask(AuxArrays(mask=jnp.ones(other, jnp.int8)))
   both = AuxArrays(q_segments=jnp.zeros((B, T), jnp.int32),
                    kv_segments=jnp.zeros((B, S), jnp.int32), mask=aux.mask)
-  assert api._key_mask_as_segments(both, B, T, S) is None
+  assert not api._is_key_mask(both)
 
 
 @pytest.mark.gpu

@@ -381,40 +381,42 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
     return _Plan(query, key, value, unbatched, aux, scale, window, None, None)
   window_left, window_right = window or (None, None)
 
-  def call_of(aux: AuxArrays) -> Call:
+  def call_of(has_segments: bool, has_mask: bool) -> Call:
     return Call(B=B, T=T, S=S, N=N, K=key.shape[2], H=H, Hv=value.shape[3],
                 dtype=jnp.dtype(query.dtype).name,
                 spec=MaskSpec(q_len=T, kv_len=S, is_causal=bool(is_causal),
                               window_left=window_left, window_right=window_right,
-                              has_segments=aux.q_segments is not None,
-                              has_mask=aux.mask is not None),
+                              has_segments=has_segments, has_mask=has_mask),
                 scale=scale, softcap=logits_soft_cap, block_sizes=block_sizes,
                 interpret=pallas.resolve_interpret(interpret),
                 deterministic=pallas.resolve_deterministic(deterministic),
                 has_bias=bias is not None, has_alibi=alibi_slopes is not None)
 
-  segmented = _key_mask_as_segments(aux, B, T, S)
-  if segmented is not None and implementation in (None, "mosaic_gpu"):
-    backend = REGISTRY.select(None, call_of(segmented))
+  if _is_key_mask(aux) and implementation in (None, "mosaic_gpu"):
+    call = call_of(has_segments=True, has_mask=False)
+    backend = REGISTRY.select(None, call)
     if backend.NAME == "mosaic_gpu":
-      return _Plan(query, key, value, unbatched, segmented, scale, window,
-                   call_of(segmented), backend)
-  call = call_of(aux)
+      return _Plan(query, key, value, unbatched, _key_mask_as_segments(aux, B, T, S),
+                   scale, window, call, backend)
+  call = call_of(has_segments=q_seg is not None, has_mask=mask is not None)
   return _Plan(query, key, value, unbatched, aux, scale, window, call,
                select_backend(implementation, call))
 
 
-def _key_mask_as_segments(aux: AuxArrays, B: int, T: int, S: int) -> AuxArrays | None:
-  """``aux`` with a key-padding mask (one row of keys per batch row, shape (B or 1, 1, 1,
-  S)) given as segment ids instead, where no segment ids are given: every query in
-  segment 0, each key in 0 where attended and 1 where masked. The Hopper kernels run
-  segment ids but no mask array, and so ran such a mask 2.0x as fast as the Triton
-  kernels' mask array forward and 1.4x forward + backward (4x4096x16x128 causal,
-  `benchmarks/results/attention_features.md`, "mask keys"). None for any other mask."""
-  mask = aux.mask
-  if mask is None or aux.q_segments is not None or mask.shape[1:3] != (1, 1):
-    return None
-  kv_seg = jnp.broadcast_to((mask[:, 0, 0, :] == 0).astype(jnp.int32), (B, S))
+def _is_key_mask(aux: AuxArrays) -> bool:
+  """Whether ``aux`` holds a key-padding mask (one row of keys per batch row, shape
+  (B or 1, 1, 1, S)) and no segment ids."""
+  return (aux.mask is not None and aux.q_segments is None
+          and aux.mask.shape[1:3] == (1, 1))
+
+
+def _key_mask_as_segments(aux: AuxArrays, B: int, T: int, S: int) -> AuxArrays:
+  """``aux`` with its key-padding mask (`_is_key_mask`) given as segment ids instead:
+  every query in segment 0, each key in 0 where attended and 1 where masked. The Hopper
+  kernels run segment ids but no mask array, and so ran such a mask 2.0x as fast as the
+  Triton kernels' mask array forward and 1.4x forward + backward (4x4096x16x128
+  causal, `benchmarks/results/attention_features.md`, "mask keys")."""
+  kv_seg = jnp.broadcast_to((aux.mask[:, 0, 0, :] == 0).astype(jnp.int32), (B, S))
   return aux._replace(mask=None, q_segments=jnp.zeros((B, T), jnp.int32),
                       kv_segments=kv_seg)
 

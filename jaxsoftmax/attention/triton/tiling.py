@@ -38,7 +38,8 @@ class BlockSizes:
       the query blocks, so block_k_dkv is the resident one.
     block_q_dq, block_k_dq: the dQ kernel's tiles; it keeps a query block.
     num_warps, num_stages: warps per program and Triton's software-pipelining depth of
-      the block loops, forward.
+      the block loops, forward (one stage fewer where a bias or mask tile would cost
+      the forward programs an SM: `forward_stages`).
     num_warps_bwd, num_stages_bwd: the same for the two backward kernels.
   """
 
