@@ -8,7 +8,9 @@ Shapes: the ones our targets name (B,T,N,H = 4,4096,16,128 and 1,16384,16,128, f
 causal; 8,2048,16,64; 2,8192,16,256), a GQA case (32 query heads on 8 K/V heads), a head
 dim that is no multiple of 64 (96: the Mosaic GPU kernel pads it), and one long causal
 sequence (B1 T32768), and a value head dim of its own (Hv = 128 under H = 192, as
-DeepSeek's MLA attends), full and causal. bfloat16 inputs; Pallas' `attention_mgpu` takes
+DeepSeek's MLA attends), full and causal; then (--only 11,12,13) head dim 64 causal, the
+GQA case without a mask, and 32 query heads on 4 K/V heads causal at 2x8192. bfloat16
+inputs; Pallas' `attention_mgpu` takes
 only float16, so float16 rows of it, ours and cuDNN stand beside them where it runs (no
 GQA, H a multiple of 64, Hv = H). FLOPs: 2·B·N·T·S·(H + Hv) (4·B·N·T·S·H where Hv = H),
 halved when causal; forward + backward counts 3.5x that.
@@ -52,7 +54,12 @@ SHAPES = TARGET_SHAPES + [((4, 4096, 32, 8, 128, True), jnp.bfloat16),
                           ((4, 4096, 16, 16, 96, False), jnp.bfloat16),
                           ((1, 32768, 16, 16, 128, True), jnp.bfloat16),
                           ((4, 4096, 16, 16, 192, True, 128), jnp.bfloat16),
-                          ((4, 4096, 16, 16, 192, False, 128), jnp.bfloat16)]
+                          ((4, 4096, 16, 16, 192, False, 128), jnp.bfloat16),
+                          # Issue 30's other rows: causal head dim 64, GQA without a
+                          # mask, and GQA of 8 query heads a K/V head.
+                          ((8, 2048, 16, 16, 64, True), jnp.bfloat16),
+                          ((4, 4096, 32, 8, 128, False), jnp.bfloat16),
+                          ((2, 8192, 32, 4, 128, True), jnp.bfloat16)]
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
 OURS = "jaxsoftmax"  # the prefix of our rows' impl names
 

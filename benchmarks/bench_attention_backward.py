@@ -16,7 +16,8 @@ Triton backward, and the row's label says so); then (--only 6,7) GQA causal, 32 
 heads over 8 K/V heads, beside 32 heads of their own at the same FLOPs, which tells what
 walking a head group costs the Hopper backward from what every step costs; then (--only
 8,9) MLA's head dims (H 192, Hv 128), causal and not, where the split-keys design runs
-unless the schedule has "wide" (`split_keys_width`).
+unless the schedule has "wide" (`split_keys_width`); then (--only 10,11,12) head dim 64
+causal, GQA 32/8 without a mask and GQA 32/4 causal at 2x8192.
 
 HOPPER_BWD_SCHEDULES (comma-separated; each a "+"-joined set of `SCHEDULE_FLAGS`, e.g.
 "stale,fa3,nofa3,wide,stale+det") adds a row of the Hopper backward per schedule: the
@@ -42,7 +43,10 @@ from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 SHAPES = TARGET_SHAPES + [((4, 4096, 32, 8, 128, True), jnp.bfloat16),
                           ((4, 4096, 32, 32, 128, True), jnp.bfloat16),
                           ((4, 4096, 16, 16, 192, True, 128), jnp.bfloat16),
-                          ((4, 4096, 16, 16, 192, False, 128), jnp.bfloat16)]
+                          ((4, 4096, 16, 16, 192, False, 128), jnp.bfloat16),
+                          ((8, 2048, 16, 16, 64, True), jnp.bfloat16),
+                          ((4, 4096, 32, 8, 128, False), jnp.bfloat16),
+                          ((2, 8192, 32, 4, 128, True), jnp.bfloat16)]
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
 # Our rows: bench_attention's names, with the implementation and determinism each asks
 # for; the row's label names the backward that runs (`our_backward`).
