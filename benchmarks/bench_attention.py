@@ -50,16 +50,18 @@ TARGET_SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
                  ((1, 16384, 16, 16, 128, True), jnp.bfloat16),
                  ((8, 2048, 16, 16, 64, False), jnp.bfloat16),
                  ((2, 8192, 16, 16, 256, False), jnp.bfloat16)]
+# MLA's head dims (Hv = 128 under H = 192), causal and full.
+MLA_SHAPES = [((4, 4096, 16, 16, 192, True, 128), jnp.bfloat16),
+              ((4, 4096, 16, 16, 192, False, 128), jnp.bfloat16)]
+# The targets' other rows: causal head dim 64, GQA without a mask, and GQA of 8 query
+# heads a K/V head.
+MORE_TARGET_SHAPES = [((8, 2048, 16, 16, 64, True), jnp.bfloat16),
+                      ((4, 4096, 32, 8, 128, False), jnp.bfloat16),
+                      ((2, 8192, 32, 4, 128, True), jnp.bfloat16)]
 SHAPES = TARGET_SHAPES + [((4, 4096, 32, 8, 128, True), jnp.bfloat16),
                           ((4, 4096, 16, 16, 96, False), jnp.bfloat16),
                           ((1, 32768, 16, 16, 128, True), jnp.bfloat16),
-                          ((4, 4096, 16, 16, 192, True, 128), jnp.bfloat16),
-                          ((4, 4096, 16, 16, 192, False, 128), jnp.bfloat16),
-                          # Issue 30's other rows: causal head dim 64, GQA without a
-                          # mask, and GQA of 8 query heads a K/V head.
-                          ((8, 2048, 16, 16, 64, True), jnp.bfloat16),
-                          ((4, 4096, 32, 8, 128, False), jnp.bfloat16),
-                          ((2, 8192, 32, 4, 128, True), jnp.bfloat16)]
+                          *MLA_SHAPES, *MORE_TARGET_SHAPES]
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
 OURS = "jaxsoftmax"  # the prefix of our rows' impl names
 

@@ -35,18 +35,15 @@ import jax
 import jax.numpy as jnp
 
 import harness
-from bench_attention import (OURS, TARGET_SHAPES, case_inputs, dims, fwd_bwd,
-                             implementations, truth_slices, vs_best_peer)
+from bench_attention import (MLA_SHAPES, MORE_TARGET_SHAPES, OURS, TARGET_SHAPES,
+                             case_inputs, dims, fwd_bwd, implementations, truth_slices,
+                             vs_best_peer)
 import jaxsoftmax as js
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 
 SHAPES = TARGET_SHAPES + [((4, 4096, 32, 8, 128, True), jnp.bfloat16),
                           ((4, 4096, 32, 32, 128, True), jnp.bfloat16),
-                          ((4, 4096, 16, 16, 192, True, 128), jnp.bfloat16),
-                          ((4, 4096, 16, 16, 192, False, 128), jnp.bfloat16),
-                          ((8, 2048, 16, 16, 64, True), jnp.bfloat16),
-                          ((4, 4096, 32, 8, 128, False), jnp.bfloat16),
-                          ((2, 8192, 32, 4, 128, True), jnp.bfloat16)]
+                          *MLA_SHAPES, *MORE_TARGET_SHAPES]
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
 # Our rows: bench_attention's names, with the implementation and determinism each asks
 # for; the row's label names the backward that runs (`our_backward`).
