@@ -20,7 +20,7 @@ unless the schedule has "wide" (`split_keys_width`); then (--only 10,11,12) head
 causal, GQA 32/8 without a mask and GQA 32/4 causal at 2x8192.
 
 HOPPER_BWD_SCHEDULES (comma-separated; each a "+"-joined set of `SCHEDULE_FLAGS`, e.g.
-"stale,fa3,nofa3,wide,stale+det") adds a row of the Hopper backward per schedule: the
+"stale,fa3,nofa3,wide,stale+det,ordered+det") adds a row of the Hopper backward per schedule: the
 default `HopperBackwardBlockSizes` with those fields changed ("det" for
 deterministic=True), named "jaxsoftmax mosaic_gpu fa3". The sweep that chose today's
 default: benchmarks/results/tuning/attention_backward_schedules.md.
@@ -56,7 +56,8 @@ PEERS = ("cudnn", "fa3", "tokamax mosaic")
 # default took fresh ones; wide: MLA's head dims in the wide design).
 SCHEDULE_FLAGS = {"stale": ("fresh_tile_addresses", False),
                   "fa3": ("fa3_step_order", True), "nofa3": ("fa3_step_order", False),
-                  "wide": ("split_keys_width", 2 * mosaic_backward.SPLIT_KEYS_HEAD_DIM)}
+                  "wide": ("split_keys_width", 2 * mosaic_backward.SPLIT_KEYS_HEAD_DIM),
+                  "ordered": ("ordered_dq_adds", True)}
 
 
 def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes, bool]:
@@ -85,7 +86,9 @@ def our_backward(name: str, q, k, v, causal: bool) -> str:
                                      deterministic=deterministic)
   if backward != "mosaic_gpu":
     return {"triton": "Triton backward"}.get(backward, f"{backward} backward")
-  return "Hopper backward, " + ("dQ kernel" if deterministic else "dQ by atomic adds")
+  if deterministic and not mosaic_backward.BLOCKS.ordered_dq_adds:
+    return "Hopper backward, dQ kernel"
+  return "Hopper backward, dQ by atomic adds" + (" in a fixed order" if deterministic else "")
 
 
 def _pullback(vjp, do):

@@ -679,17 +679,77 @@ HOPPER_BACKWARD_CASES = [
 ]
 
 
+# The deterministic backward's two designs (`HopperBackwardBlockSizes.ordered_dq_adds`).
+DETERMINISTIC_DESIGNS = {"dq-kernel": False, "ordered-adds": True}
+# Head dims above 128, which only the ordered adds' design takes deterministically.
+WIDE_BACKWARD_CASES = [
+    pytest.param(2, 1000, 1000, 8, 2, 256, jnp.bfloat16, dict(is_causal=True),
+                 id="causal-gqa-H256"),
+    pytest.param(2, 300, 300, 4, 2, 192, jnp.float16,
+                 dict(query_seq_lengths=jnp.array([300, 123]),
+                      key_value_seq_lengths=jnp.array([77, 300])), id="lengths-H192-float16"),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("B, T, S, N, K, H, dtype, options", HOPPER_BACKWARD_CASES)
-def test_hopper_deterministic_backward_gpu(key, B, T, S, N, K, H, dtype, options):
-  # The Hopper backward's deterministic variant: dK/dV, then dQ from a kernel of its own.
+@pytest.mark.parametrize("design", DETERMINISTIC_DESIGNS)
+@pytest.mark.parametrize("B, T, S, N, K, H, dtype, options",
+                         HOPPER_BACKWARD_CASES + WIDE_BACKWARD_CASES)
+def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N, K, H, dtype,
+                                           options):
+  # deterministic=True: dK/dV and then dQ from a kernel of its own, or the atomic
+  # design's one kernel with each query block's adds in a fixed order. Each against
+  # float64 by the 2x rule and identical in two runs; the ordered adds' dK and dV are
+  # the default's (the same products in the same order, the key tiles only launched in
+  # reverse).
+  if H > 128 and not DETERMINISTIC_DESIGNS[design]:
+    pytest.skip("the dQ kernel takes head dims up to 128")
   inputs = _inputs(key, B, T, S, N, K, H, dtype)
+  *_, dk0, dv0 = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
+      mosaic_backward.BLOCKS, ordered_dq_adds=DETERMINISTIC_DESIGNS[design]))
   first = _check(*inputs, backend="mosaic_gpu", interpret=False, deterministic=True,
                  **options)
   second = _check(*inputs, backend="mosaic_gpu", interpret=False, deterministic=True,
                   **options)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(a, b)
+  if DETERMINISTIC_DESIGNS[design]:
+    np.testing.assert_array_equal(first[3], dk0)
+    np.testing.assert_array_equal(first[4], dv0)
+
+
+@pytest.mark.parametrize("T, S, options", [
+    (1000, 1000, dict(is_causal=True)),
+    (513, 700, dict(window_left=100, window_right=20)),
+    (700, 513, dict(is_causal=True, window_left=150)),
+    (300, 300, dict(window_right=0)),
+    (300, 777, {}),
+    (1000, 1000, dict(is_causal=True, has_segments=True)),
+], ids=["causal", "window-T<S", "causal-left-T>S", "right-only", "full", "causal-segments"])
+@pytest.mark.parametrize("keys", [64, 128])
+def test_ordered_dq_adds_count_the_tiles_before(T, S, options, keys):
+  # The ordered adds' key tile t waits for last - t adds into a query block before its
+  # own (`last_key_tiles`): right only where the tiles that add into a block are
+  # consecutive, ending at last. Checked tile by tile against the ranges the kernel
+  # walks, with lengths that cut tiles and query blocks off.
+  spec, bq = MaskSpec(T, S, **options), 64
+  n_tiles, n_blocks = -(-S // keys), -(-T // (2 * bq)) * 2
+  kv_length, q_length = jnp.array([S, S // 3, 0]), jnp.array([T, T // 2, T])
+  last = np.asarray(mosaic_backward.last_key_tiles(spec, keys, bq, n_tiles, n_blocks,
+                                                   kv_length, q_length, 3))
+  for b in range(3):
+    adds = [[] for _ in range(n_blocks)]
+    for t in range(n_tiles):
+      lo, _, _, hi = mosaic_backward._key_tile_ranges(spec, t * keys, keys, bq,
+                                                      kv_length[b], q_length[b])
+      for i in range(int(lo), int(hi)):
+        adds[i].append(t)
+    for i, tiles in enumerate(adds):
+      if tiles:
+        assert tiles == list(range(tiles[0], tiles[-1] + 1)), (b, i)
+      assert last[b, i] == (tiles[-1] if tiles else -1), (b, i)
+  assert (last[2] == -1).all()  # no keys: no tile adds
 
 
 @pytest.mark.gpu
@@ -877,9 +937,9 @@ def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent):
   assert "attention_forward_mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("deterministic, grad_dtype", [(False, None), (True, None),
-                                                      (False, jnp.float32)],
-                         ids=["atomic", "deterministic", "float32-grads"])
+@pytest.mark.parametrize("deterministic, grad_dtype, ordered", [
+    (False, None, False), (True, None, False), (True, None, True), (False, jnp.float32, False),
+], ids=["atomic", "deterministic", "deterministic-ordered", "float32-grads"])
 @pytest.mark.parametrize("H, dtype, options", [
     (128, jnp.bfloat16, dict(is_causal=True)),
     (64, jnp.float16, dict(has_segments=True)),
@@ -889,13 +949,16 @@ def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent):
     ((192, 128), jnp.bfloat16, dict(is_causal=True)),  # MLA's: the wide design
     ((64, 128), jnp.float16, {}),  # split keys, dK and dV of two widths
 ])
-def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_dtype):
+def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_dtype,
+                                         ordered, monkeypatch):
   # As the forward above: the Hopper backward lowers for CUDA on any machine (above head
-  # dim 128 its wide design; deterministic calls there take the Triton backward). H may
-  # be a pair (query and key, value head dims).
+  # dim 128 its wide design; deterministic calls there take the Triton backward, save
+  # with the ordered adds). H may be a pair (query and key, value head dims).
   H, Hv = H if isinstance(H, tuple) else (H, H)
-  if deterministic and max(H, Hv) > 128:
-    pytest.skip("the deterministic Hopper backward takes head dims up to 128")
+  if deterministic and not ordered and max(H, Hv) > 128:
+    pytest.skip("the deterministic Hopper backward's dQ kernel takes head dims up to 128")
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
+      mosaic_backward.BLOCKS, ordered_dq_adds=ordered))
   _lower_backward(H, Hv, dtype, options, deterministic=deterministic, grad_dtype=grad_dtype)
 
 

@@ -40,7 +40,9 @@ without dQ and then a dQ kernel of its own (one CTA per query tile, laid out as 
 forward, recomputing S and dP: 7 tile products per block pair). On the H200 it
 measured 0.80x-0.88x the atomic design's speed on the causal and GQA shapes
 (`benchmarks/results/tuning/attention_backward_schedules.md`), so the atomic design is
-the default and this one serves deterministic calls.
+the default and this one serves deterministic calls. A second deterministic design, not
+yet run on a GPU, keeps the atomic kernel and orders each query block's adds
+(`HopperBackwardBlockSizes.ordered_dq_adds`, docs/kernels.md).
 
 Masks as in the forward: element masks only on the boundary query blocks, and on every
 block of a key tile that holds keys past the key length or past S (their probabilities
@@ -118,6 +120,15 @@ class HopperBackwardBlockSizes:
       tile products a block pair instead of 6, holding 160 float32 registers of
       gradients a thread (its spills: docs/kernels.md): 395 and 437 TFLOP/s causal and
       not, against the wide design's 290 and 302.
+    ordered_dq_adds: the design of ``deterministic=True``. False: dK/dV without dQ, then
+      a dQ kernel of its own (7 tile products a block pair). True: the atomic design's
+      one kernel, each query block's dQ adds put in a fixed order (FlashAttention-3's
+      deterministic backward): key tiles add their chunk of a query block from the last
+      key tile down, each waiting on a counter in global memory (`dq_add_order`) until
+      the tiles after it have added theirs. The CTAs launch in that order (the last key
+      tile first), so every tile waited on has started; causal, the later key tiles
+      reach a query block first, so the waits are short. Any head dim the atomic
+      design takes. Not yet run on a GPU: False stays the default until it is measured.
   """
 
   block_q: int = 64
@@ -126,6 +137,7 @@ class HopperBackwardBlockSizes:
   fresh_tile_addresses: bool = True
   fa3_step_order: bool | None = None
   split_keys_width: int = 192 + 128  # MLA's head dims
+  ordered_dq_adds: bool = False
 
   def fa3_order(self, head_dim: int, value_head_dim: int) -> bool:
     """Whether the split-keys consumers take `fa3_step_order` at these padded head
@@ -185,17 +197,21 @@ def ds_buffers(wide: bool, terms: int) -> int:
 
 
 def unsupported(head_dim: int, dtype, deterministic: bool = False,
-                value_head_dim: int | None = None) -> str | None:
-  """Why the Hopper backward cannot run these head dims (of Q/K; of V, ``head_dim``
-  unless given) and dtype, or None."""
+                value_head_dim: int | None = None,
+                blocks: HopperBackwardBlockSizes | None = None) -> str | None:
+  """Why the Hopper backward (with ``blocks``, the module's `BLOCKS` unless given)
+  cannot run these head dims (of Q/K; of V, ``head_dim`` unless given) and dtype, or
+  None."""
+  blocks = BLOCKS if blocks is None else blocks
   value_head_dim = head_dim if value_head_dim is None else value_head_dim
   widest = max(head_dim, value_head_dim)
   if wgmma_head_dim(widest) > MAX_HEAD_DIM:
     return f"the Hopper backward takes head dims up to {MAX_HEAD_DIM}, got {widest}"
-  if deterministic and wgmma_head_dim(widest) > SPLIT_KEYS_HEAD_DIM:
+  if (deterministic and not blocks.ordered_dq_adds
+      and wgmma_head_dim(widest) > SPLIT_KEYS_HEAD_DIM):
     return (f"the deterministic Hopper backward takes head dims up to "
             f"{SPLIT_KEYS_HEAD_DIM} (its dQ kernel's K/V ring), got {widest}")
-  needed = BLOCKS.smem_bytes(wgmma_head_dim(head_dim), wgmma_head_dim(value_head_dim),
+  needed = blocks.smem_bytes(wgmma_head_dim(head_dim), wgmma_head_dim(value_head_dim),
                              jnp.dtype(dtype).itemsize, score_grad_term_count(dtype))
   if needed > SMEM_BYTES:
     return f"it needs {needed} bytes of shared memory, more than {SMEM_BYTES}"
@@ -272,19 +288,44 @@ def _key_tile_ranges(spec: MaskSpec, k0, keys: int, bq: int, kv_length, q_length
   return lo, jnp.where(partial, hi, full_lo), jnp.where(partial, hi, full_hi), hi
 
 
+def last_key_tiles(spec: MaskSpec, keys: int, bq: int, n_kv_tiles: int, n_q_blocks: int,
+                   kv_length, q_length, batch: int):
+  """(batch, n_q_blocks) int32: the last key tile of ``keys`` keys whose CTA adds into
+  each query block of bq rows' dQ (-1 where none does), by `_key_tile_ranges`, for
+  ``ordered_dq_adds``. The tiles that add into a block are consecutive (a tile's first
+  query block, and its end, never decrease with its keys, and tiles past the key length
+  add into none), so tile t of them waits for last - t adds before its own
+  (tests/test_attention.py checks the run on every mask)."""
+  tiles = jnp.arange(n_kv_tiles, dtype=jnp.int32)
+
+  def last(kv_len, q_len):
+    lo, _, _, hi = (jnp.broadcast_to(x, tiles.shape)[None, :]  # unmasked: scalars
+                    for x in _key_tile_ranges(spec, tiles * keys, keys, bq, kv_len, q_len))
+    i = jnp.arange(n_q_blocks, dtype=jnp.int32)[:, None]
+    adds = (lo <= i) & (i < hi)  # (query block, key tile)
+    return jnp.max(jnp.where(adds, tiles[None, :], -1), axis=1)
+
+  return jax.vmap(last, axis_size=batch)(kv_length, q_length)  # None: no batch axis
+
+
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
                  spec: MaskSpec, blocks: HopperBackwardBlockSizes, logits: Logits,
                  group: int, atomic_dq: bool, float32_grads: bool, k_smem,
                  v_smem, q_ring, do_ring, lse2_ring, delta_ring, kv_loaded, q_loaded,
-                 do_loaded, slot_free, ds_smem=None, dq_smem=None, ds_ready=None,
-                 ds_free=None, done=None):
+                 do_loaded, slot_free, key_tiles: int | None = None, ds_smem=None,
+                 dq_smem=None, ds_ready=None, ds_free=None, done=None, dq_order=None):
   """dK and dV of a key tile; with ``atomic_dq`` also its share of dQ, added into the
   float32 dQ ref (the last input). ``float32_grads``: dK and dV leave in float32, stored
   from registers (their arrays padded to whole key tiles), instead of through K and V's
   shared memory in the inputs' dtype. Head dims above `SPLIT_KEYS_HEAD_DIM` take the
-  wide design (`ds_free` given; k_smem and v_smem hold one block of keys)."""
+  wide design (`ds_free` given; k_smem and v_smem hold one block of keys). With
+  ``dq_order`` (`ordered_dq_adds`: a counter a chunk of a query block's dQ, and the
+  input before dQ `last_key_tiles`' table; ``key_tiles`` CTAs along the keys) the adds
+  into each chunk come in a fixed order, from the last key tile down."""
   aux_refs, refs = AuxArrays.split_refs(refs, aux_present)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
+  ordered = dq_order is not None
+  last_ref, *refs = refs if ordered else (None, *refs)
   dq_ref, dk_ref, dv_ref = refs if atomic_dq else (None, *refs)
 
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
@@ -293,7 +334,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   key_blocks = k_smem.shape[0]  # blocks of block_kv keys the CTA holds
   wg = lax.axis_index("wg")
   b, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
-  k0 = lax.axis_index("kv_tiles") * (key_blocks * bkv)
+  tile = lax.axis_index("kv_tiles")
+  if ordered:  # the last key tile launches first: those waited on have started
+    tile = key_tiles - 1 - tile
+  k0 = tile * (key_blocks * bkv)
   q_length = None if q_len_ref is None else q_len_ref[b]
   kv_length = None if kv_len_ref is None else kv_len_ref[b]
   ranges = _key_tile_ranges(spec, k0, key_blocks * bkv, bq, kv_length, q_length)
@@ -313,15 +357,39 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
   def add_dq_chunk(acc_fn, staging, i, n, c):
     """Chunk c (64 head-dim columns) of dQ for query block i of head n, from the product
-    ``acc_fn`` accumulates, added into the float32 dQ by TMA through ``staging``."""
+    ``acc_fn`` accumulates, added into the float32 dQ by TMA through ``staging``; in
+    order, after the later key tiles' adds (`signal_dq_adds`), where ``ordered``."""
     columns = pl.ds(c * _CHUNK, _CHUNK)
     dq = pl.run_scoped(functools.partial(acc_fn, columns=columns),
                        plgpu.ACC((bq, _CHUNK), jnp.float32))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk has left
     staging[...] = dq
     plgpu.commit_smem()
+    if ordered:  # the tiles after this one that add into block i have added theirs
+      plgpu.semaphore_wait(dq_order.at[b, n, i, c], jnp.maximum(last_ref[b, i] - tile, 0),
+                           decrement=False, memory_scope="gpu")
     plgpu.copy_smem_to_gmem(staging, dq_ref.at[b, pl.ds(i * bq, bq), n, columns],
                             reduction_op="add")
+
+  def signal_dq_adds(step_index, owns):
+    """Counts this consumer's chunks of dQ of its step_index-th step (chunk c where
+    ``owns(step_index, c)``, every chunk for None) in ``dq_order`` once they have landed:
+    called a step later, before its next adds, so that the wait seldom stalls."""
+    g = div32(step_index, blocks_per_head)
+    i, n = lo + rem32(step_index, blocks_per_head), kv_head * group + g
+    plgpu.wait_smem_to_gmem(0)  # every add this consumer issued has landed
+    for c in range(n_chunks):
+      def signal(c=c):
+        plgpu.semaphore_signal(dq_order.at[b, n, i, c], 1, memory_scope="gpu")
+      if owns is None:
+        signal()
+      else:
+        pl.when(owns(step_index, c))(signal)
+
+  def signal_last_dq_adds(owns):
+    """`signal_dq_adds` of the CTA's last step, once the walk is done."""
+    steps = group * blocks_per_head
+    pl.when(steps > 0)(lambda: signal_dq_adds(steps - 1, owns))
 
   def leave(grad, tile, grad_ref, keys):
     """Sends a consumer's gradient of the CTA's ``keys`` out: from registers in float32,
@@ -380,6 +448,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           plgpu.barrier_arrive(slot_free.at[s])
           buf = rem32(step_index, n_buffers)
           plgpu.barrier_wait(ds_ready.at[buf])
+          if ordered:
+            pl.when(step_index > 0)(lambda: signal_dq_adds(step_index - 1, None))
           k_step = k_smem.at[key_block(0)]
 
           def chunk(acc, *, columns):
@@ -392,6 +462,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           plgpu.barrier_arrive(ds_free.at[buf])  # the chunks' products have read dSᵀ
 
         walk_steps(step)
+        if ordered:
+          signal_last_dq_adds(None)
         return dv_acc[...]
 
       finish(pl.run_scoped(compute, plgpu.ACC((bkv, value_dim), jnp.float32)), v_tile,
@@ -488,6 +560,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         memory, and once both consumers' halves are there, dQ = dS K over the CTA's keys
         in 64-column chunks, each added into the float32 dQ by TMA. ``own``: this
         consumer's block of the CTA's keys (`key_block`)."""
+        if ordered:
+          pl.when(step_index > 0)(lambda: signal_dq_adds(step_index - 1, owns_chunk))
         buf = rem32(step_index, 2)
         for t, term in enumerate(ds_terms):
           ds_smem.at[buf, t, wg][...] = term
@@ -503,11 +577,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
               plgpu.wgmma(acc, ds_smem.at[buf, t, half].T, k_smem.at[half, :, columns])
           return acc[...]
 
-        for c in range(n_chunks):  # chunk c of this step's dQ is consumer (c + step)'s
-          pl.when(rem32(step_index + c, _CONSUMERS) == wg)(
+        for c in range(n_chunks):
+          pl.when(owns_chunk(step_index, c))(
               lambda c=c: add_dq_chunk(chunk, dq_smem.at[wg], i, n, c))
 
+      def owns_chunk(step_index, c):  # chunk c of a step's dQ is consumer (c + step)'s
+        return rem32(step_index + c, _CONSUMERS) == wg
+
       walk_steps(step)
+      if ordered:
+        signal_last_dq_adds(owns_chunk)
       return dk_acc[...], dv_acc[...]
 
     dk, dv = pl.run_scoped(compute, plgpu.ACC((bkv, head_dim), jnp.float32),
@@ -655,8 +734,9 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
              delta=None, blocks: HopperBackwardBlockSizes | None = None):
   """(dq, dk, dv) in the inputs' dtype, from the forward's inputs (bfloat16 or float16),
   its output o (float32 where the forward wrote one) and row statistics m and log2_l
-  (B, N, T); ``aux_arrays`` as the forward takes them. ``deterministic``: dQ from a
-  kernel of its own (7 tile products per block pair instead of 5), with no atomic adds.
+  (B, N, T); ``aux_arrays`` as the forward takes them. ``deterministic``: dQ the same
+  from run to run, by ``blocks.ordered_dq_adds``' design: from a kernel of its own (7
+  tile products per block pair instead of 5), or by atomic adds in a fixed order.
   ``grad_dtype=jnp.float32``: the gradients in float32 (partial gradients that are
   summed afterwards, as context parallelism's); ``delta``: rowsum(dO ∘ O) (B, N, T)
   where the caller has it (then o is not read). ``blocks``: the module's `BLOCKS`
@@ -669,10 +749,12 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   B, T, N, H = q.shape
   S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
   H_pad, Hv_pad = wgmma_head_dim(H), wgmma_head_dim(Hv)
-  why = unsupported(H, q.dtype, deterministic, value_head_dim=Hv)
+  why = unsupported(H, q.dtype, deterministic, value_head_dim=Hv, blocks=blocks)
   if why is not None:
     raise ValueError(why)
   terms = score_grad_term_count(q.dtype)
+  ordered = deterministic and blocks.ordered_dq_adds
+  atomic_dq = ordered or not deterministic
   wide = blocks.wide(H_pad, Hv_pad, q.dtype.itemsize, terms)
   if wide and blocks.num_stages != 2:
     raise ValueError(f"the Hopper backward's wide design (head dims {H}, {Hv}) takes "
@@ -727,7 +809,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
         ds_free=plgpu.Barrier(num_barriers=buffers),  # consumer 0's products read it
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both done reading K and V
     )
-  elif not deterministic:
+  elif atomic_dq:
     scratch.update(
         ds_smem=plgpu.SMEM((2, terms, _CONSUMERS, bkv, bq), q.dtype, transforms=tiled),
         dq_smem=plgpu.SMEM((_CONSUMERS, bq, _CHUNK), jnp.float32),  # chunks on their way out
@@ -740,14 +822,20 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
       return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K, width), jnp.float32)
     return jax.ShapeDtypeStruct((B, S8, K, width), q.dtype)
 
+  order_inputs = ()
+  if ordered:  # a counter a chunk of each query block's dQ, zeroed by Pallas at each call
+    scratch.update(dq_order=plgpu.SemaphoreType.REGULAR((B, N, T_pad // bq, H_pad // _CHUNK)))
+    statics.update(key_tiles=n_kv_tiles)
+    order_inputs = (last_key_tiles(spec, keys_per_tile, bq, n_kv_tiles, T_pad // bq,
+                                   kv_len, q_len, B),)
   grid = (("heads", K), ("kv_tiles", n_kv_tiles), ("batch", B))  # the fastest first
   dkdv_kernel = warp_specialized_kernel(
-      functools.partial(_dkdv_kernel, atomic_dq=not deterministic, **statics),
+      functools.partial(_dkdv_kernel, atomic_dq=atomic_dq, **statics),
       out_type=(kv_type(H_pad), kv_type(Hv_pad)), consumers=_CONSUMERS,
       name="attention_backward_mosaic_gpu", softcap=softcap, scratch_types=scratch,
       grid=tuple(size for _, size in grid), grid_names=tuple(name for name, _ in grid))
   inputs = (q, k, v, do, lse2, delta, *aux_inputs)
-  if deterministic:
+  if not atomic_dq:
     dk, dv = dkdv_kernel(*inputs)
     dq = warp_specialized_kernel(
         functools.partial(_dq_kernel, **statics),
@@ -771,7 +859,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   else:
     # dQ is summed in place by every key tile's CTA: a zeroed float32 array it aliases.
     dq32 = jax.new_ref(jnp.zeros((B, T8, N, H_pad), jnp.float32))
-    dk, dv = dkdv_kernel(*inputs, dq32)
+    dk, dv = dkdv_kernel(*inputs, *order_inputs, dq32)
     dq = jax.freeze(dq32) * scale
     dq = dq if float32_grads else dq.astype(q.dtype)
   return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :Hv]
