@@ -371,12 +371,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     plgpu.copy_smem_to_gmem(staging, dq_ref.at[b, pl.ds(i * bq, bq), n, columns],
                             reduction_op="add")
 
-  def signal_dq_adds(step_index, owns):
-    """Counts this consumer's chunks of dQ of its step_index-th step (chunk c where
-    ``owns(step_index, c)``, every chunk for None) in ``dq_order`` once they have landed:
-    called a step later, before its next adds, so that the wait seldom stalls."""
-    g = div32(step_index, blocks_per_head)
-    i, n = lo + rem32(step_index, blocks_per_head), kv_head * group + g
+  def signal_dq_adds(i, n, step_index, owns):
+    """Counts this consumer's chunks of dQ of its step_index-th step, that of query
+    block i of head n (chunk c where ``owns(step_index, c)``, every chunk for None), in
+    ``dq_order`` once they have landed: called a step later, before the next adds, so
+    that the wait seldom stalls."""
     plgpu.wait_smem_to_gmem(0)  # every add this consumer issued has landed
     for c in range(n_chunks):
       def signal(c=c):
@@ -386,10 +385,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       else:
         pl.when(owns(step_index, c))(signal)
 
+  def signal_previous_dq_adds(i, n, step_index, owns):
+    """`signal_dq_adds` of the step before that of query block i of head n: block i - 1
+    of the head, or the last block of the head before (selects, where division would
+    cost registers ptxas then spills)."""
+    first = i == lo
+    pl.when(step_index > 0)(lambda: signal_dq_adds(
+        jnp.where(first, hi - 1, i - 1), jnp.where(first, n - 1, n), step_index - 1, owns))
+
   def signal_last_dq_adds(owns):
     """`signal_dq_adds` of the CTA's last step, once the walk is done."""
     steps = group * blocks_per_head
-    pl.when(steps > 0)(lambda: signal_dq_adds(steps - 1, owns))
+    pl.when(steps > 0)(lambda: signal_dq_adds(hi - 1, kv_head * group + group - 1,
+                                              steps - 1, owns))
 
   def leave(grad, tile, grad_ref, keys):
     """Sends a consumer's gradient of the CTA's ``keys`` out: from registers in float32,
@@ -449,7 +457,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           buf = rem32(step_index, n_buffers)
           plgpu.barrier_wait(ds_ready.at[buf])
           if ordered:
-            pl.when(step_index > 0)(lambda: signal_dq_adds(step_index - 1, None))
+            signal_previous_dq_adds(i, n, step_index, None)
           k_step = k_smem.at[key_block(0)]
 
           def chunk(acc, *, columns):
@@ -561,7 +569,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         in 64-column chunks, each added into the float32 dQ by TMA. ``own``: this
         consumer's block of the CTA's keys (`key_block`)."""
         if ordered:
-          pl.when(step_index > 0)(lambda: signal_dq_adds(step_index - 1, owns_chunk))
+          signal_previous_dq_adds(i, n, step_index, owns_chunk)
         buf = rem32(step_index, 2)
         for t, term in enumerate(ds_terms):
           ds_smem.at[buf, t, wg][...] = term
