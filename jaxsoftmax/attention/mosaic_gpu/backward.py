@@ -124,10 +124,10 @@ class HopperBackwardBlockSizes:
       a dQ kernel of its own (7 tile products a block pair). True: the atomic design's
       one kernel, each query block's dQ adds put in a fixed order (FlashAttention-3's
       deterministic backward): key tiles add their chunk of a query block from the last
-      key tile down, each waiting on a counter in global memory (`dq_add_order`) until
-      the tiles after it have added theirs. The CTAs launch in that order (the last key
-      tile first), so every tile waited on has started; causal, the later key tiles
-      reach a query block first, so the waits are short. Any head dim the atomic
+      key tile down, each waiting on a counter in global memory until the tiles after
+      it have added theirs (`last_key_tiles`). The CTAs launch in that order (the last
+      key tile first), so every tile waited on has started; causal, the later key tiles
+      reach a query block first, so the waits should be short. Any head dim the atomic
       design takes. Not yet run on a GPU: False stays the default until it is measured.
   """
 
@@ -334,10 +334,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   key_blocks = k_smem.shape[0]  # blocks of block_kv keys the CTA holds
   wg = lax.axis_index("wg")
   b, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
-  tile = lax.axis_index("kv_tiles")
+  key_tile = lax.axis_index("kv_tiles")
   if ordered:  # the last key tile launches first: those waited on have started
-    tile = key_tiles - 1 - tile
-  k0 = tile * (key_blocks * bkv)
+    key_tile = key_tiles - 1 - key_tile
+  k0 = key_tile * (key_blocks * bkv)
   q_length = None if q_len_ref is None else q_len_ref[b]
   kv_length = None if kv_len_ref is None else kv_len_ref[b]
   ranges = _key_tile_ranges(spec, k0, key_blocks * bkv, bq, kv_length, q_length)
@@ -366,7 +366,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     staging[...] = dq
     plgpu.commit_smem()
     if ordered:  # the tiles after this one that add into block i have added theirs
-      plgpu.semaphore_wait(dq_order.at[b, n, i, c], jnp.maximum(last_ref[b, i] - tile, 0),
+      plgpu.semaphore_wait(dq_order.at[b, n, i, c], jnp.maximum(last_ref[b, i] - key_tile, 0),
                            decrement=False, memory_scope="gpu")
     plgpu.copy_smem_to_gmem(staging, dq_ref.at[b, pl.ds(i * bq, bq), n, columns],
                             reduction_op="add")
