@@ -319,9 +319,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   from registers (their arrays padded to whole key tiles), instead of through K and V's
   shared memory in the inputs' dtype. Head dims above `SPLIT_KEYS_HEAD_DIM` take the
   wide design (`ds_free` given; k_smem and v_smem hold one block of keys). With
-  ``dq_order`` (`ordered_dq_adds`: a counter a chunk of a query block's dQ, and the
-  input before dQ `last_key_tiles`' table; ``key_tiles`` CTAs along the keys) the adds
-  into each chunk come in a fixed order, from the last key tile down."""
+  ``dq_order`` (`ordered_dq_adds`: a counter of the chunks added into each query
+  block's dQ, and the input before dQ `last_key_tiles`' table; ``key_tiles`` CTAs along
+  the keys) the key tiles add into each query block in a fixed order, the last first."""
   aux_refs, refs = AuxArrays.split_refs(refs, aux_present)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   ordered = dq_order is not None
@@ -355,49 +355,64 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       return walk_block_ranges(ranges, block, carry)
     lax.fori_loop(0, group, walk_head, 0)
 
-  def add_dq_chunk(acc_fn, staging, i, n, c):
+  def add_dq_chunk(acc_fn, staging, i, n, c, wait=True):
     """Chunk c (64 head-dim columns) of dQ for query block i of head n, from the product
-    ``acc_fn`` accumulates, added into the float32 dQ by TMA through ``staging``; in
-    order, after the later key tiles' adds (`signal_dq_adds`), where ``ordered``."""
+    ``acc_fn`` accumulates, added into the float32 dQ by TMA through ``staging``; where
+    ``ordered``, after every chunk of the later key tiles (`signal_dq_adds`), which it
+    waits for unless ``wait`` is False (a chunk of the block has waited already)."""
     columns = pl.ds(c * _CHUNK, _CHUNK)
     dq = pl.run_scoped(functools.partial(acc_fn, columns=columns),
                        plgpu.ACC((bq, _CHUNK), jnp.float32))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk has left
     staging[...] = dq
     plgpu.commit_smem()
-    if ordered:  # the tiles after this one that add into block i have added theirs
-      plgpu.semaphore_wait(dq_order.at[b, n, i, c], jnp.maximum(last_ref[b, i] - key_tile, 0),
-                           decrement=False, memory_scope="gpu")
+    if ordered and wait:  # the tiles after this one that add into block i are done
+      later_adds = jnp.maximum(last_ref[b, i] - key_tile, 0) * n_chunks
+      plgpu.semaphore_wait(dq_order.at[b, n, i], later_adds, decrement=False,
+                           memory_scope="gpu")
     plgpu.copy_smem_to_gmem(staging, dq_ref.at[b, pl.ds(i * bq, bq), n, columns],
                             reduction_op="add")
 
-  def signal_dq_adds(i, n, step_index, owns):
-    """Counts this consumer's chunks of dQ of its step_index-th step, that of query
-    block i of head n (chunk c where ``owns(step_index, c)``, every chunk for None), in
-    ``dq_order`` once they have landed: called a step later, before the next adds, so
-    that the wait seldom stalls."""
-    plgpu.wait_smem_to_gmem(0)  # every add this consumer issued has landed
-    for c in range(n_chunks):
-      def signal(c=c):
-        plgpu.semaphore_signal(dq_order.at[b, n, i, c], 1, memory_scope="gpu")
-      if owns is None:
-        signal()
-      else:
-        pl.when(owns(step_index, c))(signal)
+  def owns_chunk(step_index, c):
+    """Whether this consumer takes chunk c of its step_index-th step's dQ in the
+    split-keys design: consumer (c + step)'s, so that both take some each step (in the
+    wide design consumer 0 takes every chunk)."""
+    return rem32(step_index + c, _CONSUMERS) == wg
 
-  def signal_previous_dq_adds(i, n, step_index, owns):
+  def signal_dq_adds(i, n, step_index):
+    """Counts the chunks of dQ this consumer added in its step_index-th step, that of
+    query block i of head n, in ``dq_order`` once they have landed: called a step later,
+    before the next adds, so that the wait for them seldom stalls. One counter a block,
+    not a chunk: each wait and signal costs registers (at head dim 256, four waits a
+    step spilled 132 bytes, one 20). The counts are constants (Mosaic GPU signals no
+    other): all chunks in the wide design, else half, and of an odd count one more for
+    the consumer with chunk 0."""
+    plgpu.wait_smem_to_gmem(0)  # every add this consumer issued has landed
+
+    def signal(count):
+      if count:
+        plgpu.semaphore_signal(dq_order.at[b, n, i], count, memory_scope="gpu")
+
+    if ds_free is not None or n_chunks % 2 == 0:
+      signal(n_chunks if ds_free is not None else n_chunks // 2)
+    else:
+      first = owns_chunk(step_index, 0)
+      pl.when(first)(lambda: signal(n_chunks // 2 + 1))
+      pl.when(jnp.logical_not(first))(lambda: signal(n_chunks // 2))
+
+  def signal_previous_dq_adds(i, n, step_index):
     """`signal_dq_adds` of the step before that of query block i of head n: block i - 1
     of the head, or the last block of the head before (selects, where division would
     cost registers ptxas then spills)."""
     first = i == lo
     pl.when(step_index > 0)(lambda: signal_dq_adds(
-        jnp.where(first, hi - 1, i - 1), jnp.where(first, n - 1, n), step_index - 1, owns))
+        jnp.where(first, hi - 1, i - 1), jnp.where(first, n - 1, n), step_index - 1))
 
-  def signal_last_dq_adds(owns):
+  def signal_last_dq_adds():
     """`signal_dq_adds` of the CTA's last step, once the walk is done."""
     steps = group * blocks_per_head
     pl.when(steps > 0)(lambda: signal_dq_adds(hi - 1, kv_head * group + group - 1,
-                                              steps - 1, owns))
+                                              steps - 1))
 
   def leave(grad, tile, grad_ref, keys):
     """Sends a consumer's gradient of the CTA's ``keys`` out: from registers in float32,
@@ -457,7 +472,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           buf = rem32(step_index, n_buffers)
           plgpu.barrier_wait(ds_ready.at[buf])
           if ordered:
-            signal_previous_dq_adds(i, n, step_index, None)
+            signal_previous_dq_adds(i, n, step_index)
           k_step = k_smem.at[key_block(0)]
 
           def chunk(acc, *, columns):
@@ -466,12 +481,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
             return acc[...]
 
           for c in range(n_chunks):
-            add_dq_chunk(chunk, dq_smem, i, n, c)
+            add_dq_chunk(chunk, dq_smem, i, n, c, wait=c == 0)
           plgpu.barrier_arrive(ds_free.at[buf])  # the chunks' products have read dSᵀ
 
         walk_steps(step)
         if ordered:
-          signal_last_dq_adds(None)
+          signal_last_dq_adds()
         return dv_acc[...]
 
       finish(pl.run_scoped(compute, plgpu.ACC((bkv, value_dim), jnp.float32)), v_tile,
@@ -569,7 +584,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         in 64-column chunks, each added into the float32 dQ by TMA. ``own``: this
         consumer's block of the CTA's keys (`key_block`)."""
         if ordered:
-          signal_previous_dq_adds(i, n, step_index, owns_chunk)
+          signal_previous_dq_adds(i, n, step_index)
         buf = rem32(step_index, 2)
         for t, term in enumerate(ds_terms):
           ds_smem.at[buf, t, wg][...] = term
@@ -585,16 +600,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
               plgpu.wgmma(acc, ds_smem.at[buf, t, half].T, k_smem.at[half, :, columns])
           return acc[...]
 
-        for c in range(n_chunks):
+        for c in range(n_chunks):  # a consumer's first chunk is 0 or 1: it waits there
           pl.when(owns_chunk(step_index, c))(
-              lambda c=c: add_dq_chunk(chunk, dq_smem.at[wg], i, n, c))
-
-      def owns_chunk(step_index, c):  # chunk c of a step's dQ is consumer (c + step)'s
-        return rem32(step_index + c, _CONSUMERS) == wg
+              lambda c=c: add_dq_chunk(chunk, dq_smem.at[wg], i, n, c, wait=c < _CONSUMERS))
 
       walk_steps(step)
       if ordered:
-        signal_last_dq_adds(owns_chunk)
+        signal_last_dq_adds()
       return dk_acc[...], dv_acc[...]
 
     dk, dv = pl.run_scoped(compute, plgpu.ACC((bkv, head_dim), jnp.float32),
@@ -831,8 +843,8 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     return jax.ShapeDtypeStruct((B, S8, K, width), q.dtype)
 
   order_inputs = ()
-  if ordered:  # a counter a chunk of each query block's dQ, zeroed by Pallas at each call
-    scratch.update(dq_order=plgpu.SemaphoreType.REGULAR((B, N, T_pad // bq, H_pad // _CHUNK)))
+  if ordered:  # chunks added into each query block's dQ, zeroed by Pallas at each call
+    scratch.update(dq_order=plgpu.SemaphoreType.REGULAR((B, N, T_pad // bq)))
     statics.update(key_tiles=n_kv_tiles)
     order_inputs = (last_key_tiles(spec, keys_per_tile, bq, n_kv_tiles, T_pad // bq,
                                    kv_len, q_len, B),)
