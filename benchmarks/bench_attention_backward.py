@@ -20,8 +20,8 @@ unless the schedule has "wide" (`split_keys_width`); then (--only 10,11,12) head
 causal, GQA 32/8 without a mask and GQA 32/4 causal at 2x8192.
 
 HOPPER_BWD_SCHEDULES (comma-separated; each a "+"-joined set of `SCHEDULE_FLAGS`, e.g.
-"stale,fa3,nofa3,wide,stale+det,ordered+det") adds a row of the Hopper backward per schedule: the
-default `HopperBackwardBlockSizes` with those fields changed ("det" for
+"stale,fa3,nofa3,wide,stale+det,ordered+det") adds a row of the Hopper backward per
+schedule: the default `HopperBackwardBlockSizes` with those fields changed ("det" for
 deterministic=True), named "jaxsoftmax mosaic_gpu fa3". The sweep that chose today's
 default: benchmarks/results/tuning/attention_backward_schedules.md.
 """

@@ -705,7 +705,6 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N,
   if H > 128 and not DETERMINISTIC_DESIGNS[design]:
     pytest.skip("the dQ kernel takes head dims up to 128")
   inputs = _inputs(key, B, T, S, N, K, H, dtype)
-  *_, dk0, dv0 = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, ordered_dq_adds=DETERMINISTIC_DESIGNS[design]))
   first = _check(*inputs, backend="mosaic_gpu", interpret=False, deterministic=True,
@@ -714,9 +713,10 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N,
                   **options)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(a, b)
-  if DETERMINISTIC_DESIGNS[design]:
-    np.testing.assert_array_equal(first[3], dk0)
-    np.testing.assert_array_equal(first[4], dv0)
+  if DETERMINISTIC_DESIGNS[design]:  # the field only changes deterministic calls
+    *_, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
+    np.testing.assert_array_equal(first[3], dk)
+    np.testing.assert_array_equal(first[4], dv)
 
 
 @pytest.mark.parametrize("T, S, options", [

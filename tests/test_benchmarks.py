@@ -150,7 +150,7 @@ def test_bench_decode_attention_smoke(tmp_path):
 
 
 def test_bench_attention_backward_smoke(tmp_path, monkeypatch):
-  monkeypatch.setenv("HOPPER_BWD_SCHEDULES", "stale+fa3,ordered+det")
+  monkeypatch.setenv("HOPPER_BWD_SCHEDULES", "stale+fa3,wide+det,ordered+det")
   rows = _smoke_rows(tmp_path, "bench_attention_backward", "attention_backward")
   # The backward alone, timed from the forward's residuals: ours on Triton runs here.
   [triton] = [r for r in rows if r["impl"] == "jaxsoftmax triton (Triton backward)"]
@@ -158,7 +158,7 @@ def test_bench_attention_backward_smoke(tmp_path, monkeypatch):
   assert triton["max_rel_err"] < 0.05
   assert all(r["note"] for r in rows if r["median_us"] is None)
   # A row per schedule asked for, which off a Hopper GPU says why it did not run.
-  for schedule in ("stale+fa3", "ordered+det"):
+  for schedule in ("stale+fa3", "wide+det", "ordered+det"):
     [row] = [r for r in rows if r["impl"] == f"jaxsoftmax mosaic_gpu {schedule}"]
     assert "needs a Hopper GPU" in row["note"]
 
