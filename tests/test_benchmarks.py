@@ -16,14 +16,8 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 def _run(*args, cwd=ROOT):
+  # The scripts inherit conftest.py's XLA flags (without a GPU: no LLVM optimizations).
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "benchmarks")]))
-  if not ON_GPU:
-    # A smoke run compiles a few hundred small programs and runs each once or twice, so
-    # LLVM's optimizations cost more than they save: without them this file took 98 s
-    # instead of 125 on 2 cores. Not for the suite itself: its float32 checks under the
-    # 2x rule see XLA's rounding change with the level (docs/testing.md).
-    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""),
-                                 "--xla_backend_optimization_level=0"]).strip()
   return subprocess.run([sys.executable, *args], cwd=cwd, env=env, check=True,
                         capture_output=True, text=True, timeout=600)
 

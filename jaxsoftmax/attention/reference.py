@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["attention_mask", "dot_product_attention"]
+__all__ = ["attention_logits", "attention_mask", "dot_product_attention"]
 
 
 def attention_mask(T: int, S: int, *, is_causal=False, local_window_size=None,
@@ -38,28 +38,13 @@ def attention_mask(T: int, S: int, *, is_causal=False, local_window_size=None,
   return allowed
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
-                          is_causal=False, query_seq_lengths=None,
-                          key_value_seq_lengths=None, local_window_size=None,
-                          logits_soft_cap=None, q_segments=None, kv_segments=None,
-                          sinks=None, alibi_slopes=None):
-  """Attention in layout B T N H (K/V heads dividing N; the values' head dim may differ
-  from the queries' and keys'), returning (out, lse).
-
-  As jax.nn.dot_product_attention's XLA path: logits in float32 (float64 for float64
-  inputs), softmax in float32, probabilities cast to the value dtype for the second
-  product. One difference, by design: a query row with no allowed key (masked entirely)
-  gives out = 0 and lse = -inf with zero gradients, where jax.nn averages the values.
-  lse is float32, shape (B, T, N).
-
-  ``sinks``: optional logits broadcastable to (B, N), one per query head (attention
-  sinks, docs/math.md): each joins its rows' softmax without a value, so l gains
-  exp(sink - m) and every probability shrinks; lse includes it. A row with no allowed
-  key then gives out = 0 and lse = its sink.
-
-  ``alibi_slopes``: optional (N,) slopes: logit (i, j) gains -slope · |i - j| (ALiBi,
-  positions aligned at the first key, as the causal mask), added with the bias.
-  """
+def attention_logits(query, key, bias=None, mask=None, *, scale=None, is_causal=False,
+                     query_seq_lengths=None, key_value_seq_lengths=None,
+                     local_window_size=None, logits_soft_cap=None, q_segments=None,
+                     kv_segments=None, alibi_slopes=None):
+  """The logits attention normalizes, (B, K, N // K, T, S) with the query heads grouped
+  by their key head: the scaled products, soft-capped, plus the bias and ALiBi terms,
+  -inf where the masks allow no attention. float32 (float64 for float64 inputs)."""
   B, T, N, H = query.shape
   S, K = key.shape[1], key.shape[2]
   scale = 1 / np.sqrt(H) if scale is None else scale
@@ -83,7 +68,39 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     distance = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(S)[None, :]).astype(acc)
     logits = logits - (jnp.asarray(alibi_slopes).astype(acc).reshape(1, K, N // K, 1, 1)
                        * distance[None, None, None])
-  logits = jnp.where(allowed, logits, -jnp.inf)
+  return jnp.where(allowed, logits, -jnp.inf)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                          is_causal=False, query_seq_lengths=None,
+                          key_value_seq_lengths=None, local_window_size=None,
+                          logits_soft_cap=None, q_segments=None, kv_segments=None,
+                          sinks=None, alibi_slopes=None):
+  """Attention in layout B T N H (K/V heads dividing N; the values' head dim may differ
+  from the queries' and keys'), returning (out, lse).
+
+  As jax.nn.dot_product_attention's XLA path: logits in float32 (float64 for float64
+  inputs), softmax in float32, probabilities cast to the value dtype for the second
+  product. One difference, by design: a query row with no allowed key (masked entirely)
+  gives out = 0 and lse = -inf with zero gradients, where jax.nn averages the values.
+  lse is float32, shape (B, T, N).
+
+  ``sinks``: optional logits broadcastable to (B, N), one per query head (attention
+  sinks, docs/math.md): each joins its rows' softmax without a value, so l gains
+  exp(sink - m) and every probability shrinks; lse includes it. A row with no allowed
+  key then gives out = 0 and lse = its sink.
+
+  ``alibi_slopes``: optional (N,) slopes: logit (i, j) gains -slope · |i - j| (ALiBi,
+  positions aligned at the first key, as the causal mask), added with the bias.
+  """
+  B, T, N, _ = query.shape
+  K = key.shape[2]
+  acc = jnp.promote_types(query.dtype, jnp.float32)
+  logits = attention_logits(
+      query, key, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+      q_segments=q_segments, kv_segments=kv_segments, alibi_slopes=alibi_slopes)
   m = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
   if sinks is not None:  # (B, K, G, 1, 1), the logits' dtype
     sinks = jnp.broadcast_to(sinks, (B, N)).reshape(B, K, N // K, 1, 1).astype(acc)
