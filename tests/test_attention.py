@@ -9,6 +9,7 @@ carry the gpu mark.
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -987,6 +988,62 @@ def test_persistent_ctas_take_every_item_once(batch, heads, q_tiles, sms, causal
   if causal:  # the snake: a CTA walks at most about a tile's worth more key blocks
     blocks = [sum(t + 1 for _, _, t in items) for items in taken.values()]
     assert max(blocks) - min(blocks) <= q_tiles
+
+
+# (dtype, H, Hv, N, K, options): every score term with its gradient at Hv != H; MLA's
+# head dims in float16 (dS as two tensor-core terms) with segments, a window and
+# lengths; the deterministic dQ kernel in float32.
+TRITON_LOWERING_CASES = [
+    pytest.param(jnp.bfloat16, 128, 64, 8, 2, dict(
+        bias=(2, 8, 1, 1000), mask=(1000, 1000), alibi=True, sinks=True,
+        logits_soft_cap=30.0), id="score-terms-sinks-Hv64"),
+    pytest.param(jnp.float16, 192, 128, 8, 1, dict(
+        segments=True, local_window_size=(200, 0), key_value_seq_lengths=True),
+                 id="mla-segments-window-lengths-float16"),
+    pytest.param(jnp.float32, 64, 64, 4, 4, dict(is_causal=True, deterministic=True),
+                 id="causal-deterministic-float32"),
+]
+
+
+@pytest.mark.parametrize("dtype, H, Hv, N, K, options", TRITON_LOWERING_CASES)
+def test_triton_kernels_lower_for_cuda(as_if_on_an_h200, dtype, H, Hv, N, K, options):
+  # The forward, both backward kernels and the tangent kernel lower for CUDA without a
+  # GPU, with the features the GPU machine runs less often: Pallas API drift and
+  # lowering errors show on every CI run, not at the next device session.
+  sds = jax.ShapeDtypeStruct
+  B, T = 2, 1000
+  options = dict(options)
+  bias_shape, mask_shape = options.pop("bias", None), options.pop("mask", None)
+  if options.pop("alibi", False):
+    options["alibi_slopes"] = jnp.linspace(0.5, 0.01, N)
+  if options.pop("segments", False):
+    options["segment_ids"] = jnp.zeros((B, T), jnp.int32).at[:, 600:].set(1)
+  if options.pop("key_value_seq_lengths", False):
+    options["key_value_seq_lengths"] = jnp.array([T, 777])
+  mask = None if mask_shape is None else jnp.tril(jnp.ones(mask_shape, bool))
+  sinks = sds((N,), jnp.float32) if options.pop("sinks", False) else None
+  bias = None if bias_shape is None else sds(bias_shape, jnp.float32)
+
+  def attention(q, k, v, bias, sinks):
+    return js.dot_product_attention(q, k, v, bias, mask, sinks=sinks,
+                                    implementation="triton", interpret=False, **options)
+
+  def loss(*x):
+    return jnp.sum(attention(*x).astype(jnp.float32))
+
+  args = (sds((B, T, N, H), dtype), sds((B, T, K, H), dtype), sds((B, T, K, Hv), dtype),
+          bias, sinks)
+  wrt = tuple(i for i, a in enumerate(args) if a is not None)
+  lowered = [jax.jit(jax.grad(loss, wrt)).trace(*args),
+             jax.jit(lambda q, k, v, *rest: jax.jvp(
+                 lambda q, k, v: attention(q, k, v, *rest), (q, k, v), (q, k, v))).trace(
+                     *args)]
+  names = set()
+  for traced in lowered:
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    names |= set(re.findall(r'name = \\?"(attention_[a-z_]+)', text))
+  assert names == {"attention_forward", "attention_backward_dkdv", "attention_backward_dq",
+                   "attention_tangent"}
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
