@@ -170,7 +170,7 @@ def _output_tangent(primals, tangents, state, call: Call, backend: str):
   the sinks', from the forward's ``state``. The bias's tangent takes part only when
   given: its transpose, dbias, is the dQ kernel's extra output."""
   q, k, v, aux, sinks = primals
-  _, lse, o_delta, m, log2_l = state
+  _, _, o_delta, m, log2_l = state
   t = tuple(_dense(t, x) for t, x in zip(tangents[:3], (q, k, v)))
   bias_grad = aux.bias is not None and not isinstance(tangents[3].bias, SymbolicZero)
   if bias_grad:
@@ -178,8 +178,9 @@ def _output_tangent(primals, tangents, state, call: Call, backend: str):
   do, = _TANGENT((q, k, v, *aux, o_delta, m, log2_l, sinks), t, call=call,
                  backend=backend, bias_grad=bias_grad)
   if sinks is not None and not isinstance(tangents[4], SymbolicZero):
-    do = do + logits.sink_tangent(o_delta, jnp.transpose(lse, (0, 2, 1)), sinks,
-                                  tangents[4]).astype(do.dtype)
+    p_sink = logits.sink_probability(m, log2_l, sinks, scale=call.scale,
+                                     softcap=call.softcap)
+    do = do + logits.sink_tangent(o_delta, p_sink, tangents[4]).astype(do.dtype)
   return do
 
 

@@ -87,15 +87,32 @@ def join_sink(logits: Logits, m, l, sink, exp2):
   return m_new, l * alpha + exp2(logits.exponent(sink_x, shift)), alpha
 
 
-def sink_tangent(o, lse, sinks, sinks_dot):
+def sink_tangent(o, p_sink, sinks_dot):
   """The output's tangent (float32) for the sinks' tangent ``sinks_dot`` (B, N):
-  dO/dz = -O · p_sink, with p_sink = exp(z - L) each row's probability of its sink, from
-  the float32 O (B, T, N, H) and the row statistic L (B, T, N) that includes the sinks
-  (B, N). Plain jnp, linear in ``sinks_dot``: JAX transposes it into
-  dz = -Σ over rows of p_sink · rowsum(dO ∘ O)."""
-  sink = sinks.astype(jnp.float32)[:, None, :]
-  p_sink = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sink - lse))
+  dO/dz = -O · p_sink, from the float32 O (B, T, N, H) and each row's probability of its
+  sink p_sink (B, T, N) (`sink_probability`). Plain jnp, linear in ``sinks_dot``: JAX
+  transposes it into dz = -Σ over rows of p_sink · rowsum(dO ∘ O)."""
   return -o * (p_sink * sinks_dot.astype(jnp.float32)[:, None, :])[..., None]
+
+
+def sink_probability(m, log2_l, sinks, *, scale: float, softcap: float | None):
+  """Each row's probability of its sink, (B, T, N) float32, from a forward's row
+  statistics (m, log2 l) (B, N, T), which include the sinks (B, N): the sink's term of
+  l over l, as `join_sink` added it. Not exp(z - lse): lse rounds at its own scale
+  (several units), which moved every row's p_sink the same way, and dz sums them
+  (docs/testing.md)."""
+  logits = Logits(scale, softcap, fused=False)
+  sink_x = (sinks.astype(jnp.float32) * (1 / logits.factor))[:, :, None]
+  empty = m == -jnp.inf  # no key and a sink of -inf
+  p_sink = jnp.where(empty, 0.0,
+                     jnp.exp2(logits.exponent(sink_x, jnp.where(empty, 0.0, m)) - log2_l))
+  return jnp.transpose(p_sink, (0, 2, 1))
+
+
+def sink_probability_from_lse(lse, sinks):
+  """`sink_probability` from the rows' log-sum-exp (B, T, N), where the statistics of
+  one forward are not at hand (context parallelism's merged rows)."""
+  return jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sinks.astype(jnp.float32)[:, None, :] - lse))
 
 
 def lse(m, log2_l, *, scale: float, softcap: float | None):

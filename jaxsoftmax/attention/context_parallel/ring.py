@@ -490,7 +490,8 @@ def _context_parallel_jvp(plan: _RingPlan, primals, tangents):
   out, o, lse = _state(plan, q, k, v, q_seg, kv_seg, sinks)
   do, = _TANGENT((q, k, v, q_seg, kv_seg, o, lse), tuple(tangents[:3]), plan=plan)
   if sinks is not None:  # the sinks' own term; its transpose sums dsinks over the rows
-    do = do + logits.sink_tangent(o, lse, sinks, tangents[5]).astype(do.dtype)
+    p_sink = logits.sink_probability_from_lse(lse, sinks)
+    do = do + logits.sink_tangent(o, p_sink, tangents[5]).astype(do.dtype)
   return out, do
 
 
