@@ -313,18 +313,25 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
                  group: int, atomic_dq: bool, float32_grads: bool, k_smem,
                  v_smem, q_ring, do_ring, lse2_ring, delta_ring, kv_loaded, q_loaded,
                  do_loaded, slot_free, key_tiles: int | None = None, ds_smem=None,
-                 dq_smem=None, ds_ready=None, ds_free=None, done=None, dq_order=None):
+                 dq_smem=None, ds_ready=None, ds_free=None, done=None,
+                 dq_order_shape: tuple[int, int, int] | None = None):
   """dK and dV of a key tile; with ``atomic_dq`` also its share of dQ, added into the
   float32 dQ ref (the last input). ``float32_grads``: dK and dV leave in float32, stored
   from registers (their arrays padded to whole key tiles), instead of through K and V's
   shared memory in the inputs' dtype. Head dims above `SPLIT_KEYS_HEAD_DIM` take the
   wide design (`ds_free` given; k_smem and v_smem hold one block of keys). With
-  ``dq_order`` (`ordered_dq_adds`: a counter of the chunks added into each query
-  block's dQ, and the input before dQ `last_key_tiles`' table; ``key_tiles`` CTAs along
-  the keys) the key tiles add into each query block in a fixed order, the last first."""
+  ``dq_order_shape`` (`ordered_dq_adds`: (B, N, query blocks), the shape of the
+  counters of the chunks added into each query block's dQ; the input before dQ is
+  `last_key_tiles`' table; ``key_tiles`` CTAs along the keys) the key tiles add into each
+  query block in a fixed order, the last first."""
   aux_refs, refs = AuxArrays.split_refs(refs, aux_present)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
-  ordered = dq_order is not None
+  ordered = dq_order_shape is not None
+  # The counters are shared by every CTA, so they come from pl.get_global: semaphores
+  # among the kernel's scratch are each CTA's own (Pallas gives each block its slice),
+  # and with them every wait for another tile's adds hung. Pallas zeroes them at each
+  # call.
+  dq_order = pl.get_global(plgpu.SemaphoreType.REGULAR(dq_order_shape)) if ordered else None
   last_ref, *refs = refs if ordered else (None, *refs)
   dq_ref, dk_ref, dv_ref = refs if atomic_dq else (None, *refs)
 
@@ -843,9 +850,8 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     return jax.ShapeDtypeStruct((B, S8, K, width), q.dtype)
 
   order_inputs = ()
-  if ordered:  # chunks added into each query block's dQ, zeroed by Pallas at each call
-    scratch.update(dq_order=plgpu.SemaphoreType.REGULAR((B, N, T_pad // bq)))
-    statics.update(key_tiles=n_kv_tiles)
+  if ordered:
+    statics.update(key_tiles=n_kv_tiles, dq_order_shape=(B, N, T_pad // bq))
     order_inputs = (last_key_tiles(spec, keys_per_tile, bq, n_kv_tiles, T_pad // bq,
                                    kv_len, q_len, B),)
   grid = (("heads", K), ("kv_tiles", n_kv_tiles), ("batch", B))  # the fastest first
