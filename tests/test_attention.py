@@ -786,7 +786,13 @@ WIDE_BACKWARD_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("design", DETERMINISTIC_DESIGNS)
+@pytest.mark.parametrize("design", [
+    "dq-kernel",
+    # A wait that never ends hangs the GPU's process (as every case did while the
+    # counters were each CTA's own): where pytest-timeout is installed, as on the GPU
+    # machine, the test fails after 4 minutes and the stage goes on.
+    pytest.param("ordered-adds", marks=pytest.mark.timeout(240, method="thread")),
+])
 @pytest.mark.parametrize("B, T, S, N, K, H, dtype, options",
                          HOPPER_BACKWARD_CASES + WIDE_BACKWARD_CASES)
 def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N, K, H, dtype,

@@ -128,7 +128,9 @@ class HopperBackwardBlockSizes:
       it have added theirs (`last_key_tiles`). The CTAs launch in that order (the last
       key tile first), so every tile waited on has started; causal, the later key tiles
       reach a query block first, so the waits should be short. Any head dim the atomic
-      design takes. Not yet run on a GPU: False stays the default until it is measured.
+      design takes. Its first GPU run (an H100, 2026-12-05) hung in every case, the
+      counters then being each CTA's own (now `pl.get_global`'s, shared); not run on a
+      GPU since, so False stays the default until it has passed and been measured.
   """
 
   block_q: int = 64
