@@ -121,11 +121,13 @@ def test_float32_parameters_two_row_tiles(key, rms, n_cols):
 
 
 @pytest.mark.parametrize("tiling", TILINGS)
-def test_large_mean_keeps_the_variance(key, tiling):
-  # A mean of 1e4 with unit variance: Σx² - n·mean² would lose the variance in float32;
-  # merged Welford states keep it.
+@pytest.mark.parametrize("mean", [1e4, 3e5])
+def test_large_mean_keeps_the_variance(key, tiling, mean):
+  # A mean far above the unit spread: Σx² - n·mean² would lose the variance in float32;
+  # merged Welford states keep it, their means taken from a shift near the data (from
+  # zero, each tile's mean rounded at the data's magnitude, and dx missed the 2x rule).
   x, _, scale, bias, dy, _ = _inputs(key, (9, 1000), jnp.float32, residual=False,
-                                     mean=1e4)
+                                     mean=mean)
   _check(x, None, scale, bias, dy, None, rms=False, tiling=tiling)
 
 

@@ -131,18 +131,24 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b) -> tuple[jax.Array, jax.Array
 
 def merge_moments(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
   """Merges two Welford states (count, mean, M2 = sum of squared deviations) of disjoint
-  sets elementwise (docs/math.md, "Mean and variance"); an empty state (n = 0) is the
-  identity."""
+  sets elementwise, both means taken from the same shift (docs/math.md, "Mean and
+  variance"); an empty state (n = 0) is the identity."""
   n = n_a + n_b
   delta = mean_b - mean_a
   share = jnp.where(n > 0, n_b / jnp.where(n > 0, n, 1.0), 0.0)
   return n, mean_a + delta * share, m2_a + m2_b + delta * delta * n_a * share
 
 
-def reduce_moments(n, mean, m2, axis: int = 0):
-  """Merges the Welford states stacked along ``axis`` (exactly: the overall mean first,
-  then each part's M2 plus its count times its mean's squared distance from it)."""
+def reduce_moments(n, shift, mean, m2, axis: int = 0):
+  """Merges the Welford states stacked along ``axis``, each mean taken from its part's own
+  shift (a value near the part's data): returns (n, mean, M2) of the whole. The parts'
+  means are first taken from the first part's shift (``shift - shift₀``, nearby values
+  whose difference is exact), so that none rounds at the data's magnitude before the
+  merge; then the overall mean, and each part's M2 plus its count times its mean's
+  squared distance from it."""
+  ref = jnp.take(shift, 0, axis=axis)
+  mean = (shift - jnp.expand_dims(ref, axis)) + mean
   total = jnp.sum(n, axis=axis)
   mean_all = jnp.sum(n * mean, axis=axis) / jnp.where(total > 0, total, 1.0)
   spread = n * jnp.square(mean - jnp.expand_dims(mean_all, axis))
-  return total, mean_all, jnp.sum(m2 + spread, axis=axis)
+  return total, ref + mean_all, jnp.sum(m2 + spread, axis=axis)

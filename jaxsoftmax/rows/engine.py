@@ -4,7 +4,8 @@ Every op here views its input as R rows of C columns (the reduced axis last) and
 per row:
 
 1. statistics: at most one online-softmax state (m, l), at most one Welford state
-   (n, mean, M2) (both defined in `_core/state.py`, docs/math.md), plus any number of plain
+   (n, mean, M2; its mean kept from a shift near the data while the kernel runs: both
+   defined in `_core/state.py`, docs/math.md), plus any number of plain
    sums, each of a function of the row's elements;
 2. a map: each element of one or more outputs from the input elements, the row's
    statistics and per-column inputs (a normalization's scale and bias).
@@ -357,22 +358,39 @@ def _pipelined(n_blocks: int, load, consume, carry):
 
 
 def _empty_state(op: RowOp, block_rows: int):
+  """(m, l, moments, sums) of no columns; the moments (n, shift, mean, M2)."""
   m = jnp.full((block_rows,), -jnp.inf, jnp.float32)
   zeros = lambda: jnp.zeros((block_rows,), jnp.float32)
-  return m, zeros(), (zeros(), zeros(), zeros()), tuple(zeros() for _ in op.sums)
+  return m, zeros(), (zeros(), zeros(), zeros(), zeros()), tuple(zeros() for _ in op.sums)
 
 
-def _tile_moments(values, valid):
-  """The Welford state (n, mean, M2) of each row of one tile, in two passes over its
-  registers: the mean first, then the squared deviations from it (exact). A tile without
-  a mask counts its columns statically, saving the kernel a third row reduction."""
+def _row_mean(values, valid, shift=None):
+  """(n, mean of values - shift) of each row of one tile. A tile without a mask counts
+  its columns statically, saving the kernel a row reduction."""
   if valid is None:
     n = jnp.full(values.shape[:1], values.shape[1], jnp.float32)
   else:
     n = jnp.sum(_masked(valid, jnp.ones(values.shape, jnp.float32), 0.0), axis=1)
-  mean = jnp.sum(_masked(valid, values, 0.0), axis=1) / jnp.maximum(n, 1.0)
-  deviation = _masked(valid, values - mean[:, None], 0.0)
-  return n, mean, jnp.sum(deviation * deviation, axis=1)
+  d = values if shift is None else values - shift[:, None]
+  return n, jnp.sum(_masked(valid, d, 0.0), axis=1) / jnp.maximum(n, 1.0)
+
+
+def _merge_tile_moments(moments, values, valid):
+  """The running Welford state (n, shift, mean, M2) of each row with one more tile's
+  values. The mean is kept from a shift, the first tile's plain mean, and each tile's is
+  taken from it in two passes over its registers: the mean of values - shift, then the
+  squared deviations from that (exact). From a shift near the data both round at the
+  spread's scale: from zero, a row of mean 1e4 and unit spread had its tile means, and
+  so their merged M2 and mean, rounded at 1e4's (the mean 2.3 float32 ulps off,
+  docs/math.md)."""
+  n_a, shift, mean_a, m2_a = moments
+  n_t, plain = _row_mean(values, valid)
+  shift = jnp.where(n_a > 0, shift, plain)
+  _, mean_t = _row_mean(values, valid, shift)
+  deviation = _masked(valid, (values - shift[:, None]) - mean_t[:, None], 0.0)
+  n, mean, m2 = merge_moments(n_a, mean_a, m2_a, n_t, mean_t,
+                              jnp.sum(deviation * deviation, axis=1))
+  return n, shift, mean, m2
 
 
 def _accumulate(op: RowOp, state, tile: Tile):
@@ -389,14 +407,20 @@ def _accumulate(op: RowOp, state, tile: Tile):
     l = l * tile.exp(m - shift) + jnp.sum(e, axis=1)
     m = m_new
   if op.moments_of is not None:
-    moments = merge_moments(*moments, *_tile_moments(op.moments_of(tile), tile.valid))
+    moments = _merge_tile_moments(moments, op.moments_of(tile), tile.valid)
   sums = tuple(s + jnp.sum(_masked(tile.valid, f(tile), 0.0), axis=1)
                for s, f in zip(sums, op.sums.values()))
   return (m, l, moments, sums), e
 
 
-def _finish(op: RowOp, state) -> tuple[jax.Array, ...]:
+def _finish(op: RowOp, state, partial: bool = False) -> tuple[jax.Array, ...]:
+  """The row statistics (`RowOp.stat_names`) of a state; ``partial`` (a split program's
+  share of the row): the moments as (n, shift, mean from the shift, M2), for
+  `reduce_moments`."""
   m, l, moments, sums = state
+  if op.moments_of is not None and not partial:
+    n, shift, mean, m2 = moments
+    moments = (n, shift + mean, m2)
   return (((m, l) if op.state_of is not None else ())
           + (moments if op.moments_of is not None else ()) + sums)
 
@@ -516,7 +540,7 @@ def _partial_stats_kernel(*refs, op: RowOp, layout: _Layout, bounds: _Bounds,
   load = lambda b: _load_block(refs, b * bc, tile_bounds(b)[1], bc,
                                bounds.cols_ok(col0 + b * bc))
   state = _pipelined(chunk_blocks, load, accumulate, _empty_state(op, bounds.block_rows))
-  for ref, s in zip(refs.stats, _finish(op, state)):
+  for ref, s in zip(refs.stats, _finish(op, state, partial=True)):
     pallas.store(ref, s, mask=rows_ok)
 
 
@@ -645,17 +669,19 @@ def _run(op: RowOp, tiling: RowTiling | None, out_dtype, layout: _Layout, interp
   bounds = _Bounds(n_rows, n_cols, br, bc, span=chunk)
   stats = ()
   if op.n_stats:
-    phase1 = dataclasses.replace(layout, n_out=0, n_stats=op.n_stats)
+    # Each program's moments leave with their shift (`_finish`): one more partial.
+    n_state, n_moments = 2 * (op.state_of is not None), 4 * (op.moments_of is not None)
+    n_partials = op.n_stats + (op.moments_of is not None)
+    phase1 = dataclasses.replace(layout, n_out=0, n_stats=n_partials)
     parts = call(
         functools.partial(_partial_stats_kernel, op=op, layout=phase1, bounds=bounds,
                           chunk_blocks=tiling.chunk_blocks, exp=exp),
         "split_stats", grid, tile_spec, row_spec, col_spec, layout.n_rows_in,
-        [pl.BlockSpec((None, br), lambda i, j: (j, i))] * op.n_stats,
-        [jax.ShapeDtypeStruct((grid[1], n_rows), jnp.float32)] * op.n_stats,
+        [pl.BlockSpec((None, br), lambda i, j: (j, i))] * n_partials,
+        [jax.ShapeDtypeStruct((grid[1], n_rows), jnp.float32)] * n_partials,
     )(*inputs, *row_inputs, *col_inputs, *where)
-    n_state, n_moments = 2 * (op.state_of is not None), 3 * (op.moments_of is not None)
     stats = ((reduce_states(*parts[:2], axis=0) if n_state else ())
-             + (reduce_moments(*parts[n_state:n_state + 3], axis=0) if n_moments else ())
+             + (reduce_moments(*parts[n_state:n_state + 4], axis=0) if n_moments else ())
              + tuple(p.sum(axis=0) for p in parts[n_state + n_moments:]))
   if op.apply is None:
     return None, stats, col_sums
