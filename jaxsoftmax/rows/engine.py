@@ -364,15 +364,17 @@ def _empty_state(op: RowOp, block_rows: int):
   return m, zeros(), (zeros(), zeros(), zeros(), zeros()), tuple(zeros() for _ in op.sums)
 
 
-def _row_mean(values, valid, shift=None):
-  """(n, mean of values - shift) of each row of one tile. A tile without a mask counts
-  its columns statically, saving the kernel a row reduction."""
+def _row_count(values, valid):
+  """Each row's count of valid values in one tile: static where the tile has no mask,
+  saving the kernel a row reduction."""
   if valid is None:
-    n = jnp.full(values.shape[:1], values.shape[1], jnp.float32)
-  else:
-    n = jnp.sum(_masked(valid, jnp.ones(values.shape, jnp.float32), 0.0), axis=1)
-  d = values if shift is None else values - shift[:, None]
-  return n, jnp.sum(_masked(valid, d, 0.0), axis=1) / jnp.maximum(n, 1.0)
+    return jnp.full(values.shape[:1], values.shape[1], jnp.float32)
+  return jnp.sum(_masked(valid, jnp.ones(values.shape, jnp.float32), 0.0), axis=1)
+
+
+def _row_mean(values, valid, n):
+  """Each row's mean of the valid values of one tile, of which there are ``n``."""
+  return jnp.sum(_masked(valid, values, 0.0), axis=1) / jnp.maximum(n, 1.0)
 
 
 def _merge_tile_moments(moments, values, valid):
@@ -384,10 +386,11 @@ def _merge_tile_moments(moments, values, valid):
   so their merged M2 and mean, rounded at 1e4's (the mean 2.3 float32 ulps off,
   docs/math.md)."""
   n_a, shift, mean_a, m2_a = moments
-  n_t, plain = _row_mean(values, valid)
-  shift = jnp.where(n_a > 0, shift, plain)
-  _, mean_t = _row_mean(values, valid, shift)
-  deviation = _masked(valid, (values - shift[:, None]) - mean_t[:, None], 0.0)
+  n_t = _row_count(values, valid)
+  shift = jnp.where(n_a > 0, shift, _row_mean(values, valid, n_t))
+  d = values - shift[:, None]
+  mean_t = _row_mean(d, valid, n_t)
+  deviation = _masked(valid, d - mean_t[:, None], 0.0)
   n, mean, m2 = merge_moments(n_a, mean_a, m2_a, n_t, mean_t,
                               jnp.sum(deviation * deviation, axis=1))
   return n, shift, mean, m2
