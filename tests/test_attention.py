@@ -23,11 +23,12 @@ from jaxsoftmax._core import mosaic_gpu as mosaic_device
 from jaxsoftmax.attention import BlockSizes, HopperBlockSizes, api
 from jaxsoftmax.attention.triton import tangent, tiling
 from jaxsoftmax.attention.call import AuxArrays, Call
-from jaxsoftmax.attention.logits import score_grad_term_count, score_grad_terms
+from jaxsoftmax.attention.logits import score_grad_term_count
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
 from jaxprs import pallas_calls
+from flash_form import flash_form_gradients
 from tolerance import assert_2x, truth
 
 SMALL_BLOCKS = BlockSizes(16, 16, 16, 16, 16, 16, num_warps=4, num_warps_bwd=4)
@@ -72,8 +73,8 @@ def _against_truth(ours, ref, args, names, flash_form=None):
   """``ours(*args)`` (jitted) against ``ref(*args)`` in the inputs' dtype and in float64,
   output by output under the 2x rule (``names`` name them); returns ours. A result that
   misses the rule against ``ref``'s error may meet it against that of ``flash_form``, the
-  same gradients formed as the kernels form them (`_flash_form`, docs/testing.md). A
-  backend that cannot run the call skips the test with its reason."""
+  same gradients formed as the kernels form them (`flash_form.flash_form_gradients`,
+  docs/testing.md). A backend that cannot run the call skips the test with its reason."""
   try:
     got = jax.jit(ours)(*args)
   except ValueError as e:
@@ -94,63 +95,10 @@ def _against_truth(ours, ref, args, names, flash_form=None):
   return got
 
 
-def _flash_form(q, k, v, do, *, bias=None, sinks=None, grad_bias=False, grad_sinks=False,
-                **options):
-  """The reference's (output, lse, dq, dk, dv[, dbias][, dsinks]) in the inputs' dtype,
-  with the gradients formed as FlashAttention's backward forms them (docs/testing.md,
-  "Where the rule needs a second reference"): dS = P ∘ (dP - delta) with
-  delta = rowsum(dO ∘ O) from the output before its rounding, where autodiff of the
-  reference forms delta as rowsum(P ∘ dP) from the same dP; and dS enters the products
-  with q and k as the kernels' tensor-core operands (`logits.score_grad_terms`: rounded
-  to bfloat16 for bfloat16 inputs). dS is the gradient of
-  <dO, P V> - Σ delta · (rowsum P + P_sink) in the logits, with P = exp(logits - lse)
-  and lse and delta held fixed."""
-  o, lse = reference.dot_product_attention(q, k, v, bias, sinks=sinks, **options)
-  B, T, N = lse.shape
-  K = k.shape[2]
-  acc = jnp.promote_types(q.dtype, jnp.float32)  # as the reference's
-  logits, logits_vjp = jax.vjp(
-      lambda q, k, bias: reference.attention_logits(q, k, bias, **options), q, k, bias)
-  sink_logits = lambda sinks: jnp.broadcast_to(sinks, (B, N)).reshape(
-      B, K, N // K).astype(acc)[..., None]
-  # lse in the logits' dtype (the reference returns it in float32); rows with no allowed
-  # key have P = 0 whatever the stand-in for their -inf.
-  row_lse = jax.nn.logsumexp(logits, axis=-1)
-  if sinks is not None:
-    row_lse = jnp.logaddexp(row_lse, sink_logits(sinks))
-  row_lse = jnp.where(jnp.isfinite(row_lse), row_lse, 0)
-
-  def output(logits, v):  # (B, K, G, T, H) in the logits' dtype, before any rounding
-    p = jnp.exp(logits - row_lse[..., None])
-    return p, jnp.einsum("bkgts,bskh->bkgth", p.astype(v.dtype), v,
-                         preferred_element_type=acc, precision=jax.lax.Precision.HIGHEST)
-
-  grouped_do = do.astype(acc).reshape(B, T, K, N // K, -1).transpose(0, 2, 3, 1, 4)
-  # delta from the output before its rounding to the inputs' dtype, as the kernels'.
-  delta = jnp.sum(grouped_do * output(logits, v)[1], axis=-1)
-
-  def objective(logits, v, sinks):
-    p, out = output(logits, v)
-    rows = jnp.sum(p, axis=-1)
-    if sinks is not None:
-      rows = rows + jnp.exp(sink_logits(sinks) - row_lse)
-    return jnp.sum(grouped_do * out) - jnp.sum(delta * rows)
-
-  ds, dv, dsinks = jax.grad(objective, (0, 1, 2))(logits, v, sinks)
-  operand = sum(t.astype(acc) for t in score_grad_terms(ds, q.dtype))
-  dq, dk, _ = logits_vjp(operand)
-  grads = [dq, dk, dv]
-  if grad_bias:
-    grads.append(logits_vjp(ds)[2])  # the kernels sum dbias from dS in float32
-  if grad_sinks:
-    grads.append(dsinks)
-  return (o, lse, *grads)
-
-
 def test_flash_form_is_the_reference_gradient(key):
-  # `_flash_form` may only change where the gradients round: in float64 its gradients
-  # are the reference's autodiff ones, here with every score term, sinks, GQA, a
-  # soft cap and a row with no allowed key.
+  # `flash_form_gradients` may only change where the gradients round: in float64 its
+  # gradients are the reference's autodiff ones, here with every score term, sinks, GQA,
+  # a soft cap and a row with no allowed key.
   B, T, S, N, K, H = 2, 9, 13, 4, 2, 8
   with jax.enable_x64(True):
     q, k, v, do = _inputs(key, B, T, S, N, K, H, jnp.float64)
@@ -163,8 +111,8 @@ def test_flash_form_is_the_reference_gradient(key):
         q, k, v, bias, sinks=sinks, **options)
     (o, lse), vjp = jax.vjp(attention, q, k, v, bias, sinks)
     want = (o, lse, *vjp((do, jnp.zeros_like(lse))))
-    got = _flash_form(q, k, v, do, bias=bias, sinks=sinks, grad_bias=True, grad_sinks=True,
-                      **options)
+    got = flash_form_gradients(q, k, v, do, bias=bias, sinks=sinks, grad_bias=True,
+                               grad_sinks=True, **options)
   assert np.abs(np.asarray(want[3])).max() > 0.1  # gradients that are not all zero
   for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
@@ -191,8 +139,8 @@ def _check(q, k, v, do, *, backend=None, blocks=None, interpret=True, segments=N
     return reference.dot_product_attention(q, k, v, q_segments=q_seg, kv_segments=kv_seg,
                                            **options)
 
-  flash_form = functools.partial(_flash_form, q_segments=q_seg, kv_segments=kv_seg,
-                                 **options)
+  flash_form = functools.partial(flash_form_gradients, q_segments=q_seg,
+                                 kv_segments=kv_seg, **options)
   return _against_truth(functools.partial(run, ours), functools.partial(run, ref),
                         (q, k, v, do), ("output", "lse", "dq", "dk", "dv"), flash_form)
 
@@ -273,7 +221,7 @@ def test_sinks(key, backend, B, T, S, N, K, H, options):
       **options)
   ref = lambda q, k, v, sinks: reference.dot_product_attention(q, k, v, sinks=sinks,
                                                                **options)
-  flash_form = lambda q, k, v, sinks, do: _flash_form(q, k, v, do, sinks=sinks,
+  flash_form = lambda q, k, v, sinks, do: flash_form_gradients(q, k, v, do, sinks=sinks,
                                                       grad_sinks=True, **options)
   got = _against_truth(functools.partial(run, ours), functools.partial(run, ref),
                        (q, k, v, sinks, do), ("output", "lse", "dq", "dk", "dv", "dsinks"),
@@ -394,7 +342,7 @@ def test_score_terms(key, backend, B, T, S, N, K, H, bias_shape, mask_shape, ali
   ref = lambda q, k, v, bias: reference.dot_product_attention(
       q, k, v, bias, mask, alibi_slopes=slopes, **options)
   names = ("output", "lse", "dq", "dk", "dv", "dbias")[:2 + len(wrt)]
-  flash_form = lambda q, k, v, bias, do: _flash_form(
+  flash_form = lambda q, k, v, bias, do: flash_form_gradients(
       q, k, v, do, bias=bias, mask=mask, alibi_slopes=slopes, grad_bias=bias is not None,
       **options)
   got = _against_truth(functools.partial(run, ours), functools.partial(run, ref),
