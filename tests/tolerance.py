@@ -69,6 +69,19 @@ def assert_2x(actual, in_dtype, exact, *, what: str):
       f"+ floor {floor:.1e}")
 
 
+def assert_2x_or_kernel_form(actual, in_dtype, exact, *, what: str, kernel_form=None):
+  """`assert_2x`, and where ``actual`` misses the rule against the reference's error,
+  once more against that of ``kernel_form()`` (called only then): the same result
+  formed as the kernels form it, where autodiff of the reference rounds less than any
+  kernel can (docs/testing.md, "Where the rule needs a second reference")."""
+  try:
+    assert_2x(actual, in_dtype, exact, what=what)
+  except AssertionError:
+    if kernel_form is None:
+      raise
+    assert_2x(actual, kernel_form(), exact, what=f"{what} (against the kernels' form)")
+
+
 def assert_same_derivatives(ours, theirs, x, *, hessian_at=None, jacobian_at=None):
   """jax.jvp, jax.jacfwd (at ``jacobian_at``, default x), jvp-of-grad and jax.hessian
   (at ``hessian_at``, default x) of the scalar functions ``ours`` and ``theirs`` agree,
