@@ -44,13 +44,22 @@ def _inputs(key, rows, H, V, dtype, *, bias=True, ignored=(3,)):
   return x, w, b, y
 
 
-def _reference(x, w, b, y, *, logit_soft_cap=None, **options):
+def _logits(x, w, b):
+  """x @ w (+ b), in float32 at least: XLA's product, before any soft cap."""
   logits = jnp.dot(x, w, preferred_element_type=jnp.promote_types(x.dtype, jnp.float32))
   if b is not None:
     logits = logits + b.reshape((1,) * (logits.ndim - 1) + b.shape)
+  return logits
+
+
+def _loss_of_logits(logits, y, *, logit_soft_cap=None, **options):
   if logit_soft_cap is not None:
     logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
   return reference.cross_entropy(logits, y, **options)
+
+
+def _reference(x, w, b, y, **options):
+  return _loss_of_logits(_logits(x, w, b), y, **options)
 
 
 def _check(x, w, b, y, *, tiling=SMALL, implementation=None, nan_for_inf=(), **options):
@@ -87,7 +96,7 @@ def _check(x, w, b, y, *, tiling=SMALL, implementation=None, nan_for_inf=(), **o
         (lambda what=what: kernel_form()[what]) if products else None))
 
 
-def _kernel_form(x, w, b, *, y, logit_soft_cap=None, **options):
+def _kernel_form(x, w, b, *, y, **options):
   """dhidden and dweight of the summed reference loss formed as the kernels (and every
   tensor-core implementation) form them: ds = dloss/dlogits in float32, rounded to the
   inputs' dtype for the products ds wᵀ and xᵀ ds, which accumulate in float32. The
@@ -97,16 +106,8 @@ def _kernel_form(x, w, b, *, y, logit_soft_cap=None, **options):
   soft-capped bfloat16 dhidden was 3.2x the reference's error and exactly this form's
   (docs/testing.md, "Where the rule needs a second reference")."""
   acc = jnp.promote_types(x.dtype, jnp.float32)
-  logits = jnp.dot(x, w, preferred_element_type=acc)
-  if b is not None:
-    logits = logits + b.reshape((1,) * (logits.ndim - 1) + b.shape)
-
-  def loss(z):
-    if logit_soft_cap is not None:
-      z = logit_soft_cap * jnp.tanh(z / logit_soft_cap)
-    return jnp.sum(reference.cross_entropy(z, y, **options))
-
-  ds = jax.grad(loss)(logits).astype(x.dtype)
+  ds = jax.grad(lambda z: jnp.sum(_loss_of_logits(z, y, **options)))(_logits(x, w, b))
+  ds = ds.astype(x.dtype)
   dhidden = jnp.einsum("...v,hv->...h", ds, w, preferred_element_type=acc)
   dweight = jnp.einsum("...h,...v->hv", x, ds, preferred_element_type=acc)
   return dict(dhidden=dhidden.astype(x.dtype), dweight=dweight.astype(w.dtype))
