@@ -127,10 +127,10 @@ class HopperBackwardBlockSizes:
       key tile down, each waiting on a counter in global memory until the tiles after
       it have added theirs (`last_key_tiles`). The CTAs launch in that order (the last
       key tile first), so every tile waited on has started; causal, the later key tiles
-      reach a query block first, so the waits should be short. Any head dim the atomic
-      design takes. Its first GPU run (an H100, 2026-12-05) hung in every case, the
-      counters then being each CTA's own (now `pl.get_global`'s, shared); not run on a
-      GPU since, so False stays the default until it has passed and been measured.
+      reach a query block first. Any head dim the atomic design takes. It passes its
+      GPU tests, but on an H100 it ran at 0.58x the atomic default where the dQ kernel
+      runs at 0.86x (`benchmarks/results/tuning/attention_backward_ordered_h100.md`),
+      so False stays the default.
   """
 
   block_q: int = 64
