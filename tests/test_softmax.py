@@ -85,12 +85,12 @@ def _check(name, x, dy, where=None, tiling=None, interpret=True, row_blocks=None
 
 
 def _softmax_saved_output_form(exact_y, dy):
-  """softmax's gradient y·(dy - Σ y·dy) from the output as the backward saves it (the
-  nearest value of the inputs' dtype, as jax.nn's own derivative takes it), formed
-  exactly and then rounded: the error that saving y allows. A dominant element's
-  rounding enters Σ y·dy times dy, so how far the gradient lands depends on which way
-  that y rounded; the reference in the inputs' dtype forms another y, and errs more or
-  less by that luck (docs/testing.md)."""
+  """softmax's gradient y·(dy - Σ y·dy) from the output as the backward saves it,
+  rounded to the inputs' dtype (as jax.nn's own derivative takes its output; here the
+  nearest value), formed exactly and then rounded: the error that saving y allows. A
+  dominant element's rounding enters Σ y·dy times dy, so how far the gradient lands
+  depends on which way that y rounded; the reference in the inputs' dtype forms another
+  y, and errs more or less by that luck (docs/testing.md)."""
   dtype = np.asarray(dy).dtype
   y = np.asarray(exact_y).astype(dtype).astype(np.float64)
   dy = np.asarray(dy, np.float64)
