@@ -16,7 +16,8 @@
 #                           call, ours and XLA's (ROWS_OPS="softmax,logsumexp" or
 #                           "layer_norm,rms_norm"; ROWS_ONLY picks that family's shapes;
 #                           ROWS_MODES, default "fwd,fwd+bwd")
-#   attn-tests              pytest -m gpu tests/test_attention.py
+#   attn-tests              pytest -m gpu tests/test_attention.py (TEST_K picks tests,
+#                           TEST_WORKERS workers, default 8; TEST_TIMEOUT)
 #   attn-tune               tune_attention.py (TUNE_ONLY="4,5" picks shapes)
 #   attn-tune-hopper        tune_attention_hopper.py: the Mosaic GPU forward's tiles
 #                           (TUNE_ONLY picks shapes)
@@ -157,12 +158,15 @@ for stage in $stages; do
         ${ROWS_MODES:+--modes "$ROWS_MODES"} > "$out/rows_profile.log" 2>&1
       grep "^## \|^Span" "$out/rows_profile.log" | tee -a "$out/summary.log" ;;
     attn-tests)
-      # Four workers, a fifth of the memory each (eight at 11% left the driver too little
-      # to instantiate CUDA graphs); compiling dominates, hence the long timeout.
+      # Compiling dominates, so TEST_WORKERS (default 8) workers on the 16 cores, each
+      # allocating GPU memory as it goes (eight preallocating 11% each left the driver
+      # too little to instantiate CUDA graphs; without preallocation ten test processes
+      # shared an H100 on 2026-12-05, and tests/test_norms.py ran in 44 s on eight).
       # TEST_K="expr" selects tests (pytest -k).
       # TEST_TIMEOUT: seconds (default 330).
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout ${TEST_TIMEOUT:-330} $python -m pytest \
-        -m gpu -q -n 4 -p no:cacheprovider -rfEs ${TEST_K:+-k "$TEST_K"} \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.11 \
+        timeout ${TEST_TIMEOUT:-330} $python -m pytest \
+        -m gpu -q -n ${TEST_WORKERS:-8} -p no:cacheprovider -rfEs ${TEST_K:+-k "$TEST_K"} \
         tests/test_attention.py 2>&1 \
         | tee "$out/attn_tests.log" | tail -n 25 | tee -a "$out/summary.log" ;;
     attn-tune)
