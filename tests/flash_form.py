@@ -9,8 +9,8 @@ from jaxsoftmax.attention import reference
 from jaxsoftmax.attention.logits import score_grad_terms
 
 
-def flash_form_gradients(q, k, v, do, *, bias=None, sinks=None, grad_bias=False, grad_sinks=False,
-                **options):
+def flash_form_gradients(q, k, v, do, *, bias=None, sinks=None, grad_bias=False,
+                         grad_sinks=False, **options):
   """The reference's (output, lse, dq, dk, dv[, dbias][, dsinks]) in the inputs' dtype,
   with the gradients formed as FlashAttention's backward forms them (docs/testing.md,
   "Where the rule needs a second reference"): dS = P ∘ (dP - delta) with

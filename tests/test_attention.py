@@ -217,7 +217,7 @@ def test_sinks(key, backend, B, T, S, N, K, H, options):
   ref = lambda q, k, v, sinks: reference.dot_product_attention(q, k, v, sinks=sinks,
                                                                **options)
   flash_form = lambda q, k, v, sinks, do: flash_form_gradients(q, k, v, do, sinks=sinks,
-                                                      grad_sinks=True, **options)
+                                                               grad_sinks=True, **options)
   got = _against_truth(functools.partial(run, ours), functools.partial(run, ref),
                        (q, k, v, sinks, do), ("output", "lse", "dq", "dk", "dv", "dsinks"),
                        flash_form)
