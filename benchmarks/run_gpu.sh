@@ -228,10 +228,11 @@ for stage in $stages; do
         "${pytest_args[@]}" 2>&1 | tee -a "$out/pytest.log" | tail -n 6 \
         | tee -a "$out/summary.log" ;;
     lce-tests)
-      # Compiling dominates (196 s on 4 workers before the 18 extreme-input cases came):
-      # four workers, a fifth of the memory each.
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout 420 $python -m pytest -m gpu -q -n 4 \
-        -p no:cacheprovider -rfEs tests/test_linear_cross_entropy.py 2>&1 | tee "$out/lce_tests.log" | tail -n 6 \
+      # Compiling dominates (196 s on 4 workers before the 18 extreme-input cases came;
+      # cut at 330 s on 4 workers on 2026-12-05): TEST_WORKERS (default 8) workers, each
+      # allocating GPU memory as it goes, as attn-tests does. TEST_TIMEOUT (default 420).
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-420} $python -m pytest \
+        -m gpu -q -n ${TEST_WORKERS:-8} -p no:cacheprovider -rfEs tests/test_linear_cross_entropy.py 2>&1 | tee "$out/lce_tests.log" | tail -n 6 \
         | tee -a "$out/summary.log" ;;
     lce-bench)
       timeout 400 $python benchmarks/bench_linear_cross_entropy.py --out "$out" \
