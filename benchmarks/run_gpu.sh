@@ -17,7 +17,8 @@
 #                           "layer_norm,rms_norm"; ROWS_ONLY picks that family's shapes;
 #                           ROWS_MODES, default "fwd,fwd+bwd")
 #   attn-tests              pytest -m gpu tests/test_attention.py (TEST_K picks tests,
-#                           TEST_WORKERS workers, default 8; TEST_TIMEOUT)
+#                           TEST_WORKERS workers, default 8; TEST_TIMEOUT); each test's
+#                           seconds in attn_test_times.log (lce-tests, pytest: likewise)
 #   attn-tune               tune_attention.py (TUNE_ONLY="4,5" picks shapes)
 #   attn-tune-hopper        tune_attention_hopper.py: the Mosaic GPU forward's tiles
 #                           (TUNE_ONLY picks shapes)
@@ -163,10 +164,13 @@ for stage in $stages; do
       # too little to instantiate CUDA graphs; without preallocation ten test processes
       # shared an H100 on 2026-12-05, and tests/test_norms.py ran in 44 s on eight).
       # TEST_K="expr" selects tests (pytest -k).
-      # TEST_TIMEOUT: seconds (default 330).
-      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.11 \
+      # TEST_TIMEOUT: seconds (default 330). On 2026-12-05 the 183 tests took longer than
+      # 530 s (124 done on an H200 beside lce-tests; test_matches_truth_gpu about 70 s a
+      # test a worker on an H100): attn_test_times.log says, test by test, where it goes.
+      JAXSOFTMAX_TEST_TIMES=$out/attn_test_times.log \
+        XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.11 \
         timeout ${TEST_TIMEOUT:-330} $python -m pytest \
-        -m gpu -q -n ${TEST_WORKERS:-8} -p no:cacheprovider -rfEs ${TEST_K:+-k "$TEST_K"} \
+        -m gpu -v -n ${TEST_WORKERS:-8} -p no:cacheprovider -rfEs ${TEST_K:+-k "$TEST_K"} \
         tests/test_attention.py 2>&1 \
         | tee "$out/attn_tests.log" | tail -n 25 | tee -a "$out/summary.log" ;;
     attn-tune)
@@ -224,15 +228,16 @@ for stage in $stages; do
       # Any tests: PYTEST_ARGS (e.g. "tests/test_norms.py -k 'online or rows'"), on the
       # GPU; split into words as the shell splits a command line, quotes included.
       eval "pytest_args=(${PYTEST_ARGS:-})"
-      timeout ${TEST_TIMEOUT:-300} $python -m pytest -q -p no:cacheprovider -rfEs \
+      JAXSOFTMAX_TEST_TIMES=$out/pytest_times.log timeout ${TEST_TIMEOUT:-300} $python -m pytest -q -p no:cacheprovider -rfEs \
         "${pytest_args[@]}" 2>&1 | tee -a "$out/pytest.log" | tail -n 6 \
         | tee -a "$out/summary.log" ;;
     lce-tests)
       # Compiling dominates (196 s on 4 workers before the 18 extreme-input cases came;
       # cut at 330 s on 4 workers on 2026-12-05): TEST_WORKERS (default 8) workers, each
       # allocating GPU memory as it goes, as attn-tests does. TEST_TIMEOUT (default 420).
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-420} $python -m pytest \
-        -m gpu -q -n ${TEST_WORKERS:-8} -p no:cacheprovider -rfEs tests/test_linear_cross_entropy.py 2>&1 | tee "$out/lce_tests.log" | tail -n 6 \
+      JAXSOFTMAX_TEST_TIMES=$out/lce_test_times.log XLA_PYTHON_CLIENT_PREALLOCATE=false \
+        timeout ${TEST_TIMEOUT:-420} $python -m pytest \
+        -m gpu -v -n ${TEST_WORKERS:-8} -p no:cacheprovider -rfEs tests/test_linear_cross_entropy.py 2>&1 | tee "$out/lce_tests.log" | tail -n 6 \
         | tee -a "$out/summary.log" ;;
     lce-bench)
       timeout 400 $python benchmarks/bench_linear_cross_entropy.py --out "$out" \

@@ -54,6 +54,17 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+  # JAXSOFTMAX_TEST_TIMES=FILE: each test's setup and call seconds appended to FILE as it
+  # finishes, so that a GPU run its time limit cuts still says where the time went
+  # (benchmarks/run_gpu.sh). Under xdist the controller writes (a worker has
+  # PYTEST_XDIST_WORKER set).
+  path = os.environ.get("JAXSOFTMAX_TEST_TIMES")
+  if path and "PYTEST_XDIST_WORKER" not in os.environ and report.when != "teardown":
+    with open(path, "a") as f:
+      f.write(f"{report.duration:8.1f} s {report.when:5} {report.outcome:7} {report.nodeid}\n")
+
+
 @pytest.fixture
 def key(request):
   """A PRNG key of its own for each test; JAXSOFTMAX_TEST_SEED changes them all. Tests

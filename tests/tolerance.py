@@ -23,7 +23,7 @@ def truth(fn, *args):
   with jax.enable_x64(True):
     cast = [a if a is None else jnp.asarray(_to64(a)) if _is_float(a) else jnp.asarray(a)
             for a in args]
-    return jax.tree.map(np.asarray, fn(*cast))
+    return jax.tree.map(np.asarray, jax.jit(fn)(*cast))
 
 
 def _is_float(a):
