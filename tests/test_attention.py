@@ -293,6 +293,11 @@ SCORE_TERM_CASES = [
     # keys hundreds of positions from a block's first query.
     pytest.param(1, 300, 300, 2, 1, 16, None, None, True,
                  dict(local_window_size=(200, 0)), id="alibi-left-window-long"),
+    # Two-sided: the interior blocks split by side (`masks.walk_block_ranges`' sides),
+    # keys before and after a block's queries, hundreds of positions away.
+    pytest.param(2, 37, 90, 4, 2, 16, None, None, True,
+                 dict(key_value_seq_lengths=jnp.array([90, 50])), id="alibi-two-sided-lengths"),
+    pytest.param(1, 300, 260, 2, 1, 16, None, None, True, {}, id="alibi-two-sided-long"),
     pytest.param(2, 1, 77, 4, 2, 64, (2, 1, 1, 77), (2, 1, 1, 77), True,
                  dict(key_value_seq_lengths=jnp.array([77, 5])), id="T1-decode"),
 ]
@@ -320,9 +325,28 @@ def test_score_terms(key, backend, B, T, S, N, K, H, bias_shape, mask_shape, ali
                      options):
   # Output, lse, dq, dk, dv and dbias (the bias's shape) under the 2x rule.
   dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
+  interpret = _interpret(backend)
+  _check_score_terms(key, backend, B, T, S, N, K, H, bias_shape, mask_shape, alibi,
+                     options, dtype=dtype, interpret=interpret,
+                     blocks=_tiles(backend, interpret))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, S, N, K, H, bias_shape, mask_shape, alibi, options",
+                         SCORE_TERM_CASES)
+def test_score_terms_triton_gpu(key, B, T, S, N, K, H, bias_shape, mask_shape, alibi,
+                                options):
+  # The same cases through the Triton kernels compiled, with their default tiles, in
+  # bfloat16 (whose dK/dV walk sums in registers, where float32's sums in its outputs,
+  # `triton.backward._walk_in_chunks`).
+  _check_score_terms(key, "triton", B, T, S, N, K, H, bias_shape, mask_shape, alibi,
+                     options, dtype=jnp.bfloat16, interpret=False, blocks=None)
+
+
+def _check_score_terms(key, backend, B, T, S, N, K, H, bias_shape, mask_shape, alibi,
+                       options, *, dtype, interpret, blocks):
   q, k, v, do = _inputs(key, B, T, S, N, K, H, dtype)
   bias, mask, slopes = _score_terms(key, B, T, S, N, bias_shape, mask_shape, alibi)
-  interpret = _interpret(backend)
   wrt = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
 
   def run(attention, q, k, v, bias, do):
@@ -333,7 +357,7 @@ def test_score_terms(key, backend, B, T, S, N, K, H, bias_shape, mask_shape, ali
   ours = lambda q, k, v, bias: js.dot_product_attention(
       q, k, v, bias, mask, alibi_slopes=slopes, return_residual=True,
       residual_dtype=jnp.float32, implementation=backend, interpret=interpret,
-      block_sizes=_tiles(backend, interpret), **options)
+      block_sizes=blocks, **options)
   ref = lambda q, k, v, bias: reference.dot_product_attention(
       q, k, v, bias, mask, alibi_slopes=slopes, **options)
   names = ("output", "lse", "dq", "dk", "dv", "dbias")[:2 + len(wrt)]
@@ -957,6 +981,7 @@ TRITON_LOWERING_CASES = [
                  id="mla-segments-window-lengths-float16"),
     pytest.param(jnp.float32, 64, 64, 4, 4, dict(is_causal=True, deterministic=True),
                  id="causal-deterministic-float32"),
+    pytest.param(jnp.bfloat16, 128, 128, 4, 2, dict(alibi=True), id="alibi-two-sided"),
 ]
 
 
