@@ -12,16 +12,17 @@ Shapes (B, T, N, K, H): 4x4096x16x16x128, full and causal, bfloat16. Rows:
     tiles), plain, with each feature;
   - `jaxsoftmax mosaic_gpu`: the Hopper kernels, plain and with sinks (joined in the
     forward kernel's epilogue, as the Triton one joins them); they run no bias, mask
-    array or ALiBi, but take the key-padding mask as segment ids (the queries' 0, the
-    keys' 0 where attended and 1 where masked: `key_mask_as_segments`), which tells what
-    handing such masks to them would gain over the Triton kernels' mask array;
+    array or ALiBi, but take a key-padding mask (`api._key_mask_as_segments`, and as
+    key lengths where it keeps each row's first keys, `api._key_mask_as_lengths`);
   - `cudnn`: ``jax.nn.dot_product_attention(implementation="cudnn")``, plain and with
     the same bias and mask (it takes no sinks or ALiBi slopes).
 Features: `sinks` (N,) logits; `alibi` slopes 2^-(n+1); `bias keys` (B, 1, 1, S) (a
 key-padding bias); `bias heads` (1, N, T, S) (a relative-position bias); `mask`
 (B, 1, T, S) booleans, 10% False, with every key past 3/4 of S masked for batch row 1
 (whole tiles the kernels skip); `mask keys` (B, 1, 1, S), a key-padding mask: batch row
-b attends to its first S · (1 - b/8) keys. The mode fwd+bwd differentiates q, k and v
+b attends to its first S · (1 - b/8) keys (so it runs as key lengths); `mask keys holes`
+the same with every 61st key masked too (so it runs as segment ids or a mask array). The
+mode fwd+bwd differentiates q, k and v
 (the bias and mask held fixed, as a model's frozen bias would be); jvp is forward mode,
 ``jax.jvp`` with tangents for q, k and v (our forward, then the Triton tangent kernel),
 beside ``jax.nn.dot_product_attention(implementation="xla")``'s (`xla`, jvp rows only;
@@ -50,7 +51,8 @@ from jaxsoftmax.attention import reference
 SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
           ((4, 4096, 16, 16, 128, True), jnp.bfloat16)]
 SMOKE_SHAPES = [((2, 64, 2, 1, 32, True), jnp.bfloat16)]
-FEATURES = ("plain", "sinks", "alibi", "bias keys", "bias heads", "mask", "mask keys")
+FEATURES = ("plain", "sinks", "alibi", "bias keys", "bias heads", "mask", "mask keys",
+            "mask keys holes")
 
 
 def measured_features() -> tuple[str, ...]:
@@ -66,8 +68,8 @@ def measured_features() -> tuple[str, ...]:
 
 # Which features each implementation runs.
 RUNS = {"jaxsoftmax triton": FEATURES,
-        "jaxsoftmax mosaic_gpu": ("plain", "sinks", "mask keys"),
-        "cudnn": ("plain", "bias keys", "bias heads", "mask", "mask keys"),
+        "jaxsoftmax mosaic_gpu": ("plain", "sinks", "mask keys", "mask keys holes"),
+        "cudnn": ("plain", "bias keys", "bias heads", "mask", "mask keys", "mask keys holes"),
         "xla": FEATURES}
 # The modes an implementation runs where not all (XLA's attention: forward mode's peer).
 MODES_OF = {"xla": ("jvp",)}
@@ -93,9 +95,11 @@ def feature_arrays(feature: str, B: int, T: int, N: int):
   if feature == "bias heads":
     return ({"bias": jax.random.normal(key, (1, N, T, T), jnp.bfloat16)},
             lambda kw, group: {"bias": kw["bias"][:, :group]})
-  if feature == "mask keys":
+  if feature in ("mask keys", "mask keys holes"):
     lengths = T - T * jnp.arange(B) // 8
     mask = (jnp.arange(T)[None, :] < lengths[:, None])[:, None, None, :]
+    if feature == "mask keys holes":
+      mask = mask & (jnp.arange(T) % 61 != 60)[None, None, None, :]
     return {"mask": mask}, lambda kw, group: {"mask": kw["mask"][:1]}
   assert feature == "mask", feature
   mask = jax.random.bernoulli(key, 0.9, (B, 1, T, T))
@@ -111,19 +115,8 @@ def attention_fn(impl: str, causal: bool, kw: dict):
     return lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal,
                                                            **kw)[0]
   backend = impl.split()[-1]
-  if backend == "mosaic_gpu" and "mask" in kw:  # a key-padding mask, as segment ids
-    segments = key_mask_as_segments(kw["mask"], kw["mask"].shape[-1])  # T = S here
-    return lambda q, k, v: js.dot_product_attention(
-        q, k, v, is_causal=causal, implementation=backend, segment_ids=segments)
   return lambda q, k, v: js.dot_product_attention(q, k, v, is_causal=causal,
                                                   implementation=backend, **kw)
-
-
-def key_mask_as_segments(mask, T: int):
-  """A key-padding mask (B, 1, 1, S) as (query, key) segment ids: every query in segment
-  0, each key in 0 where the mask attends to it and in 1 where it does not."""
-  keys = jnp.where(mask[:, 0, 0, :], 0, 1).astype(jnp.int32)
-  return jnp.zeros((mask.shape[0], T), jnp.int32), keys
 
 
 def bench_shape(report: harness.Report, case, dtype):

@@ -394,6 +394,37 @@ def test_key_padding_mask_as_segments(key):
   assert not api._is_key_mask(both)
 
 
+def test_key_padding_mask_keeping_prefixes_runs_as_lengths(key):
+  # A key-padding mask that keeps each batch row's first keys (right padding) runs as key
+  # lengths, chosen at run time (`api._key_mask_as_lengths`): output and gradients
+  # bit-identical to the call with those lengths, the given lengths taken where smaller
+  # (an empty row included); a mask with a hole or left padding keeps the mask's path.
+  B, T, S, N, K, H = 3, 20, 37, 2, 1, 16
+  q, k, v, do = _inputs(key, B, T, S, N, K, H, jnp.float32)
+  run = functools.partial(js.dot_product_attention, implementation="triton",
+                          interpret=True, block_sizes=SMALL_BLOCKS)
+
+  def step(q, k, v, **options):
+    o, vjp = jax.vjp(lambda q, k, v: run(q, k, v, **options), q, k, v)
+    return (o, *vjp(do))
+
+  counts, given = jnp.array([37, 11, 0]), jnp.array([20, 30, 5])
+  prefixes = (jnp.arange(S)[None, :] < counts[:, None])[:, None, None, :]
+  got = step(q, k, v, mask=prefixes, key_value_seq_lengths=given)
+  want = step(q, k, v, key_value_seq_lengths=jnp.minimum(counts, given))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+  assert api._keeps_prefixes(prefixes[:, 0, 0])
+  for other in (prefixes.at[0, ..., 5].set(False), prefixes[..., ::-1]):  # hole, left pad
+    assert not api._keeps_prefixes(other[:, 0, 0])
+    o, lse = run(q, k, v, mask=other, return_residual=True, residual_dtype=jnp.float32)
+    o_ref, lse_ref = reference.dot_product_attention(q, k, v, mask=other)
+    np.testing.assert_allclose(o, o_ref, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(lse, lse_ref, rtol=2e-6)
+  jaxpr = jax.make_jaxpr(lambda q: run(q, k, v, mask=prefixes))(q).jaxpr
+  assert [eqn.primitive.name for eqn in jaxpr.eqns].count("cond") == 1
+
+
 @pytest.mark.gpu
 def test_key_padding_mask_runs_on_hopper_gpu():
   # On a Hopper GPU a key-padding mask takes the Hopper kernels (as segment ids), a mask

@@ -11,7 +11,9 @@ values instead). ``bias``, ``mask`` and ``alibi_slopes`` run in the Triton kerne
 by tiles (`triton.tiling.ScoreTerms`); dbias comes from the dQ kernel when the bias is
 differentiated (the tangent's symbolic zero says when it is not). A key-padding mask
 (one row of keys per batch row) runs in the Hopper kernels too, as segment ids
-(`_key_mask_as_segments`).
+(`_key_mask_as_segments`), and, where it keeps a prefix of every row's keys (right
+padding), as key lengths in either backend, a choice made at run time by a
+``lax.cond`` (`_key_mask_as_lengths`; under ``vmap`` over the mask a cond runs both).
 
 Backends: each kernel backend (a folder beside this module, an `AttentionBackend`)
 declares what it can run (``unsupported(call)`` gives the reason it cannot) and runs the
@@ -329,6 +331,17 @@ class _Plan(NamedTuple):
   window: tuple[int, int] | None
   call: Call | None
   backend: AttentionBackend | None
+  padding: _KeyPadding | None = None
+
+
+class _KeyPadding(NamedTuple):
+  """A key-padding mask's second way to run (`_key_padding`): as key lengths, where it
+  keeps a prefix of every batch row's keys."""
+
+  keys: Any  # the mask's rows of keys, (B or 1, S) bool
+  aux: AuxArrays  # the call's arrays with the mask as key lengths
+  call: Call
+  backend: AttentionBackend
 
 
 def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
@@ -393,15 +406,20 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
                 deterministic=pallas.resolve_deterministic(deterministic),
                 has_bias=bias is not None, has_alibi=alibi_slopes is not None)
 
-  if _is_key_mask(aux) and implementation in (None, "mosaic_gpu"):
-    call = call_of(has_segments=True, has_mask=False)
-    backend = REGISTRY.select(None, call)
-    if backend.NAME == "mosaic_gpu":
-      return _Plan(query, key, value, unbatched, _key_mask_as_segments(aux, B, T, S),
-                   scale, window, call, backend)
+  padding = None
+  if _is_key_mask(aux):
+    lengths_call = call_of(has_segments=False, has_mask=False)
+    padding = _KeyPadding(aux.mask[:, 0, 0, :] != 0, _key_mask_as_lengths(aux, B),
+                          lengths_call, select_backend(implementation, lengths_call))
+    if implementation in (None, "mosaic_gpu"):
+      call = call_of(has_segments=True, has_mask=False)
+      backend = REGISTRY.select(None, call)
+      if backend.NAME == "mosaic_gpu":
+        return _Plan(query, key, value, unbatched, _key_mask_as_segments(aux, B, T, S),
+                     scale, window, call, backend, padding)
   call = call_of(has_segments=q_seg is not None, has_mask=mask is not None)
   return _Plan(query, key, value, unbatched, aux, scale, window, call,
-               select_backend(implementation, call))
+               select_backend(implementation, call), padding)
 
 
 def _is_key_mask(aux: AuxArrays) -> bool:
@@ -420,6 +438,25 @@ def _key_mask_as_segments(aux: AuxArrays, B: int, T: int, S: int) -> AuxArrays:
   kv_seg = jnp.broadcast_to((aux.mask[:, 0, 0, :] == 0).astype(jnp.int32), (B, S))
   return aux._replace(mask=None, q_segments=jnp.zeros((B, T), jnp.int32),
                       kv_segments=kv_seg)
+
+
+def _key_mask_as_lengths(aux: AuxArrays, B: int) -> AuxArrays:
+  """``aux`` with its key-padding mask (`_is_key_mask`) given as key lengths instead,
+  each batch row's count of attended keys (and the given lengths where smaller): the
+  same attention where the mask keeps a prefix of every row's keys (`_keeps_prefixes`),
+  as a right-padded batch's mask does. The kernels then skip the blocks past each
+  length and compare nothing an element, where the mask array or segment ids cost the
+  Triton forward 1.57x and the Hopper one 1.37x the plain call (4x4096x16x128, on an
+  H100, `benchmarks/results/tuning/attention_features_bias_stages_h100.md`)."""
+  counts = jnp.broadcast_to(jnp.sum(aux.mask[:, 0, 0, :] != 0, axis=1, dtype=jnp.int32), (B,))
+  lengths = counts if aux.kv_lengths is None else jnp.minimum(aux.kv_lengths, counts)
+  return aux._replace(mask=None, kv_lengths=lengths)
+
+
+def _keeps_prefixes(keys) -> jax.Array:
+  """Whether each row of ``keys`` (R, S) bool attends to its first keys and no other."""
+  counts = jnp.sum(keys, axis=1, dtype=jnp.int32)
+  return jnp.all(keys == (jnp.arange(keys.shape[1])[None, :] < counts[:, None]))
 
 
 def attention_kernels(query, key, value, bias=None, mask=None, **options) -> tuple[str, str]:
@@ -462,7 +499,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     mask: optional boolean (True: attend), broadcastable to (B, N, T, S); read by tiles
       in the Triton kernels, which skip the tiles it masks entirely. A key-padding mask,
       (B, 1, 1, S) or (1, 1, 1, S), runs in the Hopper kernels as segment ids where no
-      ``segment_ids`` are given.
+      ``segment_ids`` are given, and where it keeps each row's first keys (right
+      padding) as key lengths, decided at run time.
     scale: logits scale, 1/sqrt(H) by default.
     is_causal: key j is visible to query i when j <= i (top-left aligned when T != S).
     query_seq_lengths, key_value_seq_lengths: optional (B,) int lengths.
@@ -520,8 +558,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         alibi_slopes=plan.aux.alibi_slopes)
     lse = jax.lax.stop_gradient(lse)
   else:
-    query, key, value, aux, sinks = pallas.vary_together(query, key, value, plan.aux, sinks)
-    out, lse = _attention_jit(query, key, value, aux, sinks, plan.call, plan.backend.NAME)
+    padding = plan.padding
+    query, key, value, aux, sinks, lengths_aux = pallas.vary_together(
+        query, key, value, plan.aux, sinks, None if padding is None else padding.aux)
+    kernels = lambda aux, call, backend: _attention_jit(query, key, value, aux, sinks,
+                                                        call, backend.NAME)
+    if padding is None:
+      out, lse = kernels(aux, plan.call, plan.backend)
+    else:  # a key-padding mask runs as key lengths where it keeps prefixes, at run time
+      out, lse = jax.lax.cond(_keeps_prefixes(padding.keys),
+                              lambda: kernels(lengths_aux, padding.call, padding.backend),
+                              lambda: kernels(aux, plan.call, plan.backend))
     lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)))  # (B, N, T) -> (B, T, N)
   lse = lse.astype(query.dtype if residual_dtype is None else residual_dtype)
   if unbatched:
