@@ -30,7 +30,8 @@
 #   attn-features           bench_attention_features.py: sinks, ALiBi, bias and mask
 #                           arrays against the plain kernels and cuDNN (ATTN_ONLY;
 #                           ATTN_MODES="fwd,fwd+bwd,jvp" adds forward mode; ATTN_FEATURES
-#                           picks features)
+#                           picks features; ATTN_TIMEOUT, default 400 s: four features
+#                           on both shapes took longer on 2026-12-05)
 #   attn-ncu                Nsight Compute counters of one forward (NCU_SOURCE=1 adds the
 #                           per-instruction stall samples on the SASS)
 #   attn-resources          ptxas' registers and spills of the Mosaic GPU kernels
@@ -191,7 +192,7 @@ for stage in $stages; do
         ${ATTN_ONLY:+--only "$ATTN_ONLY"} 2>&1 \
         | tee -a "$out/attn_bench_bwd.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     attn-features)
-      timeout 400 $python benchmarks/bench_attention_features.py --out "$out" \
+      timeout ${ATTN_TIMEOUT:-400} $python benchmarks/bench_attention_features.py --out "$out" \
         ${ATTN_ONLY:+--only "$ATTN_ONLY"} ${ATTN_MODES:+--modes "$ATTN_MODES"} 2>&1 \
         | tee -a "$out/attn_features.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     attn-ncu)

@@ -394,35 +394,82 @@ def test_key_padding_mask_as_segments(key):
   assert not api._is_key_mask(both)
 
 
-def test_key_padding_mask_keeping_prefixes_runs_as_lengths(key):
-  # A key-padding mask that keeps each batch row's first keys (right padding) runs as key
-  # lengths, chosen at run time (`api._key_mask_as_lengths`): output and gradients
-  # bit-identical to the call with those lengths, the given lengths taken where smaller
-  # (an empty row included); a mask with a hole or left padding keeps the mask's path.
+def _padded_batch_masks(T, S, q_counts, kv_counts):
+  """A padded batch's masks (B, 1, T, S), as Flax's make_attention_mask of two padding
+  masks makes them, and the same with the causal mask, and the key-padding mask alone
+  (B, 1, 1, S)."""
+  queries = jnp.arange(T)[None, :] < q_counts[:, None]
+  keys = jnp.arange(S)[None, :] < kv_counts[:, None]
+  full = (queries[:, :, None] & keys[:, None, :])[:, None]
+  return full, full & jnp.tril(jnp.ones((T, S), bool))[None, None], keys[:, None, None, :]
+
+
+@pytest.mark.parametrize("form", ["keys", "full", "causal", "causal-given", "keys-causal"])
+def test_padded_batch_mask_runs_as_lengths(key, form):
+  # A mask without a head axis that keeps each batch row's first queries and keys (with
+  # the causal mask or not) runs as lengths, chosen at run time (`api._mask_as_lengths`):
+  # output and gradients bit-identical to the call with those lengths, the given ones
+  # taken where smaller (an empty row included). With is_causal given, the mask's
+  # entries above the diagonal do not count.
   B, T, S, N, K, H = 3, 20, 37, 2, 1, 16
   q, k, v, do = _inputs(key, B, T, S, N, K, H, jnp.float32)
   run = functools.partial(js.dot_product_attention, implementation="triton",
                           interpret=True, block_sizes=SMALL_BLOCKS)
 
-  def step(q, k, v, **options):
+  def step(**options):
     o, vjp = jax.vjp(lambda q, k, v: run(q, k, v, **options), q, k, v)
     return (o, *vjp(do))
 
-  counts, given = jnp.array([37, 11, 0]), jnp.array([20, 30, 5])
-  prefixes = (jnp.arange(S)[None, :] < counts[:, None])[:, None, None, :]
-  got = step(q, k, v, mask=prefixes, key_value_seq_lengths=given)
-  want = step(q, k, v, key_value_seq_lengths=jnp.minimum(counts, given))
+  q_counts, kv_counts = jnp.array([20, 13, 0]), jnp.array([37, 11, 0])
+  given = jnp.array([20, 30, 5])
+  full, causal, keys = _padded_batch_masks(T, S, q_counts, kv_counts)
+  mask, is_causal, lengths = {
+      "keys": (keys, False, {}),
+      "full": (full, False, dict(query_seq_lengths=q_counts)),
+      "causal": (causal, False, dict(query_seq_lengths=q_counts)),
+      "causal-given": (full, True, dict(query_seq_lengths=q_counts)),  # full & causal
+      "keys-causal": (keys, True, {})}[form]
+  got = step(mask=mask, is_causal=is_causal, key_value_seq_lengths=given)
+  want = step(is_causal=is_causal or form == "causal",
+              key_value_seq_lengths=jnp.minimum(kv_counts, given), **lengths)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
-  assert api._keeps_prefixes(prefixes[:, 0, 0])
-  for other in (prefixes.at[0, ..., 5].set(False), prefixes[..., ::-1]):  # hole, left pad
-    assert not api._keeps_prefixes(other[:, 0, 0])
-    o, lse = run(q, k, v, mask=other, return_residual=True, residual_dtype=jnp.float32)
+
+
+def test_other_masks_keep_their_path(key):
+  # A mask that no lengths give (a hole, left padding, a per-head mask) keeps the mask's
+  # path: the same attention as the reference, and for the first two the run-time check
+  # (`api._form_index`) says so; a padded batch's mask is checked as one.
+  B, T, S, N, K, H = 3, 20, 37, 2, 1, 16
+  q, k, v, _ = _inputs(key, B, T, S, N, K, H, jnp.float32)
+  full, causal, keys = _padded_batch_masks(T, S, jnp.array([20, 13, 0]),
+                                           jnp.array([37, 11, 0]))
+
+  def as_lengths(mask, is_causal=False):
+    return api._plan(q, k, v, None, mask, scale=None, is_causal=is_causal,
+                     query_seq_lengths=None, key_value_seq_lengths=None,
+                     local_window_size=None, implementation="triton",
+                     logits_soft_cap=None, segment_ids=None, block_sizes=SMALL_BLOCKS,
+                     interpret=True, deterministic=None).as_lengths
+
+  def form_index(mask, is_causal=False):
+    forms = as_lengths(mask, is_causal)
+    return int(api._form_index(forms)), len(forms.forms)
+
+  assert form_index(full) == (0, 2) and form_index(causal) == (1, 2)
+  assert form_index(keys) == (0, 1) and form_index(full, is_causal=True) == (0, 1)
+  for other in (full.at[0, ..., 5].set(False), full[..., ::-1], keys[..., ::-1]):
+    index, n_forms = form_index(other)
+    assert index == n_forms
+  per_head = jnp.broadcast_to(full, (B, N, T, S))
+  assert as_lengths(per_head) is None
+  for other in (full.at[0, ..., 5].set(False), keys[..., ::-1], per_head):
+    o, lse = js.dot_product_attention(q, k, v, mask=other, return_residual=True,
+                                      residual_dtype=jnp.float32, implementation="triton",
+                                      interpret=True, block_sizes=SMALL_BLOCKS)
     o_ref, lse_ref = reference.dot_product_attention(q, k, v, mask=other)
     np.testing.assert_allclose(o, o_ref, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(lse, lse_ref, rtol=2e-6)
-  jaxpr = jax.make_jaxpr(lambda q: run(q, k, v, mask=prefixes))(q).jaxpr
-  assert [eqn.primitive.name for eqn in jaxpr.eqns].count("cond") == 1
 
 
 @pytest.mark.gpu

@@ -11,9 +11,10 @@ values instead). ``bias``, ``mask`` and ``alibi_slopes`` run in the Triton kerne
 by tiles (`triton.tiling.ScoreTerms`); dbias comes from the dQ kernel when the bias is
 differentiated (the tangent's symbolic zero says when it is not). A key-padding mask
 (one row of keys per batch row) runs in the Hopper kernels too, as segment ids
-(`_key_mask_as_segments`), and, where it keeps a prefix of every row's keys (right
-padding), as key lengths in either backend, a choice made at run time by a
-``lax.cond`` (`_key_mask_as_lengths`; under ``vmap`` over the mask a cond runs both).
+(`_key_mask_as_segments`). A mask without a head axis that is a padded batch's (each
+row's first queries and keys, with or without the causal mask) runs as query and key
+lengths instead, on either backend, chosen at run time by a ``lax.switch``
+(`_mask_as_lengths`; under ``vmap`` over the mask every branch runs).
 
 Backends: each kernel backend (a folder beside this module, an `AttentionBackend`)
 declares what it can run (``unsupported(call)`` gives the reason it cannot) and runs the
@@ -331,17 +332,26 @@ class _Plan(NamedTuple):
   window: tuple[int, int] | None
   call: Call | None
   backend: AttentionBackend | None
-  padding: _KeyPadding | None = None
+  as_lengths: _MaskAsLengths | None = None
 
 
-class _KeyPadding(NamedTuple):
-  """A key-padding mask's second way to run (`_key_padding`): as key lengths, where it
-  keeps a prefix of every batch row's keys."""
+class _LengthsForm(NamedTuple):
+  """A mask run as lengths (`_MaskAsLengths`), with the causal mask where ``causal``."""
 
-  keys: Any  # the mask's rows of keys, (B or 1, S) bool
-  aux: AuxArrays  # the call's arrays with the mask as key lengths
+  causal: bool
+  aux: AuxArrays  # the call's arrays, the mask replaced by the lengths
   call: Call
   backend: AttentionBackend
+
+
+class _MaskAsLengths(NamedTuple):
+  """The other ways to run a mask without a head axis: as the query and key lengths it
+  implies, alone or with the causal mask (`_mask_as_lengths`); `_form_index` picks the
+  one that gives the mask's attention, if any, at run time."""
+
+  mask: Any  # bool, (B or 1, 1, T or 1, S)
+  lengths: tuple  # the mask's own (query lengths or None, key lengths), each (B,)
+  forms: tuple[_LengthsForm, ...]
 
 
 def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
@@ -395,10 +405,10 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
     return _Plan(query, key, value, unbatched, aux, scale, window, None, None)
   window_left, window_right = window or (None, None)
 
-  def call_of(has_segments: bool, has_mask: bool) -> Call:
+  def call_of(has_segments: bool, has_mask: bool, causal: bool = is_causal) -> Call:
     return Call(B=B, T=T, S=S, N=N, K=key.shape[2], H=H, Hv=value.shape[3],
                 dtype=jnp.dtype(query.dtype).name,
-                spec=MaskSpec(q_len=T, kv_len=S, is_causal=bool(is_causal),
+                spec=MaskSpec(q_len=T, kv_len=S, is_causal=bool(causal),
                               window_left=window_left, window_right=window_right,
                               has_segments=has_segments, has_mask=has_mask),
                 scale=scale, softcap=logits_soft_cap, block_sizes=block_sizes,
@@ -406,20 +416,16 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
                 deterministic=pallas.resolve_deterministic(deterministic),
                 has_bias=bias is not None, has_alibi=alibi_slopes is not None)
 
-  padding = None
-  if _is_key_mask(aux):
-    lengths_call = call_of(has_segments=False, has_mask=False)
-    padding = _KeyPadding(aux.mask[:, 0, 0, :] != 0, _key_mask_as_lengths(aux, B),
-                          lengths_call, select_backend(implementation, lengths_call))
-    if implementation in (None, "mosaic_gpu"):
-      call = call_of(has_segments=True, has_mask=False)
-      backend = REGISTRY.select(None, call)
-      if backend.NAME == "mosaic_gpu":
-        return _Plan(query, key, value, unbatched, _key_mask_as_segments(aux, B, T, S),
-                     scale, window, call, backend, padding)
+  as_lengths = _mask_as_lengths(aux, B, is_causal, call_of, implementation)
+  if _is_key_mask(aux) and implementation in (None, "mosaic_gpu"):
+    call = call_of(has_segments=True, has_mask=False)
+    backend = REGISTRY.select(None, call)
+    if backend.NAME == "mosaic_gpu":
+      return _Plan(query, key, value, unbatched, _key_mask_as_segments(aux, B, T, S),
+                   scale, window, call, backend, as_lengths)
   call = call_of(has_segments=q_seg is not None, has_mask=mask is not None)
   return _Plan(query, key, value, unbatched, aux, scale, window, call,
-               select_backend(implementation, call), padding)
+               select_backend(implementation, call), as_lengths)
 
 
 def _is_key_mask(aux: AuxArrays) -> bool:
@@ -440,29 +446,80 @@ def _key_mask_as_segments(aux: AuxArrays, B: int, T: int, S: int) -> AuxArrays:
                       kv_segments=kv_seg)
 
 
-def _key_mask_as_lengths(aux: AuxArrays, B: int) -> AuxArrays:
-  """``aux`` with its key-padding mask (`_is_key_mask`) given as key lengths instead,
-  each batch row's count of attended keys (and the given lengths where smaller): the
-  same attention where the mask keeps a prefix of every row's keys (`_keeps_prefixes`),
-  as a right-padded batch's mask does. The kernels then skip the blocks past each
-  length and compare nothing an element, where the mask array or segment ids cost the
-  Triton forward 1.57x and the Hopper one 1.37x the plain call (4x4096x16x128, on an
-  H100, `benchmarks/results/tuning/attention_features_bias_stages_h100.md`)."""
-  counts = jnp.broadcast_to(jnp.sum(aux.mask[:, 0, 0, :] != 0, axis=1, dtype=jnp.int32), (B,))
-  lengths = counts if aux.kv_lengths is None else jnp.minimum(aux.kv_lengths, counts)
-  return aux._replace(mask=None, kv_lengths=lengths)
+def _mask_as_lengths(aux: AuxArrays, B: int, is_causal: bool, call_of,
+                     implementation) -> _MaskAsLengths | None:
+  """The ways to run ``aux``'s mask as lengths, where it has no head axis and no segment
+  ids come with it: the query lengths (a mask with a query axis) and key lengths it
+  implies, each the count of query rows and key columns it attends to anywhere (the
+  given lengths taken where smaller), alone and with the causal mask. They give the
+  mask's attention where it is what a padded batch's mask is: each row's first queries
+  and first keys, with or without the causal mask (Flax's ``make_attention_mask`` of two
+  padding masks, with ``make_causal_mask`` or not; a tokenizer's attention mask as keys
+  alone). The kernels then skip the blocks past each length and compare nothing an
+  element, where the Triton kernels' mask array cost about 2x the plain call and a
+  key-padding mask 1.57x, and the Hopper kernels' segment ids for one 1.37x
+  (4x4096x16x128, on an H100,
+  `benchmarks/results/tuning/attention_features_bias_stages_h100.md`). Under
+  ``is_causal`` only the mask's entries at or below the diagonal count. A form that the
+  backend named cannot run is left out."""
+  mask = aux.mask
+  if mask is None or aux.q_segments is not None or mask.shape[1] != 1:
+    return None
+  rows = mask != 0
+  with_queries = rows.shape[2] > 1
+  if is_causal and with_queries:  # what the causal mask removes does not matter
+    rows = rows & _causal(rows.shape[2], rows.shape[3])
+  kv_counts = jnp.broadcast_to(
+      jnp.sum(jnp.any(rows, axis=2), axis=-1, dtype=jnp.int32)[:, 0], (B,))
+  q_counts = None
+  if with_queries:
+    q_counts = jnp.broadcast_to(
+        jnp.sum(jnp.any(rows, axis=3), axis=-1, dtype=jnp.int32)[:, 0], (B,))
+
+  def smaller(given, counts):
+    return counts if given is None else given if counts is None else jnp.minimum(given, counts)
+
+  lengths_aux = aux._replace(mask=None, q_lengths=smaller(aux.q_lengths, q_counts),
+                             kv_lengths=smaller(aux.kv_lengths, kv_counts))
+  forms = []
+  patterns = (False,) if not with_queries else (True,) if is_causal else (False, True)
+  for causal in patterns:
+    call = call_of(has_segments=False, has_mask=False, causal=is_causal or causal)
+    try:
+      forms.append(_LengthsForm(causal, lengths_aux, call, select_backend(implementation, call)))
+    except ValueError:  # the backend named cannot run it: the mask's path runs
+      continue
+  return _MaskAsLengths(rows, (q_counts, kv_counts), tuple(forms)) if forms else None
 
 
-def _keeps_prefixes(keys) -> jax.Array:
-  """Whether each row of ``keys`` (R, S) bool attends to its first keys and no other."""
-  counts = jnp.sum(keys, axis=1, dtype=jnp.int32)
-  return jnp.all(keys == (jnp.arange(keys.shape[1])[None, :] < counts[:, None]))
+def _causal(T: int, S: int) -> jax.Array:
+  """The causal mask j <= i, (1, 1, T, S)."""
+  return (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None])[None, None]
+
+
+def _form_index(as_lengths: _MaskAsLengths) -> jax.Array:
+  """The first of ``as_lengths.forms`` whose lengths (and causal mask) are exactly the
+  mask, else len(forms): the mask's own path."""
+  rows = as_lengths.mask
+  q_counts, kv_counts = (None if n is None else n[:rows.shape[0], None, None, None]
+                         for n in as_lengths.lengths)
+  Tm, S = rows.shape[2:]
+  pattern = jnp.arange(S)[None, None, None, :] < kv_counts
+  if q_counts is not None:
+    pattern = pattern & (jnp.arange(Tm)[None, None, :, None] < q_counts)
+  index = jnp.int32(len(as_lengths.forms))
+  for k in reversed(range(len(as_lengths.forms))):
+    form = pattern & _causal(Tm, S) if as_lengths.forms[k].causal else pattern
+    index = jnp.where(jnp.all(rows == form), k, index)
+  return index
 
 
 def attention_kernels(query, key, value, bias=None, mask=None, **options) -> tuple[str, str]:
   """(forward, backward): which kernels `dot_product_attention` runs for these arguments
   (the same ones, any of its keywords) on the current device: "mosaic_gpu", "triton" or
-  "xla" (the reference path). Errors as `dot_product_attention` raises them."""
+  "xla" (the reference path). Errors as `dot_product_attention` raises them. For a
+  mask, these are its own path's: a padded batch's mask runs as lengths instead where
+  the run-time check says so (`_mask_as_lengths`), on the backend the lengths pick."""
   planned = ("scale", "query_seq_lengths", "key_value_seq_lengths", "local_window_size",
              "implementation", "logits_soft_cap", "segment_ids", "block_sizes",
              "interpret", "deterministic", "alibi_slopes")
@@ -499,8 +556,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     mask: optional boolean (True: attend), broadcastable to (B, N, T, S); read by tiles
       in the Triton kernels, which skip the tiles it masks entirely. A key-padding mask,
       (B, 1, 1, S) or (1, 1, 1, S), runs in the Hopper kernels as segment ids where no
-      ``segment_ids`` are given, and where it keeps each row's first keys (right
-      padding) as key lengths, decided at run time.
+      ``segment_ids`` are given. A mask without a head axis that keeps each batch
+      row's first queries and first keys (a padded batch's, as Flax's
+      ``make_attention_mask`` makes it), with or without the causal mask, runs as
+      query and key lengths instead, decided at run time.
     scale: logits scale, 1/sqrt(H) by default.
     is_causal: key j is visible to query i when j <= i (top-left aligned when T != S).
     query_seq_lengths, key_value_seq_lengths: optional (B,) int lengths.
@@ -558,17 +617,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         alibi_slopes=plan.aux.alibi_slopes)
     lse = jax.lax.stop_gradient(lse)
   else:
-    padding = plan.padding
+    as_lengths = plan.as_lengths
     query, key, value, aux, sinks, lengths_aux = pallas.vary_together(
-        query, key, value, plan.aux, sinks, None if padding is None else padding.aux)
+        query, key, value, plan.aux, sinks,
+        None if as_lengths is None else as_lengths.forms[0].aux)
     kernels = lambda aux, call, backend: _attention_jit(query, key, value, aux, sinks,
                                                         call, backend.NAME)
-    if padding is None:
+    if as_lengths is None:
       out, lse = kernels(aux, plan.call, plan.backend)
-    else:  # a key-padding mask runs as key lengths where it keeps prefixes, at run time
-      out, lse = jax.lax.cond(_keeps_prefixes(padding.keys),
-                              lambda: kernels(lengths_aux, padding.call, padding.backend),
-                              lambda: kernels(aux, plan.call, plan.backend))
+    else:  # a padded batch's mask runs as lengths, chosen at run time
+      branches = [functools.partial(kernels, lengths_aux, form.call, form.backend)
+                  for form in as_lengths.forms]
+      out, lse = jax.lax.switch(_form_index(as_lengths),
+                                [*branches, lambda: kernels(aux, plan.call, plan.backend)])
     lse = jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)))  # (B, N, T) -> (B, T, N)
   lse = lse.astype(query.dtype if residual_dtype is None else residual_dtype)
   if unbatched:
