@@ -390,6 +390,25 @@ def test_flax_masks(key):
   assert kernels == ("triton", "triton")
 
 
+def test_flax_traced_padded_causal_mask_runs_as_lengths(key):
+  # Inside jax.jit nnx's padding and causal masks, combined, are traced: the kernels take
+  # them as lengths with is_causal (`api._mask_as_lengths`), the same program to the bit
+  # as the layer given those lengths and is_causal itself.
+  from flax import nnx
+  x = jax.random.normal(key, (2, 11, 32))
+  lengths = jnp.array([11, 7])
+  tokens = jnp.arange(11)[None, :] < lengths[:, None]
+  mask = nnx.combine_masks(nnx.make_attention_mask(tokens, tokens),
+                           nnx.make_causal_mask(tokens))
+  options = dict(implementation="triton", interpret=True)
+  masked = _mha(js.flax_attention_fn(**options))
+  fixed = _mha(js.flax_attention_fn(is_causal=True, query_seq_lengths=lengths,
+                                    key_value_seq_lengths=lengths, **options))
+  got = jax.jit(lambda x, mask: masked(x, mask=mask))(x, mask)
+  np.testing.assert_array_equal(got, jax.jit(lambda x: fixed(x))(x))
+  np.testing.assert_allclose(got[1, :7], _mha()(x, mask=mask)[1, :7], rtol=2e-5, atol=2e-5)
+
+
 def test_nnx_norms_take_a_residual(key):
   from flax import nnx
   x, r = jax.random.normal(key, (2, 3, 16)), jax.random.normal(jax.random.fold_in(key, 1),

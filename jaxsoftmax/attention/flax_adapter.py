@@ -17,10 +17,11 @@ Masks: a mask array goes to the kernels, which read it by tiles (the Triton back
 `dot_product_attention`'s ``mask``). A mask known when the layer runs (not traced) that
 is all True or exactly the causal mask (``nnx.make_causal_mask``) becomes no mask or
 ``is_causal=True``, which the Hopper kernels also run and which skips whole blocks
-without reading a mask. Inside ``jax.jit`` a mask is traced and cannot be read: call the
-layer with ``is_causal=True`` (or use ``flax_attention_fn(is_causal=True)``) for a
-causal one. A row that a mask leaves without any key gives 0, where nnx's own attention
-averages the values.
+without reading a mask. Inside ``jax.jit`` a mask is traced, and `dot_product_attention`
+checks it at run time: a padded batch's mask, causal or not (``make_attention_mask`` of
+padding masks, ``make_causal_mask``, their ``combine_masks``), runs as query and key
+lengths with or without ``is_causal``; any other as a mask array. A row that a mask
+leaves without any key gives 0, where nnx's own attention averages the values.
 """
 
 from __future__ import annotations
