@@ -339,7 +339,6 @@ class _LengthsForm(NamedTuple):
   """A mask run as lengths (`_MaskAsLengths`), with the causal mask where ``causal``."""
 
   causal: bool
-  aux: AuxArrays  # the call's arrays, the mask replaced by the lengths
   call: Call
   backend: AttentionBackend
 
@@ -351,6 +350,7 @@ class _MaskAsLengths(NamedTuple):
 
   mask: Any  # bool, (B or 1, 1, T or 1, S)
   lengths: tuple  # the mask's own (query lengths or None, key lengths), each (B,)
+  aux: AuxArrays  # the call's arrays, the mask replaced by the lengths
   forms: tuple[_LengthsForm, ...]
 
 
@@ -486,10 +486,12 @@ def _mask_as_lengths(aux: AuxArrays, B: int, is_causal: bool, call_of,
   for causal in patterns:
     call = call_of(has_segments=False, has_mask=False, causal=is_causal or causal)
     try:
-      forms.append(_LengthsForm(causal, lengths_aux, call, select_backend(implementation, call)))
+      forms.append(_LengthsForm(causal, call, select_backend(implementation, call)))
     except ValueError:  # the backend named cannot run it: the mask's path runs
       continue
-  return _MaskAsLengths(rows, (q_counts, kv_counts), tuple(forms)) if forms else None
+  if not forms:
+    return None
+  return _MaskAsLengths(rows, (q_counts, kv_counts), lengths_aux, tuple(forms))
 
 
 def _causal(T: int, S: int) -> jax.Array:
@@ -620,7 +622,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     as_lengths = plan.as_lengths
     query, key, value, aux, sinks, lengths_aux = pallas.vary_together(
         query, key, value, plan.aux, sinks,
-        None if as_lengths is None else as_lengths.forms[0].aux)
+        None if as_lengths is None else as_lengths.aux)
     kernels = lambda aux, call, backend: _attention_jit(query, key, value, aux, sinks,
                                                         call, backend.NAME)
     if as_lengths is None:

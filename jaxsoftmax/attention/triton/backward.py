@@ -37,11 +37,9 @@ from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (Logits, cap_grad, row_delta, score_grad,
                                          score_grad_terms)
 from jaxsoftmax.attention.masks import (MaskSpec, cdiv, element_mask, interior_parts,
-                                        key_block_ranges, key_block_sides,
-                                        query_block_ranges, query_block_sides,
+                                        key_block_ranges, query_block_ranges,
                                         walk_block_ranges)
-from jaxsoftmax.attention.triton.tiling import (KEYS_AFTER, KEYS_BEFORE, Aux, BlockSizes,
-                                                Dims, Plane, ScoreTerms,
+from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, Plane, ScoreTerms,
                                                 block_rows, key_block,
                                                 load_scalar, max_or_inf, probabilities,
                                                 query_block, query_block_launch,
@@ -116,10 +114,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     return dk, dv
 
   ranges = query_block_ranges(spec, k0, bq, bk, kv_length, q_length, pl.cdiv(dims.T, bq))
-  # Query blocks wholly before the keys come first (`masks.query_block_sides`).
-  sides = None
-  if terms.two_sided_alibi:
-    sides = (*query_block_sides(k0, bq, bk), KEYS_AFTER, KEYS_BEFORE)
+  sides = terms.query_sides(k0, bq, bk)
   zeros = (jnp.zeros((bk, dims.H_pad), jnp.float32),
            jnp.zeros((bk, dims.Hv_pad), jnp.float32))
   if chunk is None:
@@ -222,11 +217,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
 
   carry = (jnp.zeros((bq, dims.H_pad), jnp.float32),
            None if dbias is None else dbias.start(bk))
-  sides = None
-  if terms.two_sided_alibi:
-    sides = (*key_block_sides(q0, bq, bk), KEYS_BEFORE, KEYS_AFTER)
-  dq, dbias_sum = walk_block_ranges(
-      key_block_ranges(spec, q0, bq, bk, kv_length, q_length), step, carry, sides)
+  dq, dbias_sum = walk_block_ranges(key_block_ranges(spec, q0, bq, bk, kv_length, q_length),
+                                    step, carry, terms.key_sides(q0, bq, bk))
   pallas.store(dq_ref, (dq * logits.scale).astype(dq_ref.dtype), mask=q_mask)
   if dbias is not None:
     dbias.finish(dbias_sum)

@@ -29,10 +29,9 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, join_sink
-from jaxsoftmax.attention.masks import (MaskSpec, key_block_ranges, key_block_sides,
-                                        walk_block_ranges)
-from jaxsoftmax.attention.triton.tiling import (KEYS_AFTER, KEYS_BEFORE, Aux, BlockSizes,
-                                                Dims, ScoreTerms, forward_stages, key_block,
+from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
+from jaxsoftmax.attention.triton.tiling import (KEYS_BEFORE, Aux, BlockSizes, Dims,
+                                                ScoreTerms, forward_stages, key_block,
                                                 query_block, query_block_launch, scores,
                                                 when_any)
 from jaxsoftmax._core.state import safe_shift
@@ -81,10 +80,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
   ranges = key_block_ranges(spec, q0, bq, bk, kv_length, q_length)
   carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
            jnp.zeros((bq, dims.Hv_pad), jnp.float32))
-  sides = None
-  if terms.two_sided_alibi:
-    sides = (*key_block_sides(q0, bq, bk), KEYS_BEFORE, KEYS_AFTER)
-  m, l, acc = walk_block_ranges(ranges, step, carry, sides)
+  m, l, acc = walk_block_ranges(ranges, step, carry, terms.key_sides(q0, bq, bk))
   alibi_row = terms.alibi_row(slope, q_idx, q0, KEYS_BEFORE)
   if alibi_row is not None:  # the true maximum (-inf and NaN stay)
     m = m + alibi_row

@@ -27,10 +27,8 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, cap_grad
-from jaxsoftmax.attention.masks import (MaskSpec, key_block_ranges, key_block_sides,
-                                        walk_block_ranges)
-from jaxsoftmax.attention.triton.tiling import (KEYS_AFTER, KEYS_BEFORE, MIN_BLOCK, Aux,
-                                                BlockSizes, Dims, ScoreTerms,
+from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
+from jaxsoftmax.attention.triton.tiling import (MIN_BLOCK, Aux, BlockSizes, Dims, ScoreTerms,
                                                 key_block, max_or_inf,
                                                 probabilities, query_block,
                                                 query_block_launch, query_plane_spec,
@@ -83,10 +81,7 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
 
   carry = (jnp.zeros((bq, dims.Hv_pad), jnp.float32), jnp.zeros((bq,), jnp.float32))
   ranges = key_block_ranges(spec, q0, bq, bk, block.kv_length, block.q_length)
-  sides = None
-  if terms.two_sided_alibi:
-    sides = (*key_block_sides(q0, bq, bk), KEYS_BEFORE, KEYS_AFTER)
-  acc, r = walk_block_ranges(ranges, step, carry, sides)
+  acc, r = walk_block_ranges(ranges, step, carry, terms.key_sides(q0, bq, bk))
   o = pallas.load(o_ref, mask=block.o_mask, other=0).astype(jnp.float32)
   pallas.store(o_dot_ref, (acc - r[:, None] * o).astype(o_dot_ref.dtype),
                mask=block.o_mask)

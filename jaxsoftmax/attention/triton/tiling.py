@@ -16,7 +16,8 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
-from jaxsoftmax.attention.masks import MaskSpec, element_mask
+from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_sides,
+                                        query_block_sides)
 
 # Triton's tensor-core dots need every dimension of a tile to be at least 16.
 MIN_BLOCK = 16
@@ -304,6 +305,20 @@ class ScoreTerms(NamedTuple):
     """Whether the walks should split their interior blocks by `side` (ALiBi slopes
     where keys may sit on both sides of a query)."""
     return self.refs.alibi_slopes is not None and not self.one_sided
+
+  def key_sides(self, q0, block_q: int, block_k: int):
+    """`masks.walk_block_ranges`' ``sides`` for a walk over the key blocks of the queries
+    from q0 (keys before them first), or None where the tiles need no split."""
+    if not self.two_sided_alibi:
+      return None
+    return (*key_block_sides(q0, block_q, block_k), KEYS_BEFORE, KEYS_AFTER)
+
+  def query_sides(self, k0, block_q: int, block_k: int):
+    """The same for the dK/dV kernel's walk over the query blocks of the keys from k0
+    (the query blocks wholly before the keys, so the keys after them, first)."""
+    if not self.two_sided_alibi:
+      return None
+    return (*query_block_sides(k0, block_q, block_k), KEYS_AFTER, KEYS_BEFORE)
 
   def _side(self, side):
     return KEYS_BEFORE if self.one_sided else side
