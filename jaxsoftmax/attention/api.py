@@ -460,8 +460,9 @@ def _mask_as_lengths(aux: AuxArrays, B: int, is_causal: bool, call_of,
   key-padding mask 1.57x, and the Hopper kernels' segment ids for one 1.37x
   (4x4096x16x128, on an H100,
   `benchmarks/results/tuning/attention_features_bias_stages_h100.md`). Under
-  ``is_causal`` only the mask's entries at or below the diagonal count. A form that the
-  backend named cannot run is left out."""
+  ``is_causal`` only the mask's entries at or below the diagonal count. Each form's
+  kernels compile beside the mask's. A form that the backend named cannot run is left
+  out."""
   mask = aux.mask
   if mask is None or aux.q_segments is not None or mask.shape[1] != 1:
     return None
