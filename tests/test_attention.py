@@ -436,6 +436,25 @@ def test_padded_batch_mask_runs_as_lengths(key, form):
     np.testing.assert_array_equal(g, w)
 
 
+def test_masks_under_vmap(key):
+  # vmap over a batch of masks, one a padded batch's and one with a hole: the run-time
+  # choice of path becomes a select, both paths run, and each element gets its own
+  # mask's attention and a finite gradient.
+  V, B, T, S, N, K, H = 2, 2, 12, 17, 2, 1, 16
+  q, k, v, _ = _inputs(key, V * B, T, S, N, K, H, jnp.float32)
+  q, k, v = (x.reshape(V, B, *x.shape[1:]) for x in (q, k, v))
+  masks = jnp.stack([_padded_batch_masks(T, S, jnp.array([12, 7]), jnp.array([17, 5]))[1],
+                     jnp.ones((B, 1, T, S), bool).at[0, ..., 3].set(False)])
+  attention = lambda q, k, v, mask: js.dot_product_attention(
+      q, k, v, mask=mask, implementation="triton", interpret=True, block_sizes=SMALL_BLOCKS)
+  got = jax.vmap(attention)(q, k, v, masks)
+  want = jax.vmap(lambda *a: reference.dot_product_attention(*a[:3], mask=a[3])[0])(
+      q, k, v, masks)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+  grad = jax.grad(lambda q: jnp.sum(jax.vmap(attention)(q, k, v, masks)))(q)
+  assert np.isfinite(np.asarray(grad)).all()
+
+
 def test_other_masks_keep_their_path(key):
   # A mask that no lengths give (a hole, left padding, a per-head mask) keeps the mask's
   # path: the same attention as the reference, and for the first two the run-time check
