@@ -266,8 +266,8 @@ class ScoreTerms(NamedTuple):
   keeps its running maximum less the `KEYS_BEFORE` row term (`frame_offset`). With
   ``one_sided`` (every allowed key at or before its query: causal, or a window with no
   right side) every tile is `KEYS_BEFORE`; otherwise the walks split their interior
-  blocks by side (`masks.walk_block_ranges`' ``sides``, where `two_sided_alibi`), and
-  the rest take the distance. Both terms stay small where the weights are large (near
+  blocks by side (`key_sides`, `query_sides`: `masks.walk_block_ranges`' ``sides``),
+  and the rest take the distance. Both terms stay small where the weights are large (near
   the diagonal), so float32 keeps them exact there (docs/kernels.md, ALiBi)."""
 
   aux: Aux
