@@ -30,7 +30,7 @@ from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, join_sink
 from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
-from jaxsoftmax.attention.triton.tiling import (KEYS_BEFORE, Aux, BlockSizes, Dims,
+from jaxsoftmax.attention.triton.tiling import (KEYS_BEFORE, SIDES, Aux, BlockSizes, Dims,
                                                 ScoreTerms, forward_stages, key_block,
                                                 query_block, query_block_launch, scores,
                                                 when_any)
@@ -52,6 +52,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
 
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
+  # m is kept less ALiBi's row term; a tile on another side reaches it by an offset a
+  # row (`ScoreTerms.frame_offset`), formed once before the walk.
+  offsets = {side: terms.frame_offset(slope, q_idx, q0, side) for side in SIDES}
 
   def step(j, carry, *, masked: bool, side=None):
     keys = key_block(j * bk, bk, dims, terms, block, masked=masked)
@@ -63,9 +66,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
       x = terms.add(x, **keys.place, slope=slope, q0=q0, side=side)
       if masked:
         x = jnp.where(keys.allowed(spec, kv_seg_ref, block), x, -jnp.inf)
-      # m is kept less ALiBi's row term; a tile on another side reaches it by an offset
-      # a row (`ScoreTerms.frame_offset`).
-      offset = terms.frame_offset(slope, q_idx, q0, side)
+      offset = offsets[side]
       x_max = jnp.max(x, axis=1)
       m_new = jnp.maximum(m, x_max if offset is None else x_max + offset)
       shift = safe_shift(m_new)

@@ -249,6 +249,7 @@ class Aux:
 # before every query (j <= i), or at or after (j >= i).
 KEYS_BEFORE = "keys before"
 KEYS_AFTER = "keys after"
+SIDES = (None, KEYS_BEFORE, KEYS_AFTER)  # None: the tile straddles the diagonal
 
 
 class ScoreTerms(NamedTuple):
@@ -362,8 +363,7 @@ class ScoreTerms(NamedTuple):
   def tile_maxima(self, m, slope, q_idx, q0):
     """`tile_max` for each side a walk's tiles may take (None, `KEYS_BEFORE`,
     `KEYS_AFTER`), formed once before the walk."""
-    return {side: self.tile_max(m, slope, q_idx, q0, side)
-            for side in (None, KEYS_BEFORE, KEYS_AFTER)}
+    return {side: self.tile_max(m, slope, q_idx, q0, side) for side in SIDES}
 
   def frame_offset(self, slope, q_idx, q0, side=None):
     """What the forward adds to a tile of ``side`` (from `add`) to bring it into its
