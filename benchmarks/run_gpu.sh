@@ -199,16 +199,16 @@ for stage in $stages; do
       # Nsight Compute on one forward of each of PROFILE_IMPLS (default: ours on Hopper
       # and cuDNN) at PROFILE_SHAPE: throughput, tensor-pipe use, stall reasons.
       # PROFILE_MODE=fwd+bwd runs the backward too (PROFILE_KERNEL then picks its kernels).
-      # PROFILE_ALIBI=1 gives our calls ALiBi slopes, PROFILE_BIAS=heads a (1, N, T, S)
-      # bias (triton, cudnn; logs named ncu_IMPL_bias_heads.log); PROFILE_SCHEDULE (e.g.
+      # PROFILE_FEATURE names one of bench_attention_features.py's features ("alibi",
+      # "bias heads", "mask", ...; logs named ncu_IMPL_bias_heads.log); PROFILE_SCHEDULE (e.g.
       # stale+fa3) picks the Hopper backward's schedule, and names the logs
       # ncu_IMPL_stale_fa3.log.
-      tag=$(echo "${PROFILE_BIAS:+_bias_$PROFILE_BIAS}${PROFILE_SCHEDULE:+_$PROFILE_SCHEDULE}" | tr '+' '_')
+      tag=$(echo "${PROFILE_FEATURE:+_$PROFILE_FEATURE}${PROFILE_SCHEDULE:+_$PROFILE_SCHEDULE}" | tr '+ ' '__')
       for impl in ${PROFILE_IMPLS:-mosaic_gpu cudnn}; do
         counters "$out/ncu_$impl$tag.log" "${PROFILE_KERNEL:-attention|fmha|flash|sm90}" "$impl" \
           $python benchmarks/profile_attention.py --impl "$impl" \
           --shape "${PROFILE_SHAPE:-4,4096,16,16,128,0}" --mode "${PROFILE_MODE:-fwd}" \
-          ${PROFILE_ALIBI:+--alibi} ${PROFILE_BIAS:+--bias "$PROFILE_BIAS"} ${PROFILE_SCHEDULE:+--schedule "$PROFILE_SCHEDULE"}
+          ${PROFILE_FEATURE:+--feature "$PROFILE_FEATURE"} ${PROFILE_SCHEDULE:+--schedule "$PROFILE_SCHEDULE"}
       done ;;
     attn-resources)
       # ptxas' report (registers, spilled bytes) and the SASS of the Mosaic GPU kernels
