@@ -15,7 +15,8 @@ Shapes (B, T, N, K, H): 4x4096x16x16x128, full and causal, bfloat16. Rows:
     array or ALiBi, but take a key-padding mask (`api._key_mask_as_segments`, and as
     key lengths where it keeps each row's first keys, `api._key_mask_as_lengths`);
   - `cudnn`: ``jax.nn.dot_product_attention(implementation="cudnn")``, plain and with
-    the same bias and mask (it takes no sinks or ALiBi slopes).
+    the same bias and mask, a key mask or key bias broadcast along the queries (the only
+    form it takes); it takes no sinks or ALiBi slopes.
 Features: `sinks` (N,) logits; `alibi` slopes 2^-(n+1); `bias keys` (B, 1, 1, S) (a
 key-padding bias); `bias heads` (1, N, T, S) (a relative-position bias); `mask`
 (B, 1, T, S) booleans, 10% False, with every key past 3/4 of S masked for batch row 1
@@ -109,8 +110,16 @@ def feature_arrays(feature: str, B: int, T: int, N: int):
 
 def attention_fn(impl: str, causal: bool, kw: dict):
   if impl == "cudnn":
-    return lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, kw.get("bias"), kw.get("mask"), is_causal=causal, implementation="cudnn")
+    def cudnn(q, k, v):
+      # jax.nn's cuDNN path takes a bias or mask only with its query axis whole (a key
+      # mask (B, 1, 1, S) raises "Bias must have same seq length as QKV"), so a key
+      # mask or key bias is broadcast along the queries, as its users must.
+      T, S = q.shape[1], k.shape[1]
+      bias, mask = ((x if x is None else jnp.broadcast_to(x, (x.shape[0], x.shape[1], T, S)))
+                    for x in (kw.get("bias"), kw.get("mask")))
+      return jax.nn.dot_product_attention(q, k, v, bias, mask, is_causal=causal,
+                                          implementation="cudnn")
+    return cudnn
   if impl == "xla":  # with every feature, as the reference spells them
     return lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal,
                                                            **kw)[0]

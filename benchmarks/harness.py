@@ -2,7 +2,9 @@
 
 Timing: every measurement is the median over iterations of the summed durations of the
 GPU kernels one call launches, read with CUPTI (`jax.experimental.mosaic.gpu.profiler`)
-or, where CUPTI is unavailable, from a `jax.profiler` trace. Each iteration calls the
+or, where CUPTI is unavailable or BENCH_TIMER=trace asks (CUPTI's C++ side aborted the
+process on 2026-12-05, "activity records were dropped", at the Hopper kernels behind a
+key mask's lax.switch), from a `jax.profiler` trace. Each iteration calls the
 function on several input sets in turn when one set fits in L2 (inputs are rotated past
 60 MB), after a warm-up that compiles. Beside it, the end-to-end time per call: wall
 clock over ITERATIONS calls issued back to back (pipelined, as a training step issues
@@ -171,6 +173,8 @@ def time_call(fn: Callable, arg_sets: Sequence[tuple]):
     jax.block_until_ready(jitted(*arg_sets[0]))
   walls = [_pipelined_wall_us(jitted, arg_sets) for _ in range(3)]
   try:
+    if os.environ.get("BENCH_TIMER") == "trace":
+      raise RuntimeError("BENCH_TIMER=trace")
     device, timer = _cupti_times(fn, arg_sets, ITERATIONS), "cupti"
   except Exception as cupti_error:  # noqa: BLE001 - fall back, and say why below
     try:

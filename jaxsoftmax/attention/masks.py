@@ -162,44 +162,11 @@ def element_mask(spec: MaskSpec, q_idx: jax.Array, k_idx: jax.Array, kv_length,
   return allowed
 
 
-def key_block_sides(q0, block_q: int, block_k: int):
-  """(a, b): of the key blocks of the queries [q0, q0 + block_q), those before a hold
-  only keys at or before every query (j <= i), those from b on only keys at or after
-  every query (j >= i); the blocks between straddle the diagonal."""
-  return _floor_div(q0 + 1, block_k), cdiv(q0 + block_q - 1, block_k)
-
-
-def query_block_sides(k0, block_q: int, block_k: int):
-  """(a, b): of the query blocks that the keys [k0, k0 + block_k) meet, those before a
-  hold only queries at or before every key (the keys after them, j >= i), those from b
-  on only queries at or after every key (j <= i)."""
-  return _floor_div(k0 + 1, block_q), cdiv(k0 + block_k - 1, block_q)
-
-
-def interior_parts(full_lo, full_hi, sides=None):
-  """The interior [full_lo, full_hi) of a walk as (start, stop, extra) parts, ``extra``
-  the keywords its blocks' body gets: one part with none, or with ``sides`` (a, b,
-  first, last), from `key_block_sides` or `query_block_sides` and two names, three:
-  ``side=first`` on the blocks before a, ``side=None`` up to b, ``side=last`` from b on.
-  The split is for a term that is simpler on either side of the diagonal (two-sided
-  ALiBi, `triton.tiling.ScoreTerms`)."""
-  if sides is None:
-    return [(full_lo, full_hi, {})]
-  a, b, first, last = sides
-  a = jnp.clip(a, full_lo, full_hi)
-  b = jnp.clip(b, a, full_hi)
-  return [(full_lo, a, dict(side=first)), (a, b, dict(side=None)),
-          (b, full_hi, dict(side=last))]
-
-
-def walk_block_ranges(ranges, body, carry, sides=None):
+def walk_block_ranges(ranges, body, carry):
   """Runs ``body(j, carry, masked=...)`` over the blocks j of the ranges (lo, full_lo,
   full_hi, hi): with element masks on [lo, full_lo) and [full_hi, hi), without on the
-  interior [full_lo, full_hi). With ``sides``, the interior's blocks also get the
-  keyword ``side`` (`interior_parts`), and the boundary ranges' ``side=None``."""
+  interior [full_lo, full_hi)."""
   lo, full_lo, full_hi, hi = ranges
-  boundary = {} if sides is None else dict(side=None)
-  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True, **boundary), carry)
-  for start, stop, extra in interior_parts(full_lo, full_hi, sides):
-    carry = lax.fori_loop(start, stop, functools.partial(body, masked=False, **extra), carry)
-  return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True, **boundary), carry)
+  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)

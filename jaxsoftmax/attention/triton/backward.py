@@ -36,9 +36,8 @@ from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (Logits, cap_grad, row_delta, score_grad,
                                          score_grad_terms)
-from jaxsoftmax.attention.masks import (MaskSpec, cdiv, element_mask, interior_parts,
-                                        key_block_ranges, query_block_ranges,
-                                        walk_block_ranges)
+from jaxsoftmax.attention.masks import (MaskSpec, cdiv, element_mask, key_block_ranges,
+                                        query_block_ranges, walk_block_ranges)
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, Plane, ScoreTerms,
                                                 block_rows, key_block,
                                                 load_scalar, max_or_inf, probabilities,
@@ -65,7 +64,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims, transposed=True,
                      one_sided=spec.one_sided)
 
-  def step(i, carry, *, g, masked: bool, side=None):
+  def step(i, carry, *, g, masked: bool):
     q0 = i * bq
     q_idx, q_ok = block_rows(q0, bq, dims.T)
     rows = pl.ds(q0, bq)
@@ -83,9 +82,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
       log2_l = pallas.load(log2_l_ref.at[g, rows], mask=q_ok, other=0)
       delta = pallas.load(delta_ref.at[g, rows], mask=q_ok, other=0)
       slope = terms.slope(g)
-      m = terms.tile_max(m, slope, q_idx, q0, side)
+      m = terms.tile_max(m, slope, q_idx, q0)
       x_t, tanh_t = scores(logits, k, q)  # (bk, bq)
-      x_t = terms.add(x_t, **place, slope=slope, q0=q0, side=side)
+      x_t = terms.add(x_t, **place, slope=slope, q0=q0)
       allowed = None
       if masked:
         q_seg = None
@@ -114,12 +113,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     return dk, dv
 
   ranges = query_block_ranges(spec, k0, bq, bk, kv_length, q_length, pl.cdiv(dims.T, bq))
-  sides = terms.query_sides(k0, bq, bk)
   zeros = (jnp.zeros((bk, dims.H_pad), jnp.float32),
            jnp.zeros((bk, dims.Hv_pad), jnp.float32))
   if chunk is None:
     def head(g, carry):
-      return walk_block_ranges(ranges, functools.partial(step, g=g), carry, sides)
+      return walk_block_ranges(ranges, functools.partial(step, g=g), carry)
 
     dk, dv = final(*lax.fori_loop(0, group, head, zeros))
     pallas.store(dk_ref, dk.astype(dk_ref.dtype), mask=k_mask)
@@ -138,16 +136,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     pallas.store(dv_ref, pallas.load(dv_ref, mask=v_mask, other=0) + dv, mask=v_mask)
 
   def head_in_chunks(g, unused):
-    _walk_in_chunks(ranges, functools.partial(step, g=g), zeros, chunk, add_to_outputs,
-                    sides)
+    _walk_in_chunks(ranges, functools.partial(step, g=g), zeros, chunk, add_to_outputs)
     return unused
 
   lax.fori_loop(0, group, head_in_chunks, 0)
 
 
-def _walk_in_chunks(ranges, body, zeros, chunk: int, add, sides):
-  """`walk_block_ranges` (with its ``sides``) in runs of at most ``chunk`` blocks, each
-  summed from ``zeros`` and handed to ``add`` (float32: which adds it to the outputs).
+def _walk_in_chunks(ranges, body, zeros, chunk: int, add):
+  """`walk_block_ranges` in runs of at most ``chunk`` blocks, each summed from ``zeros``
+  and handed to ``add`` (float32: which adds it to the outputs).
 
   Triton folds ``dk + dot(ds, q)`` into the product's accumulator, so one walk adds every
   query row into dK and dV one after another. Over 2 x 4097 rows (causal, T 4097, S 1000,
@@ -156,17 +153,16 @@ def _walk_in_chunks(ranges, body, zeros, chunk: int, add, sides):
   in 64-row tiles. Summed in the outputs, the runs take no registers beyond the walk's.
   """
   lo, full_lo, full_hi, hi = ranges
-  boundary = {} if sides is None else dict(side=None)
-  add(lax.fori_loop(lo, full_lo, functools.partial(body, masked=True, **boundary), zeros))
-  for part_lo, part_hi, extra in interior_parts(full_lo, full_hi, sides):
-    def run(c, unused, part_lo=part_lo, part_hi=part_hi, extra=extra):
-      start = part_lo + c * chunk
-      add(lax.fori_loop(start, jnp.minimum(start + chunk, part_hi),
-                        functools.partial(body, masked=False, **extra), zeros))
-      return unused
+  add(lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), zeros))
 
-    lax.fori_loop(0, cdiv(part_hi - part_lo, chunk), run, 0)
-  add(lax.fori_loop(full_hi, hi, functools.partial(body, masked=True, **boundary), zeros))
+  def run(c, unused):
+    start = full_lo + c * chunk
+    add(lax.fori_loop(start, jnp.minimum(start + chunk, full_hi),
+                      functools.partial(body, masked=False), zeros))
+    return unused
+
+  lax.fori_loop(0, cdiv(full_hi - full_lo, chunk), run, 0)
+  add(lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), zeros))
 
 
 def _score_grad_dot(ds, x):
@@ -193,10 +189,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   delta = pallas.load(delta_ref, mask=q_ok, other=0)
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
-  m_tiles = terms.tile_maxima(m, slope, q_idx, q0)
+  m = terms.tile_max(m, slope, q_idx, q0)
   dbias = _DBiasPartial(dbias_ref[0], aux.bias, q_idx, bq, dims) if dbias_ref else None
 
-  def step(j, carry, *, masked: bool, side=None):
+  def step(j, carry, *, masked: bool):
     keys = key_block(j * bk, bk, dims, terms, block, masked=masked)
 
     def fold(carry):
@@ -204,9 +200,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
       k = keys.load(k_ref, keys.k_mask)
       v = keys.load(v_ref, keys.v_mask)
       x, tanh = scores(logits, q, k)
-      x = terms.add(x, **keys.place, slope=slope, q0=q0, side=side)
+      x = terms.add(x, **keys.place, slope=slope, q0=q0)
       allowed = keys.allowed(spec, kv_seg_ref, block) if masked else None
-      p = probabilities(logits, exp2, x, m_tiles[side][:, None], log2_l[:, None], allowed)
+      p = probabilities(logits, exp2, x, m[:, None], log2_l[:, None], allowed)
       dp = pallas.dot(do, v, trans_b=True)
       ds = score_grad(p, dp, delta[:, None], None)  # the logits' (and the bias's)
       if dbias is not None:
@@ -217,8 +213,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
 
   carry = (jnp.zeros((bq, dims.H_pad), jnp.float32),
            None if dbias is None else dbias.start(bk))
-  dq, dbias_sum = walk_block_ranges(key_block_ranges(spec, q0, bq, bk, kv_length, q_length),
-                                    step, carry, terms.key_sides(q0, bq, bk))
+  dq, dbias_sum = walk_block_ranges(
+      key_block_ranges(spec, q0, bq, bk, kv_length, q_length), step, carry)
   pallas.store(dq_ref, (dq * logits.scale).astype(dq_ref.dtype), mask=q_mask)
   if dbias is not None:
     dbias.finish(dbias_sum)

@@ -30,10 +30,9 @@ from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, join_sink
 from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
-from jaxsoftmax.attention.triton.tiling import (KEYS_BEFORE, SIDES, Aux, BlockSizes, Dims,
-                                                ScoreTerms, forward_stages, key_block,
-                                                query_block, query_block_launch, scores,
-                                                when_any)
+from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, ScoreTerms,
+                                                forward_stages, key_block, query_block,
+                                                query_block_launch, scores, when_any)
 from jaxsoftmax._core.state import safe_shift
 
 
@@ -52,25 +51,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
 
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
-  # m is kept less ALiBi's row term; a tile on another side reaches it by an offset a
-  # row (`ScoreTerms.frame_offset`), formed once before the walk.
-  offsets = {side: terms.frame_offset(slope, q_idx, q0, side) for side in SIDES}
 
-  def step(j, carry, *, masked: bool, side=None):
+  def step(j, carry, *, masked: bool):
     keys = key_block(j * bk, bk, dims, terms, block, masked=masked)
 
     def fold(carry):
       m, l, acc = carry
       k = keys.load(k_ref, keys.k_mask)
       x, _ = scores(logits, q, k)
-      x = terms.add(x, **keys.place, slope=slope, q0=q0, side=side)
+      x = terms.add(x, **keys.place, slope=slope, q0=q0)
       if masked:
         x = jnp.where(keys.allowed(spec, kv_seg_ref, block), x, -jnp.inf)
-      offset = offsets[side]
-      x_max = jnp.max(x, axis=1)
-      m_new = jnp.maximum(m, x_max if offset is None else x_max + offset)
+      m_new = jnp.maximum(m, jnp.max(x, axis=1))
       shift = safe_shift(m_new)
-      p = exp2(logits.exponent(x, (shift if offset is None else shift - offset)[:, None]))
+      p = exp2(logits.exponent(x, shift[:, None]))
       alpha = exp2(logits.exponent(m, shift))
       v = keys.load(v_ref, keys.v_mask)
       acc = acc * alpha[:, None] + pallas.dot(p.astype(v.dtype), v)
@@ -81,8 +75,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
   ranges = key_block_ranges(spec, q0, bq, bk, kv_length, q_length)
   carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
            jnp.zeros((bq, dims.Hv_pad), jnp.float32))
-  m, l, acc = walk_block_ranges(ranges, step, carry, terms.key_sides(q0, bq, bk))
-  alibi_row = terms.alibi_row(slope, q_idx, q0, KEYS_BEFORE)
+  m, l, acc = walk_block_ranges(ranges, step, carry)
+  alibi_row = terms.alibi_row(slope, q_idx, q0)
   if alibi_row is not None:  # the true maximum (-inf and NaN stay)
     m = m + alibi_row
 

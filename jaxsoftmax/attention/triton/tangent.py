@@ -50,18 +50,18 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
   log2_l = pallas.load(log2_l_ref, mask=block.ok, other=0)
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
-  m_tiles = terms.tile_maxima(m, slope, q_idx, q0)
+  m = terms.tile_max(m, slope, q_idx, q0)
 
-  def step(j, carry, *, masked: bool, side=None):
+  def step(j, carry, *, masked: bool):
     keys = key_block(j * bk, bk, dims, terms, block, masked=masked)
 
     def tile(carry):
       acc, r = carry
       k = keys.load(k_ref, keys.k_mask)
       x, tanh = scores(logits, q, k)
-      x = terms.add(x, **keys.place, slope=slope, q0=q0, side=side)
+      x = terms.add(x, **keys.place, slope=slope, q0=q0)
       allowed = keys.allowed(spec, kv_seg_ref, block) if masked else None
-      p = probabilities(logits, exp2, x, m_tiles[side][:, None], log2_l[:, None], allowed)
+      p = probabilities(logits, exp2, x, m[:, None], log2_l[:, None], allowed)
       k_dot = keys.load(k_dot_ref, keys.k_mask)
       qk_dot = pallas.dot(q_dot, k, trans_b=True) + pallas.dot(q, k_dot, trans_b=True)
       # The logits' tangent; ds/dx of the soft cap is the same 1 - tanh² as the backward's.
@@ -81,7 +81,7 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
 
   carry = (jnp.zeros((bq, dims.Hv_pad), jnp.float32), jnp.zeros((bq,), jnp.float32))
   ranges = key_block_ranges(spec, q0, bq, bk, block.kv_length, block.q_length)
-  acc, r = walk_block_ranges(ranges, step, carry, terms.key_sides(q0, bq, bk))
+  acc, r = walk_block_ranges(ranges, step, carry)
   o = pallas.load(o_ref, mask=block.o_mask, other=0).astype(jnp.float32)
   pallas.store(o_dot_ref, (acc - r[:, None] * o).astype(o_dot_ref.dtype),
                mask=block.o_mask)

@@ -16,8 +16,7 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits
-from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_sides,
-                                        query_block_sides)
+from jaxsoftmax.attention.masks import MaskSpec, element_mask
 
 # Triton's tensor-core dots need every dimension of a tile to be at least 16.
 MIN_BLOCK = 16
@@ -245,31 +244,20 @@ class Aux:
     return [spec for spec, here in zip(candidates, self.present) if here]
 
 
-# The sides of the diagonal a tile may sit on (`ScoreTerms`): every key of the tile at or
-# before every query (j <= i), or at or after (j >= i).
-KEYS_BEFORE = "keys before"
-KEYS_AFTER = "keys after"
-SIDES = (None, KEYS_BEFORE, KEYS_AFTER)  # None: the tile straddles the diagonal
-
-
 class ScoreTerms(NamedTuple):
   """What one program adds to its scores beyond the position masks (`masks`): the bias
   and the ALiBi term, in x's units (logits = x · factor, `logits.Logits`), and the mask
   array's tile. Tiles are (block_q, block_k), or (block_k, block_q) when ``transposed``
   (the dK/dV kernel).
 
-  ALiBi's -slope·|i - j| is slope·(j - q0) - slope·(i - q0) for a block of queries from
-  q0 where every key of a tile sits at or before every query (``side`` `KEYS_BEFORE`),
-  and its negation where every key sits at or after (`KEYS_AFTER`): `add` adds the
-  column term only (one add an element, where the distance took four), and the row
-  term, the same for every key of a row, moves into the row's statistics (`alibi_row`):
-  the backward kernels subtract it from the saved maximum (`tile_max`), the forward
-  keeps its running maximum less the `KEYS_BEFORE` row term (`frame_offset`). With
-  ``one_sided`` (every allowed key at or before its query: causal, or a window with no
-  right side) every tile is `KEYS_BEFORE`; otherwise the walks split their interior
-  blocks by side (`key_sides`, `query_sides`: `masks.walk_block_ranges`' ``sides``),
-  and the rest take the distance. Both terms stay small where the weights are large (near
-  the diagonal), so float32 keeps them exact there (docs/kernels.md, ALiBi)."""
+  With ``one_sided`` (every allowed key at or before its query: causal, or a window with
+  no right side) ALiBi's -slope·|i - j| is slope·(j - q0) - slope·(i - q0) for a block
+  of queries from q0: `add` adds the column term only (one add an element, where the
+  distance took four), and the row term, the same for every key of a row, moves into
+  the row's statistics (`alibi_row`): the forward's running maximum is the true one
+  minus it, and the backward kernels subtract it from the saved one (`tile_max`). Both terms stay
+  small where the weights are large (near the diagonal), so float32 keeps them exact
+  there (docs/kernels.md, ALiBi)."""
 
   aux: Aux
   refs: AuxArrays
@@ -301,82 +289,35 @@ class ScoreTerms(NamedTuple):
       return None
     return jnp.max(pallas.load(ref if head is None else ref.at[pl.ds(head, 1)]))
 
-  @property
-  def two_sided_alibi(self) -> bool:
-    """Whether the walks should split their interior blocks by `side` (ALiBi slopes
-    where keys may sit on both sides of a query)."""
-    return self.refs.alibi_slopes is not None and not self.one_sided
-
-  def key_sides(self, q0, block_q: int, block_k: int):
-    """`masks.walk_block_ranges`' ``sides`` for a walk over the key blocks of the queries
-    from q0 (keys before them first), or None where the tiles need no split."""
-    if not self.two_sided_alibi:
-      return None
-    return (*key_block_sides(q0, block_q, block_k), KEYS_BEFORE, KEYS_AFTER)
-
-  def query_sides(self, k0, block_q: int, block_k: int):
-    """The same for the dK/dV kernel's walk over the query blocks of the keys from k0
-    (the query blocks wholly before the keys, so the keys after them, first)."""
-    if not self.two_sided_alibi:
-      return None
-    return (*query_block_sides(k0, block_q, block_k), KEYS_AFTER, KEYS_BEFORE)
-
-  def _side(self, side):
-    return KEYS_BEFORE if self.one_sided else side
-
-  def add(self, x, *, q_idx, k_idx, rows, cols, head=None, slope=None, q0=None, side=None):
+  def add(self, x, *, q_idx, k_idx, rows, cols, head=None, slope=None, q0=None):
     """x plus the bias and ALiBi terms: x is the tile of the queries q_idx (a block from
     ``q0``), the rows ``rows`` of the refs' blocks, and the keys k_idx, their columns
-    ``cols``; ``slope`` from `slope`. On a tile of one ``side`` the ALiBi term leaves
-    out the row term `alibi_row`."""
+    ``cols``; ``slope`` from `slope`. One-sided, the ALiBi term leaves out the row
+    term `alibi_row`."""
     if self.refs.bias is not None:
       bias = self.plane_tile(self.refs.bias, self.aux.bias, head, rows, cols, q_idx,
                              k_idx, x.shape)
       x = x + bias.astype(jnp.float32) * (1 / self.factor)
-    side = self._side(side)
-    if slope is not None and side is not None:  # ±slope · (j - q0)
+    if slope is not None and self.one_sided:  # slope · (j - q0)
       column = (slope / self.factor) * (k_idx - q0).astype(jnp.float32)
-      column = column if side == KEYS_BEFORE else -column
       x = x + (column[:, None] if self.transposed else column[None, :])
     elif slope is not None:  # ALiBi: -slope · |i - j|
       distance = jnp.abs(q_idx[:, None] - k_idx[None, :]).astype(jnp.float32)
       x = x - (slope / self.factor) * (distance.T if self.transposed else distance)
     return x
 
-  def alibi_row(self, slope, q_idx, q0, side=None):
-    """ALiBi's row term in x's units, per query of q_idx (a block from ``q0``), that
-    `add` leaves out of a tile of ``side``: -slope·(i - q0) for `KEYS_BEFORE` (every
-    tile, one-sided), slope·(i - q0) for `KEYS_AFTER`; None where `add` takes the whole
-    distance, or without ALiBi."""
-    side = self._side(side)
-    if slope is None or side is None:
+  def alibi_row(self, slope, q_idx, q0):
+    """One-sided ALiBi's row term -slope·(i - q0) in x's units, per query of q_idx (a
+    block from ``q0``), which `add` leaves out of the tile; None without one."""
+    if slope is None or not self.one_sided:
       return None
-    row = (slope / self.factor) * (q_idx - q0).astype(jnp.float32)
-    return -row if side == KEYS_BEFORE else row
+    return -(slope / self.factor) * (q_idx - q0).astype(jnp.float32)
 
-  def tile_max(self, m, slope, q_idx, q0, side=None):
-    """A saved row maximum m (in x's units) as the tiles of ``side`` that `add` makes
-    reach it: less the row term `alibi_row` they leave out, else m itself."""
-    row = self.alibi_row(slope, q_idx, q0, side)
+  def tile_max(self, m, slope, q_idx, q0):
+    """A saved row maximum m (in x's units) as the tiles `add` makes reach it: less
+    one-sided ALiBi's row term (`alibi_row`), else m itself."""
+    row = self.alibi_row(slope, q_idx, q0)
     return m if row is None else m - row
-
-  def tile_maxima(self, m, slope, q_idx, q0):
-    """`tile_max` for each side a walk's tiles may take (None, `KEYS_BEFORE`,
-    `KEYS_AFTER`), formed once before the walk."""
-    return {side: self.tile_max(m, slope, q_idx, q0, side) for side in SIDES}
-
-  def frame_offset(self, slope, q_idx, q0, side=None):
-    """What the forward adds to a tile of ``side`` (from `add`) to bring it into its
-    running maximum's frame, the true logits less the `KEYS_BEFORE` row term: per query,
-    0 (None) for `KEYS_BEFORE` tiles, 2·slope·(i - q0) for `KEYS_AFTER` ones and
-    slope·(i - q0) where `add` took the distance (in x's units). Added to the tile's
-    row maxima and taken from the shift of its exponent, it costs no operation an
-    element."""
-    before = self.alibi_row(slope, q_idx, q0, KEYS_BEFORE)
-    if before is None or self._side(side) == KEYS_BEFORE:
-      return None
-    here = self.alibi_row(slope, q_idx, q0, side)
-    return -before if here is None else here - before
 
   def mask(self, shape, *, q_idx, k_idx, rows, cols, head=None):
     """The mask array's tile (bool, True: attend) of ``shape``, placed as in `add`; None
