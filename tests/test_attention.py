@@ -343,10 +343,22 @@ def test_score_terms_triton_gpu(key, B, T, S, N, K, H, bias_shape, mask_shape, a
                      options, dtype=jnp.bfloat16, interpret=False, blocks=None)
 
 
+def test_alibi_one_sided_exact_near_the_diagonal(key):
+  # Steep slopes (not powers of two) with the default 64-row tiles, causal: one-sided
+  # ALiBi's column and row terms reach slope·63 within a block, so a diagonal tile
+  # formed in their frame rounds its heaviest logits at float32's ulp of 190 (that form
+  # missed the 2x rule 3x, output and gradients); the walks' masked blocks take the
+  # distance itself (`ScoreTerms.add`). Sizes not a multiple of the tiles.
+  _check_score_terms(key, "triton", 1, 150, 150, 2, 1, 16, None, None, True,
+                     dict(is_causal=True), dtype=jnp.float32, interpret=_interpret("triton"),
+                     blocks=None, slopes=jnp.array([3.0, 0.7], jnp.float32))
+
+
 def _check_score_terms(key, backend, B, T, S, N, K, H, bias_shape, mask_shape, alibi,
-                       options, *, dtype, interpret, blocks):
+                       options, *, dtype, interpret, blocks, slopes=None):
   q, k, v, do = _inputs(key, B, T, S, N, K, H, dtype)
-  bias, mask, slopes = _score_terms(key, B, T, S, N, bias_shape, mask_shape, alibi)
+  bias, mask, alibi_slopes = _score_terms(key, B, T, S, N, bias_shape, mask_shape, alibi)
+  slopes = alibi_slopes if slopes is None else slopes
   wrt = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
 
   def run(attention, q, k, v, bias, do):

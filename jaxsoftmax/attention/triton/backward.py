@@ -82,9 +82,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
       log2_l = pallas.load(log2_l_ref.at[g, rows], mask=q_ok, other=0)
       delta = pallas.load(delta_ref.at[g, rows], mask=q_ok, other=0)
       slope = terms.slope(g)
-      m = terms.tile_max(m, slope, q_idx, q0)
+      m = terms.tile_max(m, slope, q_idx, q0, masked=masked)
       x_t, tanh_t = scores(logits, k, q)  # (bk, bq)
-      x_t = terms.add(x_t, **place, slope=slope, q0=q0)
+      x_t = terms.add(x_t, **place, masked=masked, slope=slope, q0=q0)
       allowed = None
       if masked:
         q_seg = None
@@ -189,7 +189,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   delta = pallas.load(delta_ref, mask=q_ok, other=0)
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
-  m = terms.tile_max(m, slope, q_idx, q0)
+  # The saved maximum as the walk's tiles reach it: masked and unmasked (`ScoreTerms.add`).
+  tile_max = {masked: terms.tile_max(m, slope, q_idx, q0, masked=masked)
+              for masked in (True, False)}
   dbias = _DBiasPartial(dbias_ref[0], aux.bias, q_idx, bq, dims) if dbias_ref else None
 
   def step(j, carry, *, masked: bool):
@@ -200,9 +202,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
       k = keys.load(k_ref, keys.k_mask)
       v = keys.load(v_ref, keys.v_mask)
       x, tanh = scores(logits, q, k)
-      x = terms.add(x, **keys.place, slope=slope, q0=q0)
+      x = terms.add(x, **keys.place, masked=masked, slope=slope, q0=q0)
       allowed = keys.allowed(spec, kv_seg_ref, block) if masked else None
-      p = probabilities(logits, exp2, x, m[:, None], log2_l[:, None], allowed)
+      p = probabilities(logits, exp2, x, tile_max[masked][:, None], log2_l[:, None],
+                        allowed)
       dp = pallas.dot(do, v, trans_b=True)
       ds = score_grad(p, dp, delta[:, None], None)  # the logits' (and the bias's)
       if dbias is not None:

@@ -51,20 +51,26 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
 
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
+  # The running maximum m is the true one; an unmasked tile's x leaves out one-sided
+  # ALiBi's row term (`ScoreTerms.add`), so its row maxima get it back and its exponent
+  # is taken from m less it.
+  frame_row = terms.alibi_row(slope, q_idx, q0, masked=False)
 
   def step(j, carry, *, masked: bool):
     keys = key_block(j * bk, bk, dims, terms, block, masked=masked)
+    row = None if masked else frame_row
 
     def fold(carry):
       m, l, acc = carry
       k = keys.load(k_ref, keys.k_mask)
       x, _ = scores(logits, q, k)
-      x = terms.add(x, **keys.place, slope=slope, q0=q0)
+      x = terms.add(x, **keys.place, masked=masked, slope=slope, q0=q0)
       if masked:
         x = jnp.where(keys.allowed(spec, kv_seg_ref, block), x, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(x, axis=1))
+      x_max = jnp.max(x, axis=1)
+      m_new = jnp.maximum(m, x_max if row is None else x_max + row)
       shift = safe_shift(m_new)
-      p = exp2(logits.exponent(x, shift[:, None]))
+      p = exp2(logits.exponent(x, (shift if row is None else shift - row)[:, None]))
       alpha = exp2(logits.exponent(m, shift))
       v = keys.load(v_ref, keys.v_mask)
       acc = acc * alpha[:, None] + pallas.dot(p.astype(v.dtype), v)
@@ -76,9 +82,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
   carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
            jnp.zeros((bq, dims.Hv_pad), jnp.float32))
   m, l, acc = walk_block_ranges(ranges, step, carry)
-  alibi_row = terms.alibi_row(slope, q_idx, q0)
-  if alibi_row is not None:  # the true maximum (-inf and NaN stay)
-    m = m + alibi_row
 
   some = l != 0  # rows with an allowed key; a NaN input's NaN l stays NaN (NaN != 0)
   if q_length is not None:

@@ -50,7 +50,9 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
   log2_l = pallas.load(log2_l_ref, mask=block.ok, other=0)
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
-  m = terms.tile_max(m, slope, q_idx, q0)
+  # The saved maximum as the walk's tiles reach it: masked and unmasked (`ScoreTerms.add`).
+  tile_max = {masked: terms.tile_max(m, slope, q_idx, q0, masked=masked)
+              for masked in (True, False)}
 
   def step(j, carry, *, masked: bool):
     keys = key_block(j * bk, bk, dims, terms, block, masked=masked)
@@ -59,9 +61,10 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
       acc, r = carry
       k = keys.load(k_ref, keys.k_mask)
       x, tanh = scores(logits, q, k)
-      x = terms.add(x, **keys.place, slope=slope, q0=q0)
+      x = terms.add(x, **keys.place, masked=masked, slope=slope, q0=q0)
       allowed = keys.allowed(spec, kv_seg_ref, block) if masked else None
-      p = probabilities(logits, exp2, x, m[:, None], log2_l[:, None], allowed)
+      p = probabilities(logits, exp2, x, tile_max[masked][:, None], log2_l[:, None],
+                        allowed)
       k_dot = keys.load(k_dot_ref, keys.k_mask)
       qk_dot = pallas.dot(q_dot, k, trans_b=True) + pallas.dot(q, k_dot, trans_b=True)
       # The logits' tangent; ds/dx of the soft cap is the same 1 - tanh² as the backward's.

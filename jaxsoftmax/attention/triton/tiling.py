@@ -252,12 +252,16 @@ class ScoreTerms(NamedTuple):
 
   With ``one_sided`` (every allowed key at or before its query: causal, or a window with
   no right side) ALiBi's -slope·|i - j| is slope·(j - q0) - slope·(i - q0) for a block
-  of queries from q0: `add` adds the column term only (one add an element, where the
-  distance took four), and the row term, the same for every key of a row, moves into
-  the row's statistics (`alibi_row`): the forward's running maximum is the true one
-  minus it, and the backward kernels subtract it from the saved one (`tile_max`). Both terms stay
-  small where the weights are large (near the diagonal), so float32 keeps them exact
-  there (docs/kernels.md, ALiBi)."""
+  of queries from q0. On the walks' unmasked blocks `add` adds the column term only (one
+  add an element, where the distance took four), and the row term, the same for every
+  key of a row, joins the row's statistics instead (`alibi_row`, `tile_max`): those
+  tiles' x sit in a frame of their own, and the running maximum, kept true, is shifted
+  into it a row at a time. The masked blocks, those that straddle the diagonal among
+  them, take the distance itself: near the diagonal both terms reach slope·block_q,
+  and a tile in the frame rounded there (float32's ulp at 32 for slope 1/2 and 64-row
+  blocks) carried the weightiest keys' logits 20 ulps of lse off in a bfloat16 GPU test
+  (docs/kernels.md, ALiBi). Away from the diagonal the frame's rounding grows with the
+  distance while the keys' weights fall as exp(-slope·distance)."""
 
   aux: Aux
   refs: AuxArrays
@@ -289,16 +293,17 @@ class ScoreTerms(NamedTuple):
       return None
     return jnp.max(pallas.load(ref if head is None else ref.at[pl.ds(head, 1)]))
 
-  def add(self, x, *, q_idx, k_idx, rows, cols, head=None, slope=None, q0=None):
+  def add(self, x, *, q_idx, k_idx, rows, cols, masked: bool, head=None, slope=None,
+          q0=None):
     """x plus the bias and ALiBi terms: x is the tile of the queries q_idx (a block from
     ``q0``), the rows ``rows`` of the refs' blocks, and the keys k_idx, their columns
-    ``cols``; ``slope`` from `slope`. One-sided, the ALiBi term leaves out the row
-    term `alibi_row`."""
+    ``cols``, in a walk's ``masked`` block or not; ``slope`` from `slope`. One-sided and
+    unmasked, the ALiBi term leaves out the row term `alibi_row`."""
     if self.refs.bias is not None:
       bias = self.plane_tile(self.refs.bias, self.aux.bias, head, rows, cols, q_idx,
                              k_idx, x.shape)
       x = x + bias.astype(jnp.float32) * (1 / self.factor)
-    if slope is not None and self.one_sided:  # slope · (j - q0)
+    if slope is not None and self.one_sided and not masked:  # slope · (j - q0)
       column = (slope / self.factor) * (k_idx - q0).astype(jnp.float32)
       x = x + (column[:, None] if self.transposed else column[None, :])
     elif slope is not None:  # ALiBi: -slope · |i - j|
@@ -306,17 +311,18 @@ class ScoreTerms(NamedTuple):
       x = x - (slope / self.factor) * (distance.T if self.transposed else distance)
     return x
 
-  def alibi_row(self, slope, q_idx, q0):
+  def alibi_row(self, slope, q_idx, q0, *, masked: bool):
     """One-sided ALiBi's row term -slope·(i - q0) in x's units, per query of q_idx (a
-    block from ``q0``), which `add` leaves out of the tile; None without one."""
-    if slope is None or not self.one_sided:
+    block from ``q0``), which `add` leaves out of an unmasked block's tile; None where
+    it leaves nothing out."""
+    if slope is None or not self.one_sided or masked:
       return None
     return -(slope / self.factor) * (q_idx - q0).astype(jnp.float32)
 
-  def tile_max(self, m, slope, q_idx, q0):
-    """A saved row maximum m (in x's units) as the tiles `add` makes reach it: less
-    one-sided ALiBi's row term (`alibi_row`), else m itself."""
-    row = self.alibi_row(slope, q_idx, q0)
+  def tile_max(self, m, slope, q_idx, q0, *, masked: bool):
+    """A row maximum m (in x's units) as the tiles `add` makes reach it: less one-sided
+    ALiBi's row term (`alibi_row`) in an unmasked block, else m itself."""
+    row = self.alibi_row(slope, q_idx, q0, masked=masked)
     return m if row is None else m - row
 
   def mask(self, shape, *, q_idx, k_idx, rows, cols, head=None):
