@@ -347,7 +347,7 @@ def test_alibi_one_sided_exact_near_the_diagonal(key):
   # Steep slopes (not powers of two) with the default 64-row tiles, causal: one-sided
   # ALiBi's column and row terms reach slope·63 within a block, so a diagonal tile
   # formed in their frame rounds its heaviest logits at float32's ulp of 190 (that form
-  # missed the 2x rule 3x, output and gradients); the walks' masked blocks take the
+  # missed the 2x rule by 1.4x at this key, 3x at others); the walks' masked blocks take the
   # distance itself (`ScoreTerms.add`). Sizes not a multiple of the tiles.
   _check_score_terms(key, "triton", 1, 150, 150, 2, 1, 16, None, None, True,
                      dict(is_causal=True), dtype=jnp.float32, interpret=_interpret("triton"),
