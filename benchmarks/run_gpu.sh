@@ -120,7 +120,11 @@ counters() {
   shift 3
   local source=()
   [ "${NCU_SOURCE:-0}" = 1 ] && source=(--section SourceCounters --export "${log%.log}")
-  timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 \
+  # Without XLA's command buffers: ncu skips every kernel of a CUDA graph that may hold
+  # conditional nodes, which a call with a mask array makes (its lax.switch,
+  # api._mask_as_lengths), so on 2026-12-05 it profiled none of our masked forward.
+  XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=" \
+    timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 \
     --kernel-name-base demangled -k "regex:$kernel" \
     --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section Occupancy \
