@@ -17,7 +17,7 @@
 #                           "layer_norm,rms_norm"; ROWS_ONLY picks that family's shapes;
 #                           ROWS_MODES, default "fwd,fwd+bwd")
 #   attn-tests              pytest -m gpu tests/test_attention.py (TEST_K picks tests,
-#                           TEST_WORKERS workers, default 8; TEST_TIMEOUT); each test's
+#                           TEST_WORKERS workers, default 12; TEST_TIMEOUT); each test's
 #                           seconds in attn_test_times.log (lce-tests, pytest: likewise)
 #   attn-tune               tune_attention.py (TUNE_ONLY="4,5" picks shapes)
 #   attn-tune-hopper        tune_attention_hopper.py: the Mosaic GPU forward's tiles
@@ -164,18 +164,17 @@ for stage in $stages; do
         ${ROWS_MODES:+--modes "$ROWS_MODES"} > "$out/rows_profile.log" 2>&1
       grep "^## \|^Span" "$out/rows_profile.log" | tee -a "$out/summary.log" ;;
     attn-tests)
-      # Compiling dominates, so TEST_WORKERS (default 8) workers on the 16 cores, each
+      # Compiling dominates, so TEST_WORKERS (default 12) workers on the 16 cores, each
       # allocating GPU memory as it goes (eight preallocating 11% each left the driver
-      # too little to instantiate CUDA graphs; without preallocation ten test processes
-      # shared an H100 on 2026-12-05, and tests/test_norms.py ran in 44 s on eight).
-      # TEST_K="expr" selects tests (pytest -k).
-      # TEST_TIMEOUT: seconds (default 330). On 2026-12-05 the 183 tests took longer than
-      # 530 s (124 done on an H200 beside lce-tests; test_matches_truth_gpu about 70 s a
-      # test a worker on an H100): attn_test_times.log says, test by test, where it goes.
+      # too little to instantiate CUDA graphs). TEST_K="expr" selects tests (pytest -k);
+      # TEST_TIMEOUT: seconds (default 330). On an H100 on 2026-12-05, twelve workers: 34
+      # tests in 76 s; then 119 of the other 169 in 520 s, test_matches_truth_gpu taking
+      # 50-250 s a case on a worker (compiling: its shapes are small; Triton's float32
+      # cases at head dims 192-256 the slowest), as attn_test_times.log records.
       JAXSOFTMAX_TEST_TIMES=$out/attn_test_times.log \
         XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.11 \
         timeout ${TEST_TIMEOUT:-330} $python -m pytest \
-        -m gpu -v -n ${TEST_WORKERS:-8} -p no:cacheprovider -rfEs ${TEST_K:+-k "$TEST_K"} \
+        -m gpu -v -n ${TEST_WORKERS:-12} -p no:cacheprovider -rfEs ${TEST_K:+-k "$TEST_K"} \
         tests/test_attention.py 2>&1 \
         | tee "$out/attn_tests.log" | tail -n 25 | tee -a "$out/summary.log" ;;
     attn-tune)
