@@ -195,7 +195,10 @@ for stage in $stages; do
         ${ATTN_ONLY:+--only "$ATTN_ONLY"} 2>&1 \
         | tee -a "$out/attn_bench_bwd.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     attn-features)
-      timeout ${ATTN_TIMEOUT:-400} $python benchmarks/bench_attention_features.py --out "$out" \
+      # Device time from jax.profiler traces (BENCH_TIMER, harness.py): CUPTI's reader
+      # aborted the whole run at the first Hopper row with a mask (2026-12-05), whose
+      # kernels sit in a CUDA graph with conditional nodes (api._mask_as_lengths).
+      BENCH_TIMER=${BENCH_TIMER:-trace} timeout ${ATTN_TIMEOUT:-400} $python benchmarks/bench_attention_features.py --out "$out" \
         ${ATTN_ONLY:+--only "$ATTN_ONLY"} ${ATTN_MODES:+--modes "$ATTN_MODES"} 2>&1 \
         | tee -a "$out/attn_features.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     attn-ncu)
