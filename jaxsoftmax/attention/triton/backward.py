@@ -189,9 +189,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   delta = pallas.load(delta_ref, mask=q_ok, other=0)
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
-  # The saved maximum as the walk's tiles reach it: masked and unmasked (`ScoreTerms.add`).
-  tile_max = {masked: terms.tile_max(m, slope, q_idx, q0, masked=masked)
-              for masked in (True, False)}
+  tile_max = terms.tile_maxima(m, slope, q_idx, q0)  # keyed by a block's `masked`
   dbias = _DBiasPartial(dbias_ref[0], aux.bias, q_idx, bq, dims) if dbias_ref else None
 
   def step(j, carry, *, masked: bool):

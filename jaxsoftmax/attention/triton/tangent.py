@@ -50,9 +50,7 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
   log2_l = pallas.load(log2_l_ref, mask=block.ok, other=0)
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
-  # The saved maximum as the walk's tiles reach it: masked and unmasked (`ScoreTerms.add`).
-  tile_max = {masked: terms.tile_max(m, slope, q_idx, q0, masked=masked)
-              for masked in (True, False)}
+  tile_max = terms.tile_maxima(m, slope, q_idx, q0)  # keyed by a block's `masked`
 
   def step(j, carry, *, masked: bool):
     keys = key_block(j * bk, bk, dims, terms, block, masked=masked)

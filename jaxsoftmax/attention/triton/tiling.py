@@ -325,6 +325,12 @@ class ScoreTerms(NamedTuple):
     row = self.alibi_row(slope, q_idx, q0, masked=masked)
     return m if row is None else m - row
 
+  def tile_maxima(self, m, slope, q_idx, q0):
+    """`tile_max` for a walk's masked (True) and unmasked (False) blocks, formed once
+    before the walk of a program whose queries are fixed."""
+    return {masked: self.tile_max(m, slope, q_idx, q0, masked=masked)
+            for masked in (True, False)}
+
   def mask(self, shape, *, q_idx, k_idx, rows, cols, head=None):
     """The mask array's tile (bool, True: attend) of ``shape``, placed as in `add`; None
     without a mask array."""
