@@ -22,7 +22,9 @@ key-padding bias); `bias heads` (1, N, T, S) (a relative-position bias); `mask`
 (B, 1, T, S) booleans, 10% False, with every key past 3/4 of S masked for batch row 1
 (whole tiles the kernels skip); `mask keys` (B, 1, 1, S), a key-padding mask: batch row
 b attends to its first S · (1 - b/8) keys (so it runs as key lengths); `mask keys holes`
-the same with every 61st key masked too (so it runs as segment ids or a mask array). The
+the same with every 61st key masked too (so it runs as segment ids or a mask array);
+`key lengths` the same keys as `mask keys` given as ``key_value_seq_lengths`` (cuDNN's
+form of a padded batch; ours without the mask's check). The
 mode fwd+bwd differentiates q, k and v
 (the bias and mask held fixed, as a model's frozen bias would be); jvp is forward mode,
 ``jax.jvp`` with tangents for q, k and v (our forward, then the Triton tangent kernel),
@@ -53,7 +55,7 @@ SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
           ((4, 4096, 16, 16, 128, True), jnp.bfloat16)]
 SMOKE_SHAPES = [((2, 64, 2, 1, 32, True), jnp.bfloat16)]
 FEATURES = ("plain", "sinks", "alibi", "bias keys", "bias heads", "mask", "mask keys",
-            "mask keys holes")
+            "mask keys holes", "key lengths")
 
 
 def measured_features() -> tuple[str, ...]:
@@ -69,8 +71,10 @@ def measured_features() -> tuple[str, ...]:
 
 # Which features each implementation runs.
 RUNS = {"jaxsoftmax triton": FEATURES,
-        "jaxsoftmax mosaic_gpu": ("plain", "sinks", "mask keys", "mask keys holes"),
-        "cudnn": ("plain", "bias keys", "bias heads", "mask", "mask keys", "mask keys holes"),
+        "jaxsoftmax mosaic_gpu": ("plain", "sinks", "mask keys", "mask keys holes",
+                                  "key lengths"),
+        "cudnn": ("plain", "bias keys", "bias heads", "mask", "mask keys", "mask keys holes",
+                  "key lengths"),
         "xla": FEATURES}
 # The modes an implementation runs where not all (XLA's attention: forward mode's peer).
 MODES_OF = {"xla": ("jvp",)}
@@ -96,8 +100,11 @@ def feature_arrays(feature: str, B: int, T: int, N: int):
   if feature == "bias heads":
     return ({"bias": jax.random.normal(key, (1, N, T, T), jnp.bfloat16)},
             lambda kw, group: {"bias": kw["bias"][:, :group]})
+  lengths = T - T * jnp.arange(B) // 8
+  if feature == "key lengths":
+    return ({"key_value_seq_lengths": lengths},
+            lambda kw, group: {"key_value_seq_lengths": kw["key_value_seq_lengths"][:1]})
   if feature in ("mask keys", "mask keys holes"):
-    lengths = T - T * jnp.arange(B) // 8
     mask = (jnp.arange(T)[None, :] < lengths[:, None])[:, None, None, :]
     if feature == "mask keys holes":
       mask = mask & (jnp.arange(T) % 61 != 60)[None, None, None, :]
@@ -117,8 +124,9 @@ def attention_fn(impl: str, causal: bool, kw: dict):
       T, S = q.shape[1], k.shape[1]
       bias, mask = ((x if x is None else jnp.broadcast_to(x, (x.shape[0], x.shape[1], T, S)))
                     for x in (kw.get("bias"), kw.get("mask")))
-      return jax.nn.dot_product_attention(q, k, v, bias, mask, is_causal=causal,
-                                          implementation="cudnn")
+      return jax.nn.dot_product_attention(
+          q, k, v, bias, mask, is_causal=causal, implementation="cudnn",
+          key_value_seq_lengths=kw.get("key_value_seq_lengths"))
     return cudnn
   if impl == "xla":  # with every feature, as the reference spells them
     return lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal,
