@@ -3,11 +3,14 @@
 # (resources_offline.py says how); arguments go to it:
 #
 #   bash benchmarks/resources_offline.sh 4,4096,16,16,128,1 4,4096,32,8,128,1 --schedule fresh
+#   bash benchmarks/resources_offline.sh --pipelining --feature mask 1,1024,2,2,128,0
 #
-# The first run sets up $RESOURCES_DIR (default /tmp/jaxsoftmax-resources, about 1 GB):
-# a Python 3.12 venv with the GPU machine's JAX (0.11.2) and its CUDA 13 plugin, ptxas
-# (nvidia-cuda-nvcc), all from the package registry, and a stand-in libcuda built with cc
-# that reports one device of compute capability 9.0 and refuses to load a binary.
+# --pipelining runs pipelining_offline.py instead: which loads Triton pipelines in the
+# Triton attention kernels. The first run sets up $RESOURCES_DIR (default
+# /tmp/jaxsoftmax-resources, about 1.5 GB): a Python 3.12 venv with the GPU machine's JAX
+# (0.11.2) and its CUDA 13 plugin, ptxas (nvidia-cuda-nvcc) and triton, all from the
+# package registry, and a stand-in libcuda built with cc that reports one device of
+# compute capability 9.0 and refuses to load a binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${RESOURCES_DIR:-/tmp/jaxsoftmax-resources}
@@ -17,6 +20,9 @@ if [ ! -x "$dir/venv/bin/python" ]; then
   PYENV_VERSION=3.12.1 python3.12 -m venv "$dir/venv"
   "$dir/venv/bin/pip" install -q "jax==$jax_version" "jaxlib==$jax_version" \
     "jax-cuda13-plugin==$jax_version" "jax-cuda13-pjrt==$jax_version" nvidia-cuda-nvcc
+fi
+if [ ! -d "$dir/venv/lib/python3.12/site-packages/triton" ]; then
+  "$dir/venv/bin/pip" install -q triton
 fi
 if [ ! -f "$dir/libcuda.so.1" ]; then
   cat > "$dir/libcuda.c" <<'C'
@@ -45,10 +51,15 @@ fi
 nvidia=$("$dir/venv/bin/python" -c "import nvidia.cu13; print(nvidia.cu13.__path__[0])")
 log="$dir/last_run.log"
 status=0
+script=benchmarks/resources_offline.py report=" registers, spills "
+if [ "${1:-}" = --pipelining ]; then
+  shift
+  script=benchmarks/pipelining_offline.py report=" cp.async "
+fi
 LD_LIBRARY_PATH="$dir" PATH="$nvidia/bin:$PATH" MOSAIC_GPU_CUDA_ROOT="$nvidia" \
   JAX_PLATFORMS=cpu PYTHONPATH=".:benchmarks" \
-  "$dir/venv/bin/python" benchmarks/resources_offline.py "$@" > "$log" 2>&1 || status=$?
-grep -E " registers, spills " "$log" || true
+  "$dir/venv/bin/python" "$script" "$@" > "$log" 2>&1 || status=$?
+grep -E "$report" "$log" || true
 if [ $status -ne 0 ]; then
   tail -n 20 "$log" >&2
 fi
