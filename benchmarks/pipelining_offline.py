@@ -10,9 +10,9 @@ wgmma instructions.
 (resources_offline.sh sets up the venv: JAX 0.11.2 with its CUDA plugin, and `triton`.)
 The registry's Triton is not the one inside XLA, so the figures are a reading of the
 pipeliner's decisions, not of the GPU machine's binary. It found (2026-12-05) that a
-mask array's kernels pipeline nothing: the skip of fully masked tiles
-(`triton.tiling.when_any`) puts each block's work in a conditional, and the pipeliner
-takes only a loop's top-level loads (docs/kernels.md, mask arrays).
+mask array's kernels pipelined nothing while a conditional in their walks skipped the
+tiles the mask masks entirely (the pipeliner takes only a loop's top-level loads); the
+walks now narrow their ranges instead (docs/kernels.md, mask arrays).
 """
 
 from __future__ import annotations

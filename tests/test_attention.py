@@ -382,6 +382,37 @@ def _check_score_terms(key, backend, B, T, S, N, K, H, bias_shape, mask_shape, a
     assert got[5].shape == bias.shape and got[5].dtype == bias.dtype
 
 
+@pytest.mark.parametrize("shape, transposed", [
+    ((2, 3, 45, 70), False), ((2, 3, 45, 70), True), ((1, 1, 45, 70), False),
+    ((2, 1, 1, 70), False), ((2, 1, 1, 70), True), ((2, 1, 45, 1), False),
+    ((2, 1, 45, 1), True)], ids=lambda x: str(x))
+def test_live_block_spans(key, shape, transposed):
+  # The key blocks (query blocks, transposed) from the first to the last that hold an
+  # allowed pair, per block of rows, against every block checked one by one; masks
+  # with whole blocks masked at the ends and inside, rows with nothing allowed, and
+  # broadcast axes. The walks skip what lies outside (masks.narrow_ranges).
+  T, S = 45, 70
+  mask = jax.random.bernoulli(key, 0.3, shape)
+  if shape[3] > 1:
+    mask = mask.at[..., :20].set(False).at[..., 40:48].set(False)
+  if shape[2] > 1:
+    mask = mask.at[..., 5:9, :].set(False)
+  rows, cols = (16, 8) if transposed else (8, 16)
+  n_cols = -(-(T if transposed else S) // cols)
+  first, end = tiling.live_block_spans(mask.astype(jnp.int8), block_rows=rows,
+                                       block_cols=cols, n_col_blocks=n_cols,
+                                       transposed=transposed)
+  full = np.broadcast_to(np.asarray(mask), (shape[0], shape[1], T, S))
+  if transposed:
+    full = np.swapaxes(full, 2, 3)
+  n_rows = first.shape[2]
+  for b, n, r in np.ndindex(first.shape):
+    row_block = full[b, n, r * rows:(r + 1) * rows] if n_rows > 1 else full[b, n]
+    live = [row_block[:, c * cols:(c + 1) * cols].any() for c in range(n_cols)]
+    want = ((live.index(True), n_cols - live[::-1].index(True)) if any(live) else (0, 0))
+    assert (int(first[b, n, r]), int(end[b, n, r])) == want, (b, n, r)
+
+
 def test_key_padding_mask_as_segments(key):
   # A key-padding mask (B, 1, 1, S) given to the Hopper kernels as segment ids is the
   # same attention as the mask array, a batch row with every key masked (output 0)

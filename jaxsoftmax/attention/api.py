@@ -557,7 +557,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       the scale and soft cap; read by tiles in the Triton kernels (never broadcast to
       T x S), differentiable (dbias summed over its broadcast axes).
     mask: optional boolean (True: attend), broadcastable to (B, N, T, S); read by tiles
-      in the Triton kernels, which skip the tiles it masks entirely. A key-padding mask,
+      in the Triton kernels, which skip the tiles it masks entirely at either end of a
+      block's walk. A key-padding mask,
       (B, 1, 1, S) or (1, 1, 1, S), runs in the Hopper kernels as segment ids where no
       ``segment_ids`` are given. A mask without a head axis that keeps each batch
       row's first queries and first keys (a padded batch's, as Flax's

@@ -144,6 +144,20 @@ def query_block_ranges(spec: MaskSpec, k0, block_q: int, block_k: int, kv_length
   return lo, full_lo, full_hi, hi
 
 
+def narrow_ranges(ranges, span):
+  """``ranges`` ((lo, full_lo, full_hi, hi), of `key_block_ranges` or
+  `query_block_ranges`) within ``span``: None, or (first, end), the blocks [first, end)
+  a mask array leaves some allowed pair in (`triton.tiling.live_block_spans`)."""
+  if span is None:
+    return ranges
+  lo, full_lo, full_hi, hi = ranges
+  first, end = span
+  lo = jnp.maximum(lo, first)
+  hi = jnp.maximum(jnp.minimum(hi, end), lo)
+  full_lo = jnp.clip(full_lo, lo, hi)
+  return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
+
+
 def element_mask(spec: MaskSpec, q_idx: jax.Array, k_idx: jax.Array, kv_length,
                  q_segments, k_segments) -> jax.Array:
   """The mask of allowed (query, key) pairs, broadcast from q_idx and k_idx (and the

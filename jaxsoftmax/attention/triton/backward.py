@@ -37,18 +37,22 @@ from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (Logits, cap_grad, row_delta, score_grad,
                                          score_grad_terms)
 from jaxsoftmax.attention.masks import (MaskSpec, cdiv, element_mask, key_block_ranges,
-                                        query_block_ranges, walk_block_ranges)
+                                        narrow_ranges, query_block_ranges,
+                                        walk_block_ranges)
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, Plane, ScoreTerms,
-                                                block_rows, key_block,
-                                                load_scalar, max_or_inf, probabilities,
-                                                query_block, query_block_launch,
-                                                query_plane_spec, scores, when_any)
+                                                block_rows, key_block, live_block_spans,
+                                                load_scalar, load_span, max_or_inf,
+                                                probabilities, query_block,
+                                                query_block_launch, query_plane_spec,
+                                                query_spans, scores, span_spec)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
                  spec: MaskSpec, blocks: BlockSizes, aux: Aux, logits: Logits, exp2,
                  chunk: int | None, barrier):
-  aux_refs, (dk_ref, dv_ref) = AuxArrays.split_refs(refs, aux.present)
+  aux_refs, refs = AuxArrays.split_refs(refs, aux.present)
+  (first_ref, end_ref), (dk_ref, dv_ref) = (refs[:2], refs[2:]) if aux.mask else (
+      (None, None), refs)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
   group = dims.N // dims.K
@@ -102,7 +106,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
       dk = dk + _score_grad_dot(ds_t, q)
       return dk, dv
 
-    return when_any(user_mask, block, carry)
+    return block(carry)
 
   def final(dk, dv):
     """dK scaled; keys past the length (not masked in the interior) get 0."""
@@ -113,11 +117,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     return dk, dv
 
   ranges = query_block_ranges(spec, k0, bq, bk, kv_length, q_length, pl.cdiv(dims.T, bq))
+
+  def head_ranges(g):
+    """The walk's ranges for the group's query head g: within the query blocks its
+    mask leaves some key of this block to (`tiling.live_block_spans`)."""
+    heads = aux.mask is not None and aux.mask.heads
+    return narrow_ranges(ranges, load_span(first_ref, end_ref, g if heads else None))
+
   zeros = (jnp.zeros((bk, dims.H_pad), jnp.float32),
            jnp.zeros((bk, dims.Hv_pad), jnp.float32))
   if chunk is None:
     def head(g, carry):
-      return walk_block_ranges(ranges, functools.partial(step, g=g), carry)
+      return walk_block_ranges(head_ranges(g), functools.partial(step, g=g), carry)
 
     dk, dv = final(*lax.fori_loop(0, group, head, zeros))
     pallas.store(dk_ref, dk.astype(dk_ref.dtype), mask=k_mask)
@@ -136,7 +147,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
     pallas.store(dv_ref, pallas.load(dv_ref, mask=v_mask, other=0) + dv, mask=v_mask)
 
   def head_in_chunks(g, unused):
-    _walk_in_chunks(ranges, functools.partial(step, g=g), zeros, chunk, add_to_outputs)
+    _walk_in_chunks(head_ranges(g), functools.partial(step, g=g), zeros, chunk,
+                    add_to_outputs)
     return unused
 
   lax.fori_loop(0, group, head_in_chunks, 0)
@@ -176,7 +188,9 @@ def _score_grad_dot(ds, x):
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
                spec: MaskSpec, blocks: BlockSizes, aux: Aux, logits: Logits, q_block, exp2):
-  aux_refs, (dq_ref, *dbias_ref) = AuxArrays.split_refs(refs, aux.present)
+  aux_refs, refs = AuxArrays.split_refs(refs, aux.present)
+  (first_ref, end_ref), (dq_ref, *dbias_ref) = (refs[:2], refs[2:]) if aux.mask else (
+      (None, None), refs)
   kv_seg_ref = aux_refs.kv_segments
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   q0 = q_block(pl.program_id(0)) * bq
@@ -210,12 +224,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
         dbias_sum = dbias.add(ds, dbias_sum, k0=keys.k0, k_idx=keys.idx, block_k=bk)
       return dq + _score_grad_dot(cap_grad(ds, tanh), k), dbias_sum
 
-    return when_any(keys.user_mask, fold, carry)
+    return fold(carry)
 
   carry = (jnp.zeros((bq, dims.H_pad), jnp.float32),
            None if dbias is None else dbias.start(bk))
-  dq, dbias_sum = walk_block_ranges(
-      key_block_ranges(spec, q0, bq, bk, kv_length, q_length), step, carry)
+  ranges = narrow_ranges(key_block_ranges(spec, q0, bq, bk, kv_length, q_length),
+                         load_span(first_ref, end_ref))
+  dq, dbias_sum = walk_block_ranges(ranges, step, carry)
   pallas.store(dq_ref, (dq * logits.scale).astype(dq_ref.dtype), mask=q_mask)
   if dbias is not None:
     dbias.finish(dbias_sum)
@@ -317,6 +332,13 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
   stat_group = pl.BlockSpec((None, group, q_rows), lambda j, b, h: (b, h, 0))
   # float32: dK and dV summed 8 query blocks (256 rows) at a time, see _walk_in_chunks.
   chunk = 8 if q.dtype == grad_dtype == jnp.float32 else None
+  mask = AuxArrays(*aux_arrays_in).mask
+  spans, span_specs = [], []
+  if mask is not None:  # per key block, the query blocks its mask leaves a key to
+    spans = live_block_spans(mask, block_rows=bk, block_cols=bq,
+                             n_col_blocks=pl.cdiv(dims.T, bq), transposed=True)
+    span_specs = 2 * [span_spec(aux.mask, lambda j, b, h: (b, h, j), blocked=aux.mask.cols,
+                                heads=group)]
   dk, dv = pallas.pallas_call(
       functools.partial(_dkdv_kernel, chunk=chunk, barrier=pallas.barrier(interpret),
                         **statics),
@@ -326,12 +348,13 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
                 *aux.specs(q_rows=q_rows, q_index=lambda j, b, h: (b, 0), kv_rows=bk,
                            kv_index=lambda j, b, h: (b, j), batch_index=lambda j, b, h: b,
                            plane_spec=lambda p: _key_plane_spec(p, group, q_rows, bk),
-                           slopes_spec=pl.BlockSpec((group,), lambda j, b, h: (h,)))],
+                           slopes_spec=pl.BlockSpec((group,), lambda j, b, h: (h,))),
+                *span_specs],
       out_specs=[k_tile, v_tile],
       out_shape=[jax.ShapeDtypeStruct(k.shape, grad_dtype),
                  jax.ShapeDtypeStruct(v.shape, grad_dtype)],
       **common,
-  )(q, k, v, do, m, log2_l, delta, *aux_arrays)
+  )(q, k, v, do, m, log2_l, delta, *aux_arrays, *spans)
 
   # dQ: grid (query block, batch, query head), walking the key blocks.
   launch = query_block_launch(dims, aux, block_q=blocks.block_q_dq,
@@ -349,10 +372,11 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
       functools.partial(_dq_kernel, q_block=launch.q_block, **statics),
       name="attention_backward_dq", grid=launch.grid,
       in_specs=[q_tile, launch.kv_all, launch.v_all, launch.o_tile, stat_tile, stat_tile,
-                stat_tile, *launch.aux_specs],
+                stat_tile, *launch.aux_specs, *launch.span_specs],
       out_specs=out_specs, out_shape=out_shape,
       **common,
-  )(q, k, v, do, m, log2_l, delta, *aux_arrays)
+  )(q, k, v, do, m, log2_l, delta, *aux_arrays,
+    *query_spans(mask, blocks.block_q_dq, blocks.block_k_dq, dims))
   if not with_dbias:
     return dq, dk, dv
   bias = AuxArrays(*aux_arrays_in).bias

@@ -29,10 +29,12 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, join_sink
-from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
+from jaxsoftmax.attention.masks import (MaskSpec, key_block_ranges, narrow_ranges,
+                                        walk_block_ranges)
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, ScoreTerms,
-                                                forward_stages, key_block, query_block,
-                                                query_block_launch, scores, when_any)
+                                                forward_stages, key_block, load_span,
+                                                query_block, query_block_launch,
+                                                query_spans, scores)
 from jaxsoftmax._core.state import safe_shift
 
 
@@ -41,6 +43,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
                     with_sinks: bool):
   aux_refs, refs = AuxArrays.split_refs(refs, aux.present)
   sink_ref, refs = (refs[0], refs[1:]) if with_sinks else (None, refs)
+  (first_ref, end_ref), refs = (refs[:2], refs[2:]) if aux.mask else ((None, None), refs)
   o_ref, m_ref, log2_l_ref, *o32_ref = refs
   kv_seg_ref = aux_refs.kv_segments
   bq, bk = blocks.block_q, blocks.block_k
@@ -76,9 +79,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
       acc = acc * alpha[:, None] + pallas.dot(p.astype(v.dtype), v)
       return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
-    return when_any(keys.user_mask, fold, carry)
+    return fold(carry)
 
-  ranges = key_block_ranges(spec, q0, bq, bk, kv_length, q_length)
+  ranges = narrow_ranges(key_block_ranges(spec, q0, bq, bk, kv_length, q_length),
+                         load_span(first_ref, end_ref))
   carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
            jnp.zeros((bq, dims.Hv_pad), jnp.float32))
   m, l, acc = walk_block_ranges(ranges, step, carry)
@@ -128,13 +132,15 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: f
   if sinks is not None:
     sink_inputs = [sinks.astype(jnp.float32).reshape(dims.B * dims.N)]
     sink_specs = [pl.BlockSpec((1,), lambda i, b, n: (b * dims.N + n,))]
+  spans = query_spans(AuxArrays(*aux_arrays).mask, blocks.block_q, blocks.block_k, dims)
   o_tile, stat_tile = launch.o_tile, launch.stat_tile
   o_shape = (*q.shape[:3], dims.Hv)
   return pallas.pallas_call(
       kernel, name="attention_forward", grid=launch.grid,
-      in_specs=[launch.q_tile, launch.kv_all, launch.v_all, *launch.aux_specs, *sink_specs],
+      in_specs=[launch.q_tile, launch.kv_all, launch.v_all, *launch.aux_specs, *sink_specs,
+                *launch.span_specs],
       out_specs=[o_tile, stat_tile, stat_tile] + [o_tile] * float32_output,
       out_shape=[jax.ShapeDtypeStruct(o_shape, q.dtype), stat_shape, stat_shape]
       + [jax.ShapeDtypeStruct(o_shape, jnp.float32)] * float32_output,
       num_warps=blocks.num_warps, num_stages=blocks.num_stages, interpret=interpret,
-  )(q, k, v, *given, *sink_inputs)
+  )(q, k, v, *given, *sink_inputs, *spans)

@@ -27,18 +27,20 @@ from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, cap_grad
-from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, walk_block_ranges
+from jaxsoftmax.attention.masks import (MaskSpec, key_block_ranges, narrow_ranges,
+                                        walk_block_ranges)
 from jaxsoftmax.attention.triton.tiling import (MIN_BLOCK, Aux, BlockSizes, Dims, ScoreTerms,
-                                                key_block, max_or_inf,
+                                                key_block, load_span, max_or_inf,
                                                 probabilities, query_block,
                                                 query_block_launch, query_plane_spec,
-                                                scores, when_any)
+                                                query_spans, scores)
 
 
 def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref, m_ref,
                     log2_l_ref, *refs, dims: Dims, spec: MaskSpec, blocks: BlockSizes,
                     aux: Aux, logits: Logits, q_block, exp2, bias_dot: bool):
   aux_refs, refs = AuxArrays.split_refs(refs, aux.present)
+  (first_ref, end_ref), refs = (refs[:2], refs[2:]) if aux.mask else ((None, None), refs)
   bias_dot_ref, o_dot_ref = refs if bias_dot else (None, *refs)
   kv_seg_ref = aux_refs.kv_segments
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
@@ -78,10 +80,11 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
              + pallas.dot(p.astype(v_dot.dtype), v_dot))
       return acc, r + jnp.sum(p_s_dot, axis=1)
 
-    return when_any(keys.user_mask, tile, carry)
+    return tile(carry)
 
   carry = (jnp.zeros((bq, dims.Hv_pad), jnp.float32), jnp.zeros((bq,), jnp.float32))
-  ranges = key_block_ranges(spec, q0, bq, bk, block.kv_length, block.q_length)
+  ranges = narrow_ranges(key_block_ranges(spec, q0, bq, bk, block.kv_length, block.q_length),
+                         load_span(first_ref, end_ref))
   acc, r = walk_block_ranges(ranges, step, carry)
   o = pallas.load(o_ref, mask=block.o_mask, other=0).astype(jnp.float32)
   pallas.store(o_dot_ref, (acc - r[:, None] * o).astype(o_dot_ref.dtype),
@@ -124,6 +127,7 @@ def tangent(q, k, v, o, m, log2_l, q_dot, k_dot, v_dot, aux_arrays, *, spec: Mas
   and row statistics m, log2_l (B, N, T)."""
   dims = Dims.of(q, k, v)
   blocks = fit_shared_memory(blocks, dims, q.dtype.itemsize, bias_dot=bias_dot is not None)
+  mask = AuxArrays(*aux_arrays).mask
   aux, aux_arrays = Aux.of(aux_arrays)
   launch = query_block_launch(dims, aux, block_q=blocks.block_q_dq,
                               block_k=blocks.block_k_dq, last_first=spec.is_causal)
@@ -140,8 +144,10 @@ def tangent(q, k, v, o, m, log2_l, q_dot, k_dot, v_dot, aux_arrays, *, spec: Mas
   return pallas.pallas_call(
       kernel, name="attention_tangent", grid=launch.grid,
       in_specs=[q_tile, launch.kv_all, launch.v_all, q_tile, launch.kv_all, launch.v_all,
-                o_tile, stat_tile, stat_tile, *launch.aux_specs, *bias_specs],
+                o_tile, stat_tile, stat_tile, *launch.aux_specs, *launch.span_specs,
+                *bias_specs],
       out_specs=o_tile,
       out_shape=jax.ShapeDtypeStruct((*q.shape[:3], dims.Hv), q.dtype),
       num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd, interpret=interpret,
-  )(q, k, v, q_dot, k_dot, v_dot, o, m, log2_l, *aux_arrays, *bias_inputs)
+  )(q, k, v, q_dot, k_dot, v_dot, o, m, log2_l, *aux_arrays,
+    *query_spans(mask, blocks.block_q_dq, blocks.block_k_dq, dims), *bias_inputs)

@@ -10,7 +10,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
@@ -340,12 +339,67 @@ class ScoreTerms(NamedTuple):
                            shape) != 0
 
 
-def when_any(allowed, body, carry):
-  """``body(carry)`` unless the mask tile ``allowed`` (None: no mask array) allows no
-  pair: a tile that the mask array masks entirely is skipped."""
-  if allowed is None:
-    return body(carry)
-  return lax.cond(jnp.max(allowed.astype(jnp.int32)) > 0, body, lambda c: c, carry)
+def live_block_spans(mask, *, block_rows: int, block_cols: int, n_col_blocks: int,
+                     transposed: bool = False):
+  """(first, end), int32 (Bm, Nm, row blocks): for each block of ``block_rows`` query
+  rows of the mask array (int8, rank 4, broadcastable to (B, N, T, S)), the blocks of
+  ``block_cols`` keys [first, end) from its first to its last that hold an allowed pair
+  (0, 0 where none does); ``transposed``: the same for blocks of keys over the query
+  blocks (the dK/dV walk). A row axis that broadcasts is one block; a column axis that
+  broadcasts spans all ``n_col_blocks`` or none.
+
+  The walks take these as their ranges (`masks.narrow_ranges`), so that tiles the mask
+  masks entirely at either end of a block's span are skipped without a conditional in
+  the walk: Triton's software pipeliner takes only a loop's top-level loads, and with
+  each tile's work in a conditional that skipped it the mask array's kernels pipelined
+  no load at all (benchmarks/results/tuning/pipelining_attention_offline.md). Tiles
+  masked entirely inside a span are computed under the mask."""
+  allowed = mask != 0
+  if transposed:
+    allowed = jnp.swapaxes(allowed, 2, 3)
+  Bm, Nm, R, C = allowed.shape
+  n_rows = pl.cdiv(R, block_rows)
+  pad_rows = ((0, 0), (0, 0), (0, n_rows * block_rows - R))
+  if C == 1:  # the keys broadcast: a block attends to all of them or to none
+    some = jnp.pad(allowed[..., 0], pad_rows).reshape(Bm, Nm, n_rows, block_rows).any(-1)
+    return jnp.zeros(some.shape, jnp.int32), jnp.where(some, n_col_blocks, 0).astype(jnp.int32)
+  n_cols = pl.cdiv(C, block_cols)
+  allowed = jnp.pad(allowed, (*pad_rows, (0, n_cols * block_cols - C)))
+  live = allowed.reshape(Bm, Nm, n_rows, block_rows, n_cols, block_cols).any(axis=(3, 5))
+  some = live.any(-1)
+  first = jnp.argmax(live, axis=-1)
+  end = n_cols - jnp.argmax(live[..., ::-1], axis=-1)
+  return (jnp.where(some, first, 0).astype(jnp.int32),
+          jnp.where(some, end, 0).astype(jnp.int32))
+
+
+def query_spans(mask, block_q: int, block_k: int, dims: Dims) -> list:
+  """The inputs of a query-block kernel's `QueryBlockLaunch.span_specs`: the mask's live
+  key blocks (first, end) per query block (`live_block_spans`), none without a mask."""
+  if mask is None:
+    return []
+  return list(live_block_spans(mask, block_rows=block_q, block_cols=block_k,
+                               n_col_blocks=pl.cdiv(dims.S, block_k)))
+
+
+def span_spec(plane: Plane, block_index, *, blocked: bool, heads: int = 1):
+  """The BlockSpec of `live_block_spans`' first or end in a kernel: the value of the
+  program's row block (``block_index(*grid)``: its batch row, head and row block;
+  ``blocked``: the mask's row axis is whole, else it has one block), ``heads`` of them
+  (the dK/dV kernel's group) where the mask has a head axis."""
+  def index(*g):
+    b, n, blk = block_index(*g)
+    return (b if plane.batch else 0, n if plane.heads else 0, blk if blocked else 0)
+  return pl.BlockSpec((None, heads if plane.heads else 1, 1), index)
+
+
+def load_span(first_ref, end_ref, head=None):
+  """(first, end) from the refs of `span_spec` (of the group's ``head``), or None
+  without them."""
+  if first_ref is None:
+    return None
+  return tuple(load_scalar(ref if head is None else ref.at[pl.ds(head, 1)])
+               for ref in (first_ref, end_ref))
 
 
 class QueryBlockLaunch(NamedTuple):
@@ -360,6 +414,7 @@ class QueryBlockLaunch(NamedTuple):
   v_all: Any  # the same of V, (kv_rows, Hv_pad)
   stat_tile: Any  # BlockSpec of a block_q slice of a (B, N, T) row statistic
   aux_specs: list  # BlockSpecs of the given lengths and segment ids
+  span_specs: list  # BlockSpecs of the mask's live key blocks (first, end), if a mask
 
 
 def query_block_launch(dims: Dims, aux: Aux, *, block_q: int, block_k: int,
@@ -386,7 +441,9 @@ def query_block_launch(dims: Dims, aux: Aux, *, block_q: int, block_k: int,
                           kv_rows=kv_rows, kv_index=lambda i, b, n: (b, 0),
                           batch_index=lambda i, b, n: b,
                           plane_spec=lambda p: query_plane_spec(p, block_q, kv_rows, q_block),
-                          slopes_spec=pl.BlockSpec((1,), lambda i, b, n: (n,))))
+                          slopes_spec=pl.BlockSpec((1,), lambda i, b, n: (n,))),
+      span_specs=[] if aux.mask is None else 2 * [span_spec(
+          aux.mask, lambda i, b, n: (b, n, q_block(i)), blocked=aux.mask.rows)])
 
 
 def query_plane_spec(plane: Plane, block_q: int, kv_rows: int, q_block, *,
