@@ -44,15 +44,15 @@ from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, Plane, Sc
                                                 load_scalar, load_span, max_or_inf,
                                                 probabilities, query_block,
                                                 query_block_launch, query_plane_spec,
-                                                query_spans, scores, span_spec)
+                                                query_spans, scores, span_spec,
+                                                split_span_refs)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
                  spec: MaskSpec, blocks: BlockSizes, aux: Aux, logits: Logits, exp2,
                  chunk: int | None, barrier):
   aux_refs, refs = AuxArrays.split_refs(refs, aux.present)
-  (first_ref, end_ref), (dk_ref, dv_ref) = (refs[:2], refs[2:]) if aux.mask else (
-      (None, None), refs)
+  (first_ref, end_ref), (dk_ref, dv_ref) = split_span_refs(refs, aux)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
   group = dims.N // dims.K
@@ -189,8 +189,7 @@ def _score_grad_dot(ds, x):
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
                spec: MaskSpec, blocks: BlockSizes, aux: Aux, logits: Logits, q_block, exp2):
   aux_refs, refs = AuxArrays.split_refs(refs, aux.present)
-  (first_ref, end_ref), (dq_ref, *dbias_ref) = (refs[:2], refs[2:]) if aux.mask else (
-      (None, None), refs)
+  (first_ref, end_ref), (dq_ref, *dbias_ref) = split_span_refs(refs, aux)
   kv_seg_ref = aux_refs.kv_segments
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   q0 = q_block(pl.program_id(0)) * bq

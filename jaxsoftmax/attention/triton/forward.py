@@ -34,7 +34,7 @@ from jaxsoftmax.attention.masks import (MaskSpec, key_block_ranges, narrow_range
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, ScoreTerms,
                                                 forward_stages, key_block, load_span,
                                                 query_block, query_block_launch,
-                                                query_spans, scores)
+                                                query_spans, scores, split_span_refs)
 from jaxsoftmax._core.state import safe_shift
 
 
@@ -43,7 +43,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, dims: Dims, spec: MaskSpec,
                     with_sinks: bool):
   aux_refs, refs = AuxArrays.split_refs(refs, aux.present)
   sink_ref, refs = (refs[0], refs[1:]) if with_sinks else (None, refs)
-  (first_ref, end_ref), refs = (refs[:2], refs[2:]) if aux.mask else ((None, None), refs)
+  (first_ref, end_ref), refs = split_span_refs(refs, aux)
   o_ref, m_ref, log2_l_ref, *o32_ref = refs
   kv_seg_ref = aux_refs.kv_segments
   bq, bk = blocks.block_q, blocks.block_k

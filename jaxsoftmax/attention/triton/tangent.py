@@ -33,14 +33,14 @@ from jaxsoftmax.attention.triton.tiling import (MIN_BLOCK, Aux, BlockSizes, Dims
                                                 key_block, load_span, max_or_inf,
                                                 probabilities, query_block,
                                                 query_block_launch, query_plane_spec,
-                                                query_spans, scores)
+                                                query_spans, scores, split_span_refs)
 
 
 def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref, m_ref,
                     log2_l_ref, *refs, dims: Dims, spec: MaskSpec, blocks: BlockSizes,
                     aux: Aux, logits: Logits, q_block, exp2, bias_dot: bool):
   aux_refs, refs = AuxArrays.split_refs(refs, aux.present)
-  (first_ref, end_ref), refs = (refs[:2], refs[2:]) if aux.mask else ((None, None), refs)
+  (first_ref, end_ref), refs = split_span_refs(refs, aux)
   bias_dot_ref, o_dot_ref = refs if bias_dot else (None, *refs)
   kv_seg_ref = aux_refs.kv_segments
   bq, bk = blocks.block_q_dq, blocks.block_k_dq

@@ -393,6 +393,12 @@ def span_spec(plane: Plane, block_index, *, blocked: bool, heads: int = 1):
   return pl.BlockSpec((None, heads if plane.heads else 1, 1), index)
 
 
+def split_span_refs(refs, aux: Aux):
+  """((first_ref, end_ref), the refs after them): a kernel's refs of `span_spec`, which
+  come next where the call has a mask array, else (None, None)."""
+  return (tuple(refs[:2]), refs[2:]) if aux.mask else ((None, None), refs)
+
+
 def load_span(first_ref, end_ref, head=None):
   """(first, end) from the refs of `span_spec` (of the group's ``head``), or None
   without them."""
