@@ -169,8 +169,9 @@ for stage in $stages; do
       # too little to instantiate CUDA graphs). TEST_K="expr" selects tests (pytest -k);
       # TEST_TIMEOUT: seconds (default 330). On an H100 on 2026-12-05, twelve workers: 34
       # tests in 76 s; then 119 of the other 169 in 520 s, test_matches_truth_gpu taking
-      # 50-250 s a case on a worker (compiling: its shapes are small; Triton's float32
-      # cases at head dims 192-256 the slowest), as attn_test_times.log records.
+      # 50-250 s a case on a worker (Triton's float32 cases at head dims 192-256 the
+      # slowest; compiling, by our reading: its shapes are small), as
+      # attn_test_times.log records.
       JAXSOFTMAX_TEST_TIMES=$out/attn_test_times.log \
         XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.11 \
         timeout ${TEST_TIMEOUT:-330} $python -m pytest \
