@@ -56,6 +56,9 @@ def triton_modules(shape: str, feature: str | None,
   q, kv = x((B, T, N, H)), x((B, T, K, H))
   if mode == "fwd":
     traced = jax.jit(attention).trace(q, kv, kv)
+  elif mode == "jvp":  # the forward, then the tangent kernel
+    traced = jax.jit(lambda q, k, v: jax.jvp(attention, (q, k, v), (q, k, v))).trace(
+        q, kv, kv)
   else:
     traced = jax.jit(lambda q, k, v, do: jax.vjp(attention, q, k, v)[1](do)).trace(
         q, kv, kv, q)
@@ -87,7 +90,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("shapes", nargs="+", help="B,T,N,K,H,causal")
   parser.add_argument("--feature", choices=FEATURES[1:])
-  parser.add_argument("--mode", default="fwd+bwd", choices=("fwd", "fwd+bwd"))
+  parser.add_argument("--mode", default="fwd+bwd", choices=("fwd", "fwd+bwd", "jvp"))
   args = parser.parse_args()
   for shape in args.shapes:
     for name, ir, stages, warps in triton_modules(shape, args.feature, args.mode):
