@@ -1,7 +1,8 @@
 """What the mask array's forward pays for its stage cut: the plain Triton forward at its
 default tiles, the same with one pipeline stage fewer (what `tiling.forward_stages` gives
 a forward that reads a mask or bias tile), and the forward with bench_attention_features'
-mask array, in one run.
+mask array; then both at 128 x 64 tiles on eight warps and two stages, which the mask
+tile does not cut; in one run.
 
     PYTHONPATH=. python3 benchmarks/mask_stages.py --out benchmarks/results/tuning
 
@@ -33,9 +34,13 @@ def bench_shape(report: harness.Report, case, dtype):
   default = BlockSizes.default(T, T, H, dtype)
   cut = dataclasses.replace(default, num_stages=max(2, default.num_stages - 1))
   mask = feature_arrays("mask", B, T, N)[0]
+  # A tiling with two stages to begin with, which the mask tile leaves whole.
+  wide = dataclasses.replace(default, block_q=128, block_k=64, num_warps=8, num_stages=2)
   runs = [(f"plain s{default.num_stages}", default, {}),
           (f"plain s{cut.num_stages}", cut, {}),
-          ("mask (its stages cut)", default, mask)]
+          ("mask (its stages cut)", default, mask),
+          ("plain s2", wide, {}),
+          ("mask s2", wide, mask)]
   for name, blocks, kw in runs:
     fn = lambda q, k, v, blocks=blocks, kw=kw: js.dot_product_attention(
         q, k, v, is_causal=causal, implementation="triton", block_sizes=blocks, **kw)
@@ -46,4 +51,4 @@ def bench_shape(report: harness.Report, case, dtype):
 
 if __name__ == "__main__":
   harness.run("mask_stages", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda case, dtype, modes: 3, unit="TFLOP/s", default_modes="fwd")
+              lambda case, dtype, modes: 5, unit="TFLOP/s", default_modes="fwd")
