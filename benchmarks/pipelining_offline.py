@@ -3,7 +3,7 @@ GPU: each kernel of one call is lowered as the GPU machine lowers it (JAX 0.11.2
 for an H200) and compiled to PTX by the `triton` package for sm_90 with the kernel's own
 num_warps and num_stages; the report counts, per kernel, the asynchronous copies
 (cp.async: the loads the software pipeliner took) beside the plain global loads and the
-wgmma instructions.
+wgmma instructions, with the shared memory a program of it takes.
 
     bash benchmarks/resources_offline.sh --pipelining --feature mask 1,1024,2,2,128,0
 
@@ -18,6 +18,7 @@ walks now narrow their ranges instead (docs/kernels.md, mask arrays).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import re
@@ -27,13 +28,16 @@ import jax
 import jax.numpy as jnp
 
 import jaxsoftmax as js
+from jaxsoftmax.attention import BlockSizes
 from bench_attention_features import FEATURES, feature_arrays
 
 
-def triton_modules(shape: str, feature: str | None,
-                   mode: str) -> list[tuple[str, str, int, int]]:
+def triton_modules(shape: str, feature: str | None, mode: str,
+                   forward_tiles: str | None = None) -> list[tuple[str, str, int, int]]:
   """(name, Triton IR text, num_stages, num_warps) of each Triton kernel that one call
-  at ``shape`` (B,T,N,K,H,causal) lowers to, in the lowered program's order."""
+  at ``shape`` (B,T,N,K,H,causal) lowers to, in the lowered program's order;
+  ``forward_tiles`` ("block_q,block_k,num_warps,num_stages") replaces the forward's
+  default tiles."""
   from jax._src.pallas.triton import gpu_info, lowering
   if hasattr(gpu_info, "GpuVersion"):  # the device's compute capability, as an H200's
     gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(
@@ -50,6 +54,11 @@ def triton_modules(shape: str, feature: str | None,
   lowering.lower_jaxpr_to_triton_module = recording
   B, T, N, K, H, causal = (int(x) for x in shape.split(","))
   kw = feature_arrays(feature, B, T, N)[0] if feature else {}
+  if forward_tiles:
+    bq, bk, warps, stages = (int(x) for x in forward_tiles.split(","))
+    kw["block_sizes"] = dataclasses.replace(
+        BlockSizes.default(T, T, H, jnp.bfloat16, bool(causal)), block_q=bq, block_k=bk,
+        num_warps=warps, num_stages=stages)
   attention = functools.partial(js.dot_product_attention, is_causal=bool(causal),
                                 implementation="triton", interpret=False, **kw)
   x = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
@@ -79,11 +88,13 @@ def pipelining(ir: str, num_warps: int, num_stages: int) -> dict[str, int]:
     path = os.path.join(tmp, "kernel.ttir")
     with open(path, "w") as f:
       f.write(ir)
-    ptx = triton.compile(path, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
+    compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+  ptx = compiled.asm["ptx"]
   return {"cp.async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
           "ld.global": len(re.findall(r"ld\.global", ptx)),
-          "wgmma": len(re.findall(r"wgmma\.mma_async", ptx))}
+          "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+          "shared bytes": compiled.metadata.shared}
 
 
 def main():
@@ -91,9 +102,12 @@ def main():
   parser.add_argument("shapes", nargs="+", help="B,T,N,K,H,causal")
   parser.add_argument("--feature", choices=FEATURES[1:])
   parser.add_argument("--mode", default="fwd+bwd", choices=("fwd", "fwd+bwd", "jvp"))
+  parser.add_argument("--forward-tiles", help="block_q,block_k,num_warps,num_stages of the "
+                      "forward, in place of its defaults")
   args = parser.parse_args()
   for shape in args.shapes:
-    for name, ir, stages, warps in triton_modules(shape, args.feature, args.mode):
+    for name, ir, stages, warps in triton_modules(shape, args.feature, args.mode,
+                                                    args.forward_tiles):
       counts = pipelining(ir, warps, stages)
       # A call with a mask also compiles the kernels of its lengths forms (api.py,
       # `_mask_as_lengths`); the mask array's own read a tile of int8.

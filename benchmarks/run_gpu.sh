@@ -32,6 +32,8 @@
 #                           ATTN_MODES="fwd,fwd+bwd,jvp" adds forward mode; ATTN_FEATURES
 #                           picks features; ATTN_TIMEOUT, default 400 s: four features
 #                           on both shapes took longer on 2026-12-05)
+#   attn-planes             plane_tile_stages.py: the Triton forward's stages with a mask
+#                           or bias tile, plain and at tiles that keep them (ATTN_ONLY)
 #   attn-ncu                Nsight Compute counters of one forward (NCU_SOURCE=1 adds the
 #                           per-instruction stall samples on the SASS)
 #   attn-resources          ptxas' registers and spills of the Mosaic GPU kernels
@@ -71,7 +73,7 @@
 set -uo pipefail
 stages=${STAGES:-tests tune bench}
 known="tests tune bench rows-profile attn-tests attn-tune attn-tune-hopper attn-bench
-  attn-bench-bwd attn-features attn-ncu attn-resources pytest lce-tests lce-bench lce-profile lce-accuracy
+  attn-bench-bwd attn-features attn-planes attn-ncu attn-resources pytest lce-tests lce-bench lce-profile lce-accuracy
   tune-lce norm-tests norm-bench tune-norms norm-ncu decode-tests decode-bench decode-ncu ring-tests
   ring-bench ring-profile ring-example accuracy-rows command-buffers example"
 if [ "${1:-}" = --help ] || [ "${1:-}" = -h ]; then
@@ -202,6 +204,12 @@ for stage in $stages; do
       BENCH_TIMER=${BENCH_TIMER:-trace} timeout ${ATTN_TIMEOUT:-400} $python benchmarks/bench_attention_features.py --out "$out" \
         ${ATTN_ONLY:+--only "$ATTN_ONLY"} ${ATTN_MODES:+--modes "$ATTN_MODES"} 2>&1 \
         | tee -a "$out/attn_features.log" | tail -n 2 | tee -a "$out/summary.log" ;;
+    attn-planes)
+      # The Triton forward's pipeline stages against a mask or bias tile
+      # (plane_tile_stages.py; ATTN_ONLY picks shapes), with the trace timer as above.
+      BENCH_TIMER=${BENCH_TIMER:-trace} timeout ${ATTN_TIMEOUT:-400} $python benchmarks/plane_tile_stages.py --out "$out" \
+        ${ATTN_ONLY:+--only "$ATTN_ONLY"} 2>&1 \
+        | tee -a "$out/attn_planes.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     attn-ncu)
       # Nsight Compute on one forward of each of PROFILE_IMPLS (default: ours on Hopper
       # and cuDNN) at PROFILE_SHAPE: throughput, tensor-pipe use, stall reasons.

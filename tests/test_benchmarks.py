@@ -177,6 +177,17 @@ def test_bench_attention_features_smoke(tmp_path):
     assert "## Cost of each feature" in f.read()
 
 
+def test_plane_tile_stages_smoke(tmp_path):
+  rows = _smoke_rows(tmp_path, "plane_tile_stages", "plane_tile_stages")
+  # The plain forward at its tiles and a stage fewer, then each feature at the default
+  # tiles and, with the plain call, at 128 x 64 tiles: each row with its error.
+  names = [r["impl"].split(" (")[0] for r in rows]
+  assert names == ["plain", "plain, a stage fewer", "mask", "bias heads", "plain", "mask",
+                   "bias heads"]
+  assert all(r["median_us"] > 0 and r["max_rel_err"] < 0.05 for r in rows)
+  assert rows[0]["impl"] != rows[1]["impl"]  # the stage count names the cut
+
+
 def test_tune_norms_smoke(tmp_path):
   rows = _smoke_rows(tmp_path, "tune_norms", "tune_norms")
   # Both ops, plain and with the residual, the forward and the backward alone, each on
