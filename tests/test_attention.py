@@ -679,6 +679,38 @@ def test_forward_mode(key, backend, B, T, S, N, K, H, Hv, bias_shape, sinks, opt
                  ("output", "tangent"))
 
 
+def test_second_order_with_score_terms(key):
+  # Hessian-vector products (jvp of grad) with every input moving at once, the sinks and
+  # a bias among them, under the 2x rule against the reference's, float64 truth. The
+  # sinks' term reads the forward's (m, log2 l), whose tangents must be lse's: with
+  # them held at 0, the sinks' entries were off by 0.5 here (2026-12-05). The Triton
+  # kernels (the bias's); the fix is in the API's state, the same for every backend.
+  backend = "triton"
+  B, T, S, N, K, H = 2, 21, 26, 2, 1, 16
+  keys = jax.random.split(jax.random.fold_in(key, 5), 10)
+  normal = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32)
+  primals = (normal(0, (B, T, N, H)), normal(1, (B, S, K, H)), normal(2, (B, S, K, H)),
+             normal(3, (1, N, T, S)), jnp.array([0.3, -1.0]))
+  tangents = tuple(normal(4 + i, x.shape) for i, x in enumerate(primals))
+  options = dict(is_causal=True, key_value_seq_lengths=jnp.array([S, 0]))
+  interpret = _interpret(backend)
+
+  def loss(attention):
+    def f(q, k, v, bias, sinks):
+      return jnp.sum(jnp.sin(attention(q, k, v, bias, sinks=sinks, **options)))
+    return f
+
+  ours = loss(functools.partial(js.dot_product_attention, implementation=backend,
+                                interpret=interpret, block_sizes=_tiles(backend, interpret)))
+  ref = loss(lambda *a, **kw: reference.dot_product_attention(*a, **kw)[0])
+
+  def hvp(f):
+    return lambda *pt: jax.jvp(jax.grad(f, argnums=range(5)), pt[:5], pt[5:])[1]
+
+  _against_truth(hvp(ours), hvp(ref), (*primals, *tangents),
+                 ("q", "k", "v", "bias", "sinks"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("H, dtype", [(128, jnp.bfloat16), (256, jnp.bfloat16),
                                       (256, jnp.float32)])

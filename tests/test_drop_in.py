@@ -247,7 +247,7 @@ def _float_args(args) -> tuple[int, ...]:
 
 
 # The score terms' forward mode is test_attention.py's (test_forward_mode, with a bias and
-# sinks); their second order is the plain attention's, through the twin.
+# sinks), and so is their second order (test_second_order_with_score_terms).
 @pytest.mark.parametrize("name", [n for n in OPS if n not in (
     "softmax", "log_softmax", "logsumexp", "cross_entropy", "dot_product_attention score terms")])
 def test_forward_mode_and_second_order(key, name, interpret=True):

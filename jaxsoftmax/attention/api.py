@@ -191,8 +191,24 @@ def _output_tangent(primals, tangents, state, call: Call, backend: str):
 def _state(q, k, v, aux, sinks, call: Call, backend: str):
   """(o, lse, o for delta, m, log2 l): the forward with the residuals of its derivatives.
   Its own derivatives are needed at second order only, where the maps' twins recompute
-  from (q, k, v) and read none of the residuals: those move by 0."""
+  from (q, k, v) and read none of the residuals; the sinks' term reads (m, log2 l)
+  (`logits.sink_probability`), so with sinks their lse moves as the reference's does."""
   return _forward(q, k, v, aux, sinks, call, backend, for_backward=True)
+
+
+def _lse_tangent(primals, tangents, call: Call):
+  """The tangent of each row's lse (B, N, T) float32 in natural units, sinks included,
+  from the reference (second order only, which runs the twins, O(T·S) already); 0 on
+  rows whose lse is not finite."""
+  q, k, v, aux, sinks = primals
+  args = (q, k, v, sinks)
+  dots = tuple(_dense(t, x) for t, x in zip((*tangents[:3], tangents[4]), args))
+  if aux.bias is not None and not isinstance(tangents[3].bias, SymbolicZero):
+    args, dots = args + (aux.bias,), dots + (tangents[3].bias,)
+  lse = lambda q, k, v, sinks, *bias: reference_attention(q, k, v, aux, call, sinks,
+                                                          *bias)[1]
+  lse, lse_dot = jax.jvp(lse, args, dots)
+  return jnp.transpose(jnp.where(jnp.isfinite(lse), lse_dot, 0.0), (0, 2, 1))
 
 
 @functools.partial(_state.defjvp, symbolic_zeros=True)
@@ -200,8 +216,11 @@ def _state_jvp(call: Call, backend: str, primals, tangents):
   state = _state(*primals, call, backend)
   _, lse, o_delta, m, log2_l = state
   do = _output_tangent(primals, tangents, state, call, backend)
+  log2_l_dot = jnp.zeros_like(log2_l)
+  if primals[4] is not None:  # lse = m · factor + log2 l / log2(e): m held, l moves
+    log2_l_dot = _lse_tangent(primals, tangents, call) * logits.LOG2E
   return state, (do, jnp.zeros_like(lse), do.astype(o_delta.dtype), jnp.zeros_like(m),
-                 jnp.zeros_like(log2_l))
+                 log2_l_dot.astype(log2_l.dtype))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
