@@ -390,6 +390,30 @@ def test_flax_masks(key):
   assert kernels == ("triton", "triton")
 
 
+def test_flax_mask_array_with_gradients(key):
+  # A mask that is neither causal nor a padded batch's (holes, a head axis: documents
+  # that differ per head) reaches the Triton kernels as a mask array, traced under
+  # nnx.jit: the layer's output and the gradients of its parameters and input are
+  # nnx's own (every row keeps its diagonal key, so none is empty).
+  from flax import nnx
+  x = jax.random.normal(key, (2, 11, 32))
+  holes = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.7, (2, 2, 11, 11))
+  mask = holes | jnp.eye(11, dtype=bool)[None, None]
+  ours = _mha(js.flax_attention_fn(implementation="triton", interpret=True))
+  theirs = _mha()
+  kernels = js.attention_kernels(*(jnp.zeros((2, 11, 2, 16)),) * 3, mask=mask,
+                                 implementation="triton", interpret=True)
+  assert kernels == ("triton", "triton")
+
+  def loss(layer, x):
+    return jnp.sum(jnp.sin(layer(x, mask=mask)))
+
+  got, want = (nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(layer, x)
+               for layer in (ours, theirs))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
 def test_flax_traced_padded_causal_mask_runs_as_lengths(key):
   # Inside jax.jit nnx's padding and causal masks, combined, are traced: the kernels take
   # them as lengths with is_causal (`api._mask_as_lengths`), the same program to the bit

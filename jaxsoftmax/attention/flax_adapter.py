@@ -35,15 +35,16 @@ __all__ = ["flax_attention", "flax_attention_fn"]
 
 
 def _read_mask(mask, T: int, S: int):
-  """(mask or None, whether it is the causal mask) for a boolean mask, read when it is
-  concrete; a traced mask is returned as it is."""
+  """(mask or None, whether it is the causal mask) for a boolean mask, read on the host
+  when it is concrete (in eager code, or a constant inside ``jax.jit``, where only the
+  host can read it); a traced mask is returned as it is. The causal pattern is formed
+  only for a mask with a T x S plane, so the check costs the mask's own size."""
   if isinstance(mask, jax.core.Tracer):
     return mask, False
   values = np.asarray(mask)
   if values.all():
     return None, False
-  causal = np.tril(np.ones((T, S), bool))
-  if values.shape[-2:] == (T, S) and (values == causal).all():
+  if values.shape[-2:] == (T, S) and (values == np.tri(T, S, dtype=bool)).all():
     return None, True
   return mask, False
 

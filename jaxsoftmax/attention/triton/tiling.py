@@ -358,6 +358,9 @@ def live_block_spans(mask, *, block_rows: int, block_cols: int, n_col_blocks: in
   if transposed:
     allowed = jnp.swapaxes(allowed, 2, 3)
   Bm, Nm, R, C = allowed.shape
+  # One block of rows (or columns) holds them all where there are no more than a block:
+  # no padding, so a broadcast row axis (a key mask's) is not padded to a block.
+  block_rows, block_cols = min(block_rows, R), min(block_cols, C)
   n_rows = pl.cdiv(R, block_rows)
   pad_rows = ((0, 0), (0, 0), (0, n_rows * block_rows - R))
   if C == 1:  # the keys broadcast: a block attends to all of them or to none
