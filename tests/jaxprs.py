@@ -24,3 +24,17 @@ def pallas_calls(jaxpr) -> list[tuple[str, int]]:
 def kernel_names(jaxpr) -> list[str]:
   """The names of the pallas_calls that ``jaxpr`` runs."""
   return [name for name, _ in pallas_calls(jaxpr)]
+
+
+def array_shapes(jaxpr) -> list[tuple[int, ...]]:
+  """The shapes of every array that ``jaxpr``'s operations make, those of its sub-jaxprs
+  and of the pallas_calls' outputs included (not the arrays inside a kernel)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    found += [out.aval.shape for out in eqn.outvars if hasattr(out.aval, "shape")]
+    if eqn.primitive.name == "pallas_call":
+      continue
+    inner = kernel_jaxpr(eqn)
+    for sub in [*core.jaxprs_in_params(eqn.params), *([inner.jaxpr] if inner else [])]:
+      found += array_shapes(sub)
+  return found

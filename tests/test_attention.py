@@ -27,7 +27,7 @@ from jaxsoftmax.attention.logits import score_grad_term_count
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
-from jaxprs import pallas_calls
+from jaxprs import array_shapes, pallas_calls
 from flash_form import flash_form_gradients
 from tolerance import assert_2x_or_kernel_form, truth
 
@@ -343,6 +343,30 @@ def test_score_terms_triton_gpu(key, B, T, S, N, K, H, bias_shape, mask_shape, a
                      options, dtype=jnp.bfloat16, interpret=False, blocks=None)
 
 
+@pytest.mark.gpu
+def test_float32_bias_gradient_gpu(key):
+  # A learnable float32 relative-position bias (1, N, T, S) under bfloat16 activations,
+  # as Flax keeps its parameters, with its gradient, at head dim 128's default tiles: the
+  # dQ kernel takes two stages there (`tiling.dq_stages`; three asked for 262144 bytes
+  # of shared memory, offline), and dbias is added atomically (`_dbias_atomic`).
+  _check_score_terms(key, "triton", 2, 300, 300, 4, 2, 128, (1, 4, 300, 300), None, False,
+                     dict(is_causal=True), dtype=jnp.bfloat16, interpret=False, blocks=None)
+
+
+def test_dq_stages_fit_shared_memory():
+  # The dQ kernel's shared memory as compiled offline for sm_90 at H = 128, 128 x 64
+  # tiles (benchmarks/results/tuning/pipelining_attention_offline.md): three stages
+  # plain (163840 bytes), with a bfloat16 bias and its gradient (229376), with a
+  # float32 bias (229376); two with a float32 bias and its gradient (262144 at three).
+  dims = tiling.Dims.of(*(jax.ShapeDtypeStruct((2, 4096, 4, 128), jnp.bfloat16),) * 3)
+  blocks = BlockSizes.default(4096, 4096, 128, jnp.bfloat16)
+  tile = blocks.block_q_dq * blocks.block_k_dq
+  assert blocks.num_stages_bwd == 3
+  for plane, dbias, stages in ((0, 0, 3), (2 * tile, 4 * tile, 3), (4 * tile, 0, 3),
+                               (4 * tile, 4 * tile, 2)):
+    assert tiling.dq_stages(blocks, dims, 2, plane, dbias) == stages, (plane, dbias)
+
+
 def test_alibi_one_sided_exact_near_the_diagonal(key):
   # Steep slopes (not powers of two) with the default 64-row tiles, causal: one-sided
   # ALiBi's column and row terms reach slope·63 within a block, so a diagonal tile
@@ -562,9 +586,39 @@ def test_score_terms_run_in_the_kernels(key):
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums))(q, k, v, bias)
     calls = dict(pallas_calls(jaxpr.jaxpr))
     assert calls["attention_forward"] == 3 and calls["attention_backward_dq"] == dq_outputs
-    big = [eqn for eqn in jaxpr.jaxpr.eqns for out in eqn.outvars
-           if getattr(out.aval, "size", 0) >= B * N * T * S]
+    big = [shape for shape in array_shapes(jaxpr.jaxpr) if np.prod(shape) >= B * N * T * S]
     assert not big, big
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 4, 64, 96), (1, 1, 64, 96), (2, 1, 64, 96),
+                                        (2, 1, 1, 96)])
+def test_dbias_memory_is_the_bias(key, bias_shape):
+  # A bias that broadcasts along the batch or the heads gets its gradient added
+  # atomically into one float32 array of its own shape (padded to whole blocks): no
+  # array of the step has more T x S planes than the bias (the partial sums took B·N of
+  # them). deterministic=True keeps the stored partial sums, and both give dbias to
+  # float32 rounding; the deterministic one is the same to the bit on a second run.
+  B, T, S, N = 2, 64, 96, 4
+  q, k, v, _ = _inputs(key, B, T, S, N, 2, 16, jnp.float32)
+  bias = jax.random.normal(jax.random.fold_in(key, 1), bias_shape)
+  planes = bias_shape[0] * bias_shape[1] if bias_shape[2] > 1 else 0
+
+  def dbias(deterministic):
+    def loss(q, k, v, bias):
+      return jnp.sum(jnp.sin(js.dot_product_attention(
+          q, k, v, bias, is_causal=True, implementation="triton", interpret=True,
+          deterministic=deterministic)))
+    return jax.grad(loss, argnums=3)
+
+  jaxpr = jax.make_jaxpr(dbias(False))(q, k, v, bias)
+  held = [shape for shape in array_shapes(jaxpr.jaxpr)
+          if len(shape) == 4 and shape[2] >= T and shape[3] >= S]
+  assert all(shape[0] * shape[1] <= planes for shape in held), held
+  atomic = jax.jit(dbias(False))(q, k, v, bias)
+  ordered = jax.jit(dbias(True))(q, k, v, bias)
+  assert atomic.shape == ordered.shape == bias_shape
+  np.testing.assert_allclose(atomic, ordered, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(ordered, jax.jit(dbias(True))(q, k, v, bias))
 
 
 def test_score_terms_and_sinks_under_x64(key):

@@ -44,7 +44,8 @@ def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
 
 
 def backward_unsupported(call: Call) -> str | None:
-  """None: this backward differentiates every forward's residuals, deterministically."""
+  """None: this backward differentiates every forward's residuals, deterministically
+  (but for a broadcast bias's gradient, added atomically unless ``call.deterministic``)."""
   del call
   return None
 
@@ -56,7 +57,7 @@ def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call, *, grad_dtype=None,
   return _backward.backward(q, k, v, o, m, log2_l, do, aux_arrays, spec=call.spec,
                             blocks=blocks(call), scale=call.scale, softcap=call.softcap,
                             interpret=call.interpret, grad_dtype=grad_dtype, delta=delta,
-                            with_dbias=with_dbias)
+                            with_dbias=with_dbias, deterministic=call.deterministic)
 
 
 def jvp(q, k, v, o, m, log2_l, tangents, aux_arrays, call: Call):

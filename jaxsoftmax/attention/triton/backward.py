@@ -40,7 +40,8 @@ from jaxsoftmax.attention.masks import (MaskSpec, cdiv, element_mask, key_block_
                                         narrow_ranges, query_block_ranges,
                                         walk_block_ranges)
 from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, Plane, ScoreTerms,
-                                                block_rows, key_block, live_block_spans,
+                                                block_rows, dq_stages, key_block,
+                                                live_block_spans,
                                                 load_scalar, load_span, max_or_inf,
                                                 probabilities, query_block,
                                                 query_block_launch, query_plane_spec,
@@ -187,9 +188,13 @@ def _score_grad_dot(ds, x):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs, dims: Dims,
-               spec: MaskSpec, blocks: BlockSizes, aux: Aux, logits: Logits, q_block, exp2):
+               spec: MaskSpec, blocks: BlockSizes, aux: Aux, logits: Logits, q_block, exp2,
+               dbias_atomic: bool = False):
   aux_refs, refs = AuxArrays.split_refs(refs, aux.present)
-  (first_ref, end_ref), (dq_ref, *dbias_ref) = split_span_refs(refs, aux)
+  (first_ref, end_ref), refs = split_span_refs(refs, aux)
+  if dbias_atomic:  # the zeroed target comes in aliased to its output: that one adds
+    refs = refs[1:]
+  dq_ref, *dbias_ref = refs
   kv_seg_ref = aux_refs.kv_segments
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   q0 = q_block(pl.program_id(0)) * bq
@@ -203,7 +208,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
   terms = ScoreTerms(aux, aux_refs, logits.factor, dims, one_sided=spec.one_sided)
   slope = terms.slope()
   tile_max = terms.tile_maxima(m, slope, q_idx, q0)  # keyed by a block's `masked`
-  dbias = _DBiasPartial(dbias_ref[0], aux.bias, q_idx, bq, dims) if dbias_ref else None
+  dbias = (_DBiasPartial(dbias_ref[0], aux.bias, q_idx, q0, bq, dims, dbias_atomic)
+           if dbias_ref else None)
 
   def step(j, carry, *, masked: bool):
     keys = key_block(j * bk, bk, dims, terms, block, masked=masked)
@@ -236,17 +242,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *refs,
 
 
 class _DBiasPartial(NamedTuple):
-  """dbias in a dQ program, summed over the axes the bias broadcasts along: stored per
+  """dbias in a dQ program, summed over the axes the bias broadcasts along. Stored: per
   key block where the bias has a key axis (its block zeroed first, for the blocks the
   walk skips), else summed across the walk and stored once; one row per query block
   where it has no query axis (the sum over query blocks, batch rows and heads is XLA's,
-  `_dbias`)."""
+  `_dbias`). ``atomic`` (`_dbias_target`): added instead into a zeroed float32 array of
+  the bias's own shape (padded to whole blocks), which every program of the bias's
+  batch row and head shares."""
 
   ref: Any
   plane: Plane
   q_idx: Any
+  q0: Any
   block_q: int
   dims: Dims
+  atomic: bool = False
 
   def _all_rows(self):
     """The block's rows as an int32 slice. In interpret mode under jax_enable_x64 a
@@ -263,10 +273,26 @@ class _DBiasPartial(NamedTuple):
       return None
     return jnp.broadcast_to((self.q_idx < self.dims.T)[:, None], (self.block_q, cols))
 
+  def _atomic_rows(self):
+    """The program's rows of the shared target: its query block, or its one row."""
+    if self.plane.rows:
+      return pl.ds(lax.convert_element_type(self.q0, jnp.int32), self.block_q)
+    return pl.ds(jnp.int32(0), 1)
+
+  def _add_atomic(self, tile, k0, cols: int):
+    """Adds ``tile`` (rows or one row, by ``cols``) at key column k0; rows past T add 0
+    (atomic adds take no mask: the target is padded to whole blocks instead)."""
+    row_ok = self._row_ok(cols)
+    if row_ok is not None:
+      tile = jnp.where(row_ok, tile, 0.0)
+    pallas.atomic_add(self.ref, (self._atomic_rows(), pl.ds(k0, cols)), tile)
+
   def start(self, block_k: int):
     """The walk's carry (None, or the running sum over keys), after zeroing the block."""
     if not self.plane.cols:
       return jnp.zeros((self.block_q if self.plane.rows else 1, 1), jnp.float32)
+    if self.atomic:  # the target starts at zero
+      return None
     rows = self.block_q if self.plane.rows else 1
 
     def zero(j, unused):
@@ -286,6 +312,9 @@ class _DBiasPartial(NamedTuple):
     if not self.plane.cols:
       return total + jnp.sum(self._rows(ds), axis=1, keepdims=True)
     tile = self._rows(ds)
+    if self.atomic:  # keys past S are masked: their ds is 0
+      self._add_atomic(tile, lax.convert_element_type(k0, jnp.int32), block_k)
+      return total
     ok = jnp.broadcast_to((k_idx < self.dims.S)[None, :], tile.shape)
     row_ok = self._row_ok(block_k)
     pallas.store(self.ref.at[self._all_rows(), pl.ds(jnp.int32(k0), block_k)], tile,
@@ -294,18 +323,22 @@ class _DBiasPartial(NamedTuple):
 
   def finish(self, total):
     if not self.plane.cols:
+      if self.atomic:
+        self._add_atomic(total, jnp.int32(0), 1)
+        return
       row_ok = self._row_ok(1)
       pallas.store(self.ref, total, mask=row_ok)
 
 
 def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes,
              scale: float, softcap: float | None, interpret: bool, grad_dtype=None,
-             delta=None, with_dbias: bool = False):
+             delta=None, with_dbias: bool = False, deterministic: bool = False):
   """(dq, dk, dv) for the forward's inputs, its output o (float32 where it has one) and
   its row statistics m and log2_l (B, N, T); in the inputs' dtype, or in ``grad_dtype``
   (float32 for partial gradients that are summed afterwards, as context parallelism's).
   ``delta``: rowsum(dO ∘ O) (B, N, T) where the caller has it (then o is not read).
-  ``with_dbias``: also dbias, the bias's shape and dtype, from the dQ kernel."""
+  ``with_dbias``: also dbias, the bias's shape and dtype, from the dQ kernel, which adds
+  it atomically where the bias broadcasts (`_dbias_atomic`) unless ``deterministic``."""
   grad_dtype = q.dtype if grad_dtype is None else grad_dtype
   dims = Dims.of(q, k, v)
   aux_arrays_in = aux_arrays
@@ -360,26 +393,46 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
                               block_k=blocks.block_k_dq, last_first=spec.is_causal)
   q_tile, stat_tile = launch.q_tile, launch.stat_tile
   out_specs, out_shape = [q_tile], [jax.ShapeDtypeStruct(q.shape, grad_dtype)]
-  if with_dbias:
+  in_specs = [q_tile, launch.kv_all, launch.v_all, launch.o_tile, stat_tile, stat_tile,
+              stat_tile, *launch.aux_specs, *launch.span_specs]
+  inputs = [q, k, v, do, m, log2_l, delta, *aux_arrays,
+            *query_spans(mask, blocks.block_q_dq, blocks.block_k_dq, dims)]
+  atomic = with_dbias and not deterministic and _dbias_atomic(aux.bias)
+  aliases = {}
+  if atomic:
+    target, target_spec = _dbias_target(aux.bias, dims, blocks)
+    aliases = {len(inputs): 1}  # after dq
+    in_specs.append(target_spec)
+    inputs.append(target)
+    out_specs.append(target_spec)
+    out_shape.append(jax.ShapeDtypeStruct(target.shape, jnp.float32))
+  elif with_dbias:
     partial = _dbias_partial_shape(aux.bias, dims, blocks.block_q_dq)
     plane = dataclasses.replace(aux.bias, batch=True, heads=True)  # one block per program
     out_specs.append(query_plane_spec(
         plane, blocks.block_q_dq, pl.cdiv(dims.S, blocks.block_k_dq) * blocks.block_k_dq,
         launch.q_block, row_blocks=True))
     out_shape.append(jax.ShapeDtypeStruct(partial, jnp.float32))
+  plane_bytes = aux.plane_tile_bytes(aux_arrays_in, blocks.block_q_dq, blocks.block_k_dq)
+  dbias_bytes = 0 if not with_dbias else 4 * (
+      (blocks.block_q_dq if aux.bias.rows else 1) * (blocks.block_k_dq if aux.bias.cols else 1))
+  dq_common = dict(common, num_stages=dq_stages(blocks, dims, q.dtype.itemsize, plane_bytes,
+                                                dbias_bytes))
   dq, *dbias = pallas.pallas_call(
-      functools.partial(_dq_kernel, q_block=launch.q_block, **statics),
+      functools.partial(_dq_kernel, q_block=launch.q_block, dbias_atomic=atomic,
+                        **statics),
       name="attention_backward_dq", grid=launch.grid,
-      in_specs=[q_tile, launch.kv_all, launch.v_all, launch.o_tile, stat_tile, stat_tile,
-                stat_tile, *launch.aux_specs, *launch.span_specs],
-      out_specs=out_specs, out_shape=out_shape,
-      **common,
-  )(q, k, v, do, m, log2_l, delta, *aux_arrays,
-    *query_spans(mask, blocks.block_q_dq, blocks.block_k_dq, dims))
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      input_output_aliases=aliases, **dq_common,
+  )(*inputs)
   if not with_dbias:
     return dq, dk, dv
   bias = AuxArrays(*aux_arrays_in).bias
-  return dq, dk, dv, _dbias(dbias[0], aux.bias).astype(bias.dtype)
+  if atomic:  # the target less its padding
+    dbias = dbias[0][:, :, :bias.shape[2], :bias.shape[3]]
+  else:
+    dbias = _dbias(dbias[0], aux.bias)
+  return dq, dk, dv, dbias.astype(bias.dtype)
 
 
 def _key_plane_spec(plane: Plane, group: int, q_rows: int, block_k: int):
@@ -390,6 +443,29 @@ def _key_plane_spec(plane: Plane, group: int, q_rows: int, block_k: int):
        block_k if plane.cols else 1),
       lambda j, b, h: (b if plane.batch else 0, h if plane.heads else 0, 0,
                        j if plane.cols else 0))
+
+
+def _dbias_atomic(plane: Plane) -> bool:
+  """Whether dbias is added atomically into one array of the bias's shape: wherever the
+  stored partial sums (`_dbias_partial_shape`) would be larger than the bias, as for a
+  relative-position bias (1, N, T, S), B times (4 GiB of float32 for the benchmarks'
+  4x4096x16 with a bfloat16 bias of 512 MiB), or a key bias (B, 1, 1, S), N times T over
+  block_q. Not where gradients must be bit-identical from run to run: the adds' order
+  varies (as the Hopper backward's dQ, `deterministic`)."""
+  return not (plane.batch and plane.heads and plane.rows)
+
+
+def _dbias_target(plane: Plane, dims: Dims, blocks: BlockSizes):
+  """(zeros, BlockSpec): the float32 array the dQ kernel adds dbias into atomically, of
+  the bias's shape with its query and key axes padded to whole blocks (atomic adds take
+  no mask), and the spec that gives each program its batch row's and head's plane."""
+  rows = pl.cdiv(dims.T, blocks.block_q_dq) * blocks.block_q_dq if plane.rows else 1
+  cols = pl.cdiv(dims.S, blocks.block_k_dq) * blocks.block_k_dq if plane.cols else 1
+  shape = (dims.B if plane.batch else 1, dims.N if plane.heads else 1, rows, cols)
+  spec = pl.BlockSpec((None, None, rows, cols),
+                      lambda i, b, n: (b if plane.batch else 0, n if plane.heads else 0,
+                                       0, 0))
+  return jnp.zeros(shape, jnp.float32), spec
 
 
 def _dbias_partial_shape(plane: Plane, dims: Dims, block_q: int) -> tuple[int, ...]:

@@ -29,7 +29,8 @@ from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, cap_grad
 from jaxsoftmax.attention.masks import (MaskSpec, key_block_ranges, narrow_ranges,
                                         walk_block_ranges)
-from jaxsoftmax.attention.triton.tiling import (MIN_BLOCK, Aux, BlockSizes, Dims, ScoreTerms,
+from jaxsoftmax.attention.triton.tiling import (MIN_BLOCK, SHARED_MEMORY, Aux, BlockSizes,
+                                                Dims, ScoreTerms,
                                                 key_block, load_span, max_or_inf,
                                                 probabilities, query_block,
                                                 query_block_launch, query_plane_spec,
@@ -89,10 +90,6 @@ def _tangent_kernel(q_ref, k_ref, v_ref, q_dot_ref, k_dot_ref, v_dot_ref, o_ref,
   o = pallas.load(o_ref, mask=block.o_mask, other=0).astype(jnp.float32)
   pallas.store(o_dot_ref, (acc - r[:, None] * o).astype(o_dot_ref.dtype),
                mask=block.o_mask)
-
-
-# Shared memory per block on a Hopper SM (232448 bytes, what Triton reports as available).
-SHARED_MEMORY = 227 * 1024
 
 
 def fit_shared_memory(blocks: BlockSizes, dims: Dims, itemsize: int, *,

@@ -168,6 +168,8 @@ class Dims:
 # "Shared Memory Configuration Size"), and what the driver keeps of it per block.
 SM_SHARED_MEMORY = 228 * 1024
 BLOCK_RESERVED = 1024
+# The most one block may take (232448 bytes, what Triton reports as available).
+SHARED_MEMORY = 227 * 1024
 
 
 def forward_stages(blocks: BlockSizes, dims: "Dims", itemsize: int,
@@ -189,6 +191,29 @@ def forward_stages(blocks: BlockSizes, dims: "Dims", itemsize: int,
   while stages > 2 and programs(stages, plane_tile_bytes) < programs(blocks.num_stages, 0):
     stages -= 1
   return dataclasses.replace(blocks, num_stages=stages)
+
+
+def dq_stages(blocks: BlockSizes, dims: "Dims", itemsize: int, plane_tile_bytes: int,
+              dbias_tile_bytes: int) -> int:
+  """The dQ kernel's pipeline stages: ``blocks.num_stages_bwd``, cut until a program
+  fits `SHARED_MEMORY`. It keeps its Q and dO tiles, ``stages`` copies of the K and V
+  tiles and ``stages - 1`` of a mask or bias tile (``plane_tile_bytes`` a step), and
+  passes the float32 dbias tile it writes (``dbias_tile_bytes``) through shared memory
+  once. Compiled offline for sm_90 (`benchmarks/pipelining_offline.py`, H = 128, 128 x
+  64 tiles) these terms give its shared memory to the byte: 163840 plain, 229376 with a
+  float32 bias tile and 262144 with that bias's gradient too, over the 232448 a block
+  may take, so a learnable float32 bias (1, N, T, S) failed to launch at three stages;
+  two take 196608 (benchmarks/results/tuning/pipelining_attention_offline.md)."""
+  bq, bk = blocks.block_q_dq, blocks.block_k_dq
+
+  def need(stages: int) -> int:
+    return ((bq + stages * bk) * (dims.H_pad + dims.Hv_pad) * itemsize
+            + (stages - 1) * plane_tile_bytes + dbias_tile_bytes)
+
+  stages = blocks.num_stages_bwd
+  while stages > 1 and need(stages) > SHARED_MEMORY:
+    stages -= 1
+  return stages
 
 
 @dataclasses.dataclass(frozen=True)
