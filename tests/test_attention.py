@@ -192,8 +192,9 @@ SINK_CASES = [
                  id="gqa-causal-empty-row"),
     pytest.param(1, 30, 30, 2, 1, 16, dict(logits_soft_cap=2.0, local_window_size=(6, 3)),
                  id="mqa-softcap-window"),
-    pytest.param(2, 1, 77, 4, 2, 64, dict(key_value_seq_lengths=jnp.array([77, 5])),
-                 id="T1-decode"),
+    # A decode step (the decode backend's) with a sequence of no keys.
+    pytest.param(2, 1, 77, 4, 2, 64, dict(key_value_seq_lengths=jnp.array([77, 0])),
+                 id="T1-decode-empty-row"),
 ]
 
 
@@ -201,7 +202,18 @@ SINK_CASES = [
 def test_sinks(key, backend, B, T, S, N, K, H, options):
   # Output, lse and the gradients of q, k, v and the sinks under the 2x rule; a row with
   # no allowed key gives output 0 and lse = its sink; forward mode as the reference's.
-  dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
+  _check_sinks(key, backend, B, T, S, N, K, H, options,
+               jnp.float32 if backend == "triton" else jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, S, N, K, H, options", SINK_CASES)
+def test_sinks_triton_bfloat16_gpu(key, B, T, S, N, K, H, options):
+  # The Triton kernels compiled in bfloat16 (test_sinks runs them in float32).
+  _check_sinks(key, "triton", B, T, S, N, K, H, options, jnp.bfloat16)
+
+
+def _check_sinks(key, backend, B, T, S, N, K, H, options, dtype):
   q, k, v, do = _inputs(key, B, T, S, N, K, H, dtype)
   sinks = jnp.linspace(-3.0, 4.0, N)  # below and above the rows' logits
   interpret = _interpret(backend)
@@ -255,7 +267,18 @@ VALUE_HEAD_CASES = [
 def test_value_head_dim(key, backend, B, T, S, N, K, H, Hv, options):
   # Output (B, T, N, Hv), lse and every gradient under the 2x rule; a backend that takes
   # one head dim skips with its reason, which names both.
-  dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
+  _check_value_head_dim(key, backend, B, T, S, N, K, H, Hv, options,
+                        jnp.float32 if backend == "triton" else jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, S, N, K, H, Hv, options", VALUE_HEAD_CASES)
+def test_value_head_dim_triton_bfloat16_gpu(key, B, T, S, N, K, H, Hv, options):
+  # The Triton kernels compiled in bfloat16 (test_value_head_dim runs them in float32).
+  _check_value_head_dim(key, "triton", B, T, S, N, K, H, Hv, options, jnp.bfloat16)
+
+
+def _check_value_head_dim(key, backend, B, T, S, N, K, H, Hv, options, dtype):
   q, k, _, _ = _inputs(key, B, T, S, N, K, H, dtype)
   kv, kd = jax.random.split(jax.random.fold_in(key, 1))
   v = jax.random.normal(kv, (B, S, K, Hv), jnp.float32).astype(dtype)

@@ -284,6 +284,10 @@ def test_bad_input():
     da(q, jnp.ones((2, 16, 3, 64)), jnp.ones((2, 16, 3, 64)), lengths)
   with pytest.raises(ValueError, match="head dim 32 differs"):
     da(q, jnp.ones((2, 16, 2, 32)), jnp.ones((2, 16, 2, 32)), lengths)
+  # One head dim for keys and values (dot_product_attention takes two).
+  with pytest.raises(ValueError, match=r"key and value must share one 4-d shape .* got "
+                                       r"\(2, 16, 2, 64\) and \(2, 16, 2, 32\)"):
+    da(q, k, jnp.ones((2, 16, 2, 32)), lengths)
   with pytest.raises(ValueError, match="block_table must be int32 of shape \\(2, max_pages\\)"):
     da(q, k, k, lengths, block_table=jnp.zeros((2, 4)))
   with pytest.raises(ValueError, match="lengths must lie in \\[0, 32\\]"):

@@ -96,10 +96,11 @@ def test_gqa_segments_soft_cap(key, strategy):
          layout="zigzag", strategy=strategy)
 
 
-def test_sinks(key):
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_sinks(key, strategy):
   # The sinks join the merged result on every device (the same code after either
   # strategy); dsinks sums over the devices.
-  _check(key, 4, N=4, K=2, is_causal=True, strategy="ring", layout="zigzag",
+  _check(key, 4, N=4, K=2, is_causal=True, strategy=strategy, layout="zigzag",
          sinks=jnp.linspace(-2.0, 3.0, 4))
 
 
@@ -245,6 +246,9 @@ def test_bad_input():
   with pytest.raises(ValueError, match=r"ring_attention: sinks must be a floating array of "
                                        r"shape \(N,\) = \(2,\)"):
     cp(q, q, q, axis_name="sp", sinks=jnp.zeros(3))
+  with pytest.raises(ValueError, match=r"ring_attention: value \(1, 15, 2, 8\) must have "
+                                       r"the head dim of key \(1, 15, 2, 16\)"):
+    cp(q, q, q[..., :8], axis_name="sp")
 
 
 @pytest.mark.gpu
