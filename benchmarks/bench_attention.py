@@ -58,10 +58,13 @@ MLA_SHAPES = [((4, 4096, 16, 16, 192, True, 128), jnp.bfloat16),
 MORE_TARGET_SHAPES = [((8, 2048, 16, 16, 64, True), jnp.bfloat16),
                       ((4, 4096, 32, 8, 128, False), jnp.bfloat16),
                       ((2, 8192, 32, 4, 128, True), jnp.bfloat16)]
+# Issue 31's other value head dims: V narrower and wider than Q/K, causal.
+VALUE_DIM_SHAPES = [((4, 4096, 16, 16, 128, True, 64), jnp.bfloat16),
+                    ((4, 4096, 16, 16, 64, True, 128), jnp.bfloat16)]
 SHAPES = TARGET_SHAPES + [((4, 4096, 32, 8, 128, True), jnp.bfloat16),
                           ((4, 4096, 16, 16, 96, False), jnp.bfloat16),
                           ((1, 32768, 16, 16, 128, True), jnp.bfloat16),
-                          *MLA_SHAPES, *MORE_TARGET_SHAPES]
+                          *MLA_SHAPES, *MORE_TARGET_SHAPES, *VALUE_DIM_SHAPES]
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
 OURS = "jaxsoftmax"  # the prefix of our rows' impl names
 

@@ -24,7 +24,10 @@ key-padding bias); `bias heads` (1, N, T, S) (a relative-position bias); `mask`
 b attends to its first S · (1 - b/8) keys (so it runs as key lengths); `mask keys holes`
 the same with every 61st key masked too (so it runs as segment ids or a mask array);
 `key lengths` the same keys as `mask keys` given as ``key_value_seq_lengths`` (cuDNN's
-form of a padded batch; ours without the mask's check). The
+form of a padded batch; ours without the mask's check); `bias heads grad` a learnable
+relative-position bias: (1, N, T, S) float32, as Flax keeps parameters, differentiated
+too (fwd+bwd only: dbias, which the Triton dQ kernel adds into one array of the bias's
+shape). The
 mode fwd+bwd differentiates q, k and v
 (the bias and mask held fixed, as a model's frozen bias would be); jvp is forward mode,
 ``jax.jvp`` with tangents for q, k and v (our forward, then the Triton tangent kernel),
@@ -55,7 +58,9 @@ SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
           ((4, 4096, 16, 16, 128, True), jnp.bfloat16)]
 SMOKE_SHAPES = [((2, 64, 2, 1, 32, True), jnp.bfloat16)]
 FEATURES = ("plain", "sinks", "alibi", "bias keys", "bias heads", "mask", "mask keys",
-            "mask keys holes", "key lengths")
+            "mask keys holes", "key lengths", "bias heads grad")
+# Features whose bias is an argument of the step and differentiated, in fwd+bwd only.
+GRAD_BIAS = ("bias heads grad",)
 
 
 def measured_features() -> tuple[str, ...]:
@@ -74,7 +79,7 @@ RUNS = {"jaxsoftmax triton": FEATURES,
         "jaxsoftmax mosaic_gpu": ("plain", "sinks", "mask keys", "mask keys holes",
                                   "key lengths"),
         "cudnn": ("plain", "bias keys", "bias heads", "mask", "mask keys", "mask keys holes",
-                  "key lengths"),
+                  "key lengths", "bias heads grad"),
         "xla": FEATURES}
 # The modes an implementation runs where not all (XLA's attention: forward mode's peer).
 MODES_OF = {"xla": ("jvp",)}
@@ -97,8 +102,9 @@ def feature_arrays(feature: str, B: int, T: int, N: int):
   if feature == "bias keys":
     return ({"bias": jax.random.normal(key, (B, 1, 1, T), jnp.float32)},
             lambda kw, group: {"bias": kw["bias"][:1]})
-  if feature == "bias heads":
-    return ({"bias": jax.random.normal(key, (1, N, T, T), jnp.bfloat16)},
+  if feature in ("bias heads", "bias heads grad"):
+    dtype = jnp.float32 if feature in GRAD_BIAS else jnp.bfloat16
+    return ({"bias": jax.random.normal(key, (1, N, T, T), dtype)},
             lambda kw, group: {"bias": kw["bias"][:, :group]})
   lengths = T - T * jnp.arange(B) // 8
   if feature == "key lengths":
@@ -146,6 +152,9 @@ def bench_shape(report: harness.Report, case, dtype):
   for feature in measured_features():
     kw, part = feature_arrays(feature, B, T, N)
     kw_part = part(kw, group)
+    if feature in GRAD_BIAS:
+      _bench_bias_grad(report, feature, causal, kw, kw_part, (q, k, v, do), common, flops)
+      continue
     ref = lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal,
                                                           **kw_part)[0]
     parts = (part_q(q), part_kv(k), part_kv(v), part_q(do))
@@ -163,6 +172,39 @@ def bench_shape(report: harness.Report, case, dtype):
                        arg_sets=[args], flops=flops * (1 if mode == "fwd" else 3.5),
                        truth=truth[mode], compare=compare_bwd if mode == "fwd+bwd" else part_q,
                        **common)
+
+
+def _bench_bias_grad(report, feature, causal, kw, kw_part, inputs, common, flops):
+  """fwd+bwd rows of a feature whose bias is differentiated: q, k, v, dO and the bias
+  are the step's arguments, (dq, dk, dv, dbias) its result. The errors cover the query
+  heads of K/V head 0 in every batch row, since dbias sums over the batch."""
+  if "fwd+bwd" not in report.modes:
+    return
+  q, k, v, do = inputs
+  bias, bias_part = kw["bias"], kw_part["bias"]
+  group = bias_part.shape[1]
+  part_q = lambda a: a[:, :, :group]
+  part_kv = lambda a: a[:, :, :1]
+
+  def step(attention):
+    def run(q, k, v, do, bias):
+      _, vjp = jax.vjp(lambda q, k, v, bias: attention(q, k, v, bias), q, k, v, bias)
+      return vjp(do)
+    return run
+
+  ref = lambda q, k, v, bias: reference.dot_product_attention(q, k, v, bias=bias,
+                                                              is_causal=causal)[0]
+  truth = harness.float64_truth(step(ref), part_q(q), part_kv(k), part_kv(v), part_q(do),
+                                bias_part)
+  compare = lambda g: (part_q(g[0]), part_kv(g[1]), part_kv(g[2]), g[3][:, :group])
+  for impl, runs in RUNS.items():
+    if feature not in runs or "fwd+bwd" not in MODES_OF.get(impl, report.modes):
+      continue
+    attention = lambda q, k, v, bias, impl=impl: attention_fn(impl, causal, {"bias": bias})(
+        q, k, v)
+    report.measure(mode="fwd+bwd", impl=f"{impl} {feature}", fn=step(attention),
+                   arg_sets=[(q, k, v, do, bias)], flops=flops * 3.5, truth=truth,
+                   compare=compare, **common)
 
 
 def _mode_fn(mode: str, attention):
@@ -201,8 +243,12 @@ def feature_costs(rows) -> str:
 
 def _rows(case, dtype, modes):
   features = measured_features()
-  return sum(len(set(runs) & set(features)) * len(set(MODES_OF.get(impl, modes)) & set(modes))
-             for impl, runs in RUNS.items())
+  count = 0
+  for impl, runs in RUNS.items():
+    impl_modes = set(MODES_OF.get(impl, modes)) & set(modes)
+    for feature in set(runs) & set(features):
+      count += len(impl_modes & {"fwd+bwd"}) if feature in GRAD_BIAS else len(impl_modes)
+  return count
 
 
 if __name__ == "__main__":
