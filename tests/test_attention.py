@@ -867,9 +867,13 @@ def test_forward_mode_runs_the_tangent_kernel(key):
                 jax.make_jaxpr(lambda *t: jax.linearize(attention, q, k, v)[1](*t))(q, k, v)):
     assert sorted(set(dict(pallas_calls(jaxpr.jaxpr)))) == ["attention_forward",
                                                             "attention_tangent"]
-    big = [out for eqn in jaxpr.jaxpr.eqns for out in eqn.outvars
-           if getattr(out.aval, "size", 0) >= B * N * T * S]
+    big = [shape for shape in array_shapes(jaxpr.jaxpr) if np.prod(shape) >= B * N * T * S]
     assert not big, big
+  # The linearized map gives jax.jvp's tangent (test_forward_mode checks that against
+  # float64), at another tangent than the linearization point's.
+  t = tuple(jnp.cos(x) for x in (q, k, v))
+  np.testing.assert_allclose(jax.linearize(attention, q, k, v)[1](*t),
+                             jax.jvp(attention, (q, k, v), t)[1], rtol=1e-6, atol=1e-6)
 
 
 # Unequal tiles in every kernel: interior (unmasked) and boundary blocks of different
