@@ -30,7 +30,8 @@
 #   attn-features           bench_attention_features.py: sinks, ALiBi, bias and mask
 #                           arrays against the plain kernels and cuDNN (ATTN_ONLY;
 #                           ATTN_MODES="fwd,fwd+bwd,jvp" adds forward mode; ATTN_FEATURES
-#                           picks features; ATTN_TIMEOUT, default 400 s: four features
+#                           picks features; ATTN_NAME names the results; ATTN_TIMEOUT,
+#                           default 400 s: four features
 #                           on both shapes took longer on 2026-12-05)
 #   attn-planes             plane_tile_stages.py: the Triton forward's stages with a mask
 #                           or bias tile, plain and at tiles that keep them (ATTN_ONLY)
@@ -202,7 +203,8 @@ for stage in $stages; do
       # aborted the whole run at the first Hopper row with a mask (2026-12-05), whose
       # kernels sit in a CUDA graph with conditional nodes (api._mask_as_lengths).
       BENCH_TIMER=${BENCH_TIMER:-trace} timeout ${ATTN_TIMEOUT:-400} $python benchmarks/bench_attention_features.py --out "$out" \
-        ${ATTN_ONLY:+--only "$ATTN_ONLY"} ${ATTN_MODES:+--modes "$ATTN_MODES"} 2>&1 \
+        ${ATTN_ONLY:+--only "$ATTN_ONLY"} ${ATTN_MODES:+--modes "$ATTN_MODES"} \
+        --name "${ATTN_NAME:-attention_features}" 2>&1 \
         | tee -a "$out/attn_features.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     attn-planes)
       # The Triton forward's pipeline stages against a mask or bias tile
