@@ -192,6 +192,12 @@ SINK_CASES = [
                  id="gqa-causal-empty-row"),
     pytest.param(1, 30, 30, 2, 1, 16, dict(logits_soft_cap=2.0, local_window_size=(6, 3)),
                  id="mqa-softcap-window"),
+    # Query rows past their length inside a block of valid ones: output 0 and lse = the
+    # sink, so the kernels' P is not 0 there; their gradients were (api.
+    # _rows_past_length_zeroed: dq 325 off before, 2026-12-05).
+    pytest.param(2, 37, 45, 4, 2, 24, dict(is_causal=True,
+                                          query_seq_lengths=jnp.array([20, 37])),
+                 id="gqa-causal-query-lengths"),
     # A decode step (the decode backend's) with a sequence of no keys.
     pytest.param(2, 1, 77, 4, 2, 64, dict(key_value_seq_lengths=jnp.array([77, 0])),
                  id="T1-decode-empty-row"),
@@ -713,6 +719,8 @@ FORWARD_MODE_CASES = [
                  id="alibi-causal-sinks"),
     pytest.param(1, 33, 33, 2, 2, 16, 16, None, False,
                  dict(alibi_slopes=jnp.array([0.25, 1.0])), id="alibi-two-sided"),
+    pytest.param(2, 37, 45, 4, 2, 16, 16, (1, 4, 37, 45), True,
+                 dict(query_seq_lengths=jnp.array([20, 37])), id="bias-sinks-query-lengths"),
 ]
 
 

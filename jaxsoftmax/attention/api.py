@@ -122,10 +122,13 @@ def _reference_of(res, call: Call, bias_grad: bool):
 
 
 def _tangent_kernel(res, t, *, call: Call, backend: str, bias_grad: bool):
-  """Forward mode: the Triton tangent kernel, which takes any forward's residuals."""
+  """Forward mode: the Triton tangent kernel, which takes any forward's residuals (its
+  rows past their length zeroed, as `_rows_past_length_zeroed` says why)."""
   del backend, bias_grad
-  q, k, v, *aux, o, m, log2_l, _ = res
-  return (triton.jvp(q, k, v, o, m, log2_l, t, AuxArrays(*aux), call),)
+  q, k, v, *aux, o, m, log2_l, sinks = res
+  aux = AuxArrays(*aux)
+  return (_rows_past_length_zeroed(triton.jvp(q, k, v, o, m, log2_l, t, aux, call), aux,
+                                   sinks),)
 
 
 def _tangent_twin(res, t, *, call: Call, backend: str, bias_grad: bool):
@@ -134,12 +137,24 @@ def _tangent_twin(res, t, *, call: Call, backend: str, bias_grad: bool):
   return (jax.jvp(fn, inputs, t)[1],)
 
 
+def _rows_past_length_zeroed(x, aux: AuxArrays, sinks):
+  """``x`` (B, T, N, ·) with the query rows at or past their length zeroed, where sinks
+  are given: those rows' output is 0, but their lse is the sink's, finite, so the
+  kernels' P = exp(s - lse) is not 0 there (without sinks lse = -inf makes it 0). A dO
+  of 0 there makes their dS, and so what they add to dQ, dK, dV and dbias, 0."""
+  if sinks is None or aux.q_lengths is None:
+    return x
+  valid = jnp.arange(x.shape[1])[None, :] < aux.q_lengths[:, None]
+  return jnp.where(valid[:, :, None, None], x, jnp.zeros((), x.dtype))
+
+
 def _transpose_kernel(res, cts, *, call: Call, backend: str, bias_grad: bool):
-  q, k, v, *aux, o, m, log2_l, _ = res
+  q, k, v, *aux, o, m, log2_l, sinks = res
   aux = AuxArrays(*aux)
+  do = _rows_past_length_zeroed(cts[0], aux, sinks)
   if bias_grad:  # the Triton backward: the one that runs a bias (`triton.unsupported`)
-    return triton.bwd(q, k, v, o, m, log2_l, cts[0], aux, call, with_dbias=True)
-  return select_backward(call, backend).bwd(q, k, v, o, m, log2_l, cts[0], aux, call)
+    return triton.bwd(q, k, v, o, m, log2_l, do, aux, call, with_dbias=True)
+  return select_backward(call, backend).bwd(q, k, v, o, m, log2_l, do, aux, call)
 
 
 def _transpose_twin(res, cts, *, call: Call, backend: str, bias_grad: bool):
