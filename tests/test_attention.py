@@ -1520,6 +1520,30 @@ def test_default_block_sizes():
   assert BlockSizes.default(4096, 4096, 128, jnp.float32).block_q_dkv == 32
 
 
+def test_scalar_arguments_and_lengths_past_the_axis(key):
+  # A concrete scalar array is a number (the soft cap as jnp.float32); a traced scale
+  # gets an error that names it (the kernels compile it in); lengths past their axis
+  # mean all of it, as in jax.nn (near 2^31 the kernels' int32 block arithmetic
+  # overflowed: a row of zeros where the whole row attends).
+  q, k, v, _ = _inputs(key, 2, 20, 24, 2, 1, 16, jnp.float32)
+  kw = dict(implementation="triton", interpret=True)
+  np.testing.assert_array_equal(
+      js.dot_product_attention(q, k, v, logits_soft_cap=jnp.float32(2.0), **kw),
+      js.dot_product_attention(q, k, v, logits_soft_cap=2.0, **kw))
+  with pytest.raises(TypeError, match="scale must be a concrete number"):
+    jax.jit(lambda q, s: js.dot_product_attention(q, k, v, scale=s))(q, 0.5)
+  whole = js.dot_product_attention(q, k, v, is_causal=True, **kw)
+  past = lambda q, k, v: js.dot_product_attention(
+      q, k, v, is_causal=True, key_value_seq_lengths=jnp.array([2**31 - 1, 24]),
+      query_seq_lengths=jnp.array([2**31 - 1, 20]), **kw)
+  np.testing.assert_array_equal(past(q, k, v), whole)
+  grads = jax.grad(lambda *x: jnp.sum(jnp.sin(past(*x))), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(lambda *x: jnp.sum(jnp.sin(js.dot_product_attention(
+      *x, is_causal=True, **kw))), argnums=(0, 1, 2))(q, k, v)
+  for g, w in zip(grads, want):
+    np.testing.assert_array_equal(g, w)
+
+
 def test_bad_input_names_the_argument():
   q = jnp.zeros((2, 8, 4, 16))
   kv = jnp.zeros((2, 8, 2, 16))

@@ -268,14 +268,32 @@ def select_backend(implementation: str | None, call: Call) -> AttentionBackend:
   return REGISTRY.select(implementation, call)
 
 
-def _lengths(lengths, batch: int, name: str):
+def _static_float(x, name: str) -> float | None:
+  """``x`` (None, a number, or a concrete scalar array) as a Python float: the kernels
+  compile it in. A traced value gets a TypeError that names the argument."""
+  if x is None:
+    return None
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(f"dot_product_attention: {name} must be a concrete number (the "
+                    f"kernels compile it in), got a traced value {x.aval}; pass it as a "
+                    "Python float, or close over it rather than pass it through jax.jit")
+  if jnp.ndim(x) != 0:
+    raise ValueError(f"dot_product_attention: {name} must be a scalar, got shape "
+                     f"{jnp.shape(x)}")
+  return float(x)
+
+
+def _lengths(lengths, batch: int, name: str, size: int):
+  """``lengths`` as int32, clipped to [0, size] (the axis they count): a length past the
+  axis means all of it, as in jax.nn, and the kernels' block arithmetic on lengths near
+  2^31 overflowed int32 (a key length of 2^31 - 1 gave a row of zeros)."""
   if lengths is None:
     return None
   lengths = jnp.asarray(lengths)
   if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise ValueError(f"dot_product_attention: {name} must be an integer array of shape "
                      f"({batch},), got {lengths.dtype} {lengths.shape}")
-  return lengths.astype(jnp.int32)
+  return jnp.clip(lengths, 0, size).astype(jnp.int32)
 
 
 def _segments(segment_ids, B: int, T: int, S: int, op: str = "dot_product_attention"):
@@ -400,6 +418,7 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   B, T, N, H = query.shape
   S = key.shape[1]
   check_implementation("dot_product_attention", implementation, IMPLEMENTATIONS)
+  logits_soft_cap = _static_float(logits_soft_cap, "logits_soft_cap")
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"dot_product_attention: logits_soft_cap must be > 0, got "
                      f"{logits_soft_cap!r}")
@@ -416,10 +435,10 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
     raise TypeError("dot_product_attention: block_sizes must be a BlockSizes or a "
                     f"HopperBlockSizes, got {block_sizes!r}")
   window = check_window(local_window_size, "dot_product_attention")
-  q_len = _lengths(query_seq_lengths, B, "query_seq_lengths")
-  kv_len = _lengths(key_value_seq_lengths, B, "key_value_seq_lengths")
+  q_len = _lengths(query_seq_lengths, B, "query_seq_lengths", T)
+  kv_len = _lengths(key_value_seq_lengths, B, "key_value_seq_lengths", S)
   q_seg, kv_seg = _segments(segment_ids, B, T, S)
-  scale = float(1 / np.sqrt(H) if scale is None else scale)
+  scale = float(1 / np.sqrt(H)) if scale is None else _static_float(scale, "scale")
   # The kernels read a mask and a bias as rank-4 arrays whose axes are 1 or full; the
   # mask as int8 (a boolean ref is not a Triton load).
   aux = AuxArrays(q_len, kv_len, q_seg, kv_seg,
