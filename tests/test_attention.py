@@ -1544,6 +1544,31 @@ def test_scalar_arguments_and_lengths_past_the_axis(key):
     np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize("sinks", [None, jnp.array([0.5, -1.0, 2.0, 0.0])],
+                         ids=["plain", "sinks"])
+def test_padding_rows_reach_no_gradient(key, sinks):
+  # NaN or inf in a query row past its length (padding data), inside a block of valid
+  # rows, and in its cotangent: the output, every gradient and the tangent are those of
+  # the same call with zeros there (NaN in all of that batch row's dk and dv before,
+  # found by a bug hunt, 2026-12-05). NaN in a valid row still reaches the results
+  # (test_drop_in.py, test_attention_nan_in_every_input).
+  q, k, v, do = _inputs(key, 2, 37, 45, 4, 2, 16, jnp.float32)
+  kw = dict(query_seq_lengths=jnp.array([20, 37]), sinks=sinks, implementation="triton",
+            interpret=True, block_sizes=SMALL_BLOCKS)
+
+  def step(q, k, v, do):
+    o, vjp = jax.vjp(lambda q, k, v: js.dot_product_attention(q, k, v, **kw), q, k, v)
+    return (o, *vjp(do), jax.jvp(lambda q: js.dot_product_attention(q, k, v, **kw),
+                                  (q,), (q,))[1])
+
+  clean = step(q.at[0, 25:].set(0.0), k, v, do.at[0, 25:].set(0.0))
+  dirty = step(q.at[0, 30, 1, 2].set(jnp.nan).at[0, 25, 0, 0].set(jnp.inf), k, v,
+               do.at[0, 27, 3, 1].set(jnp.nan))
+  for what, a, b in zip(("output", "dq", "dk", "dv", "tangent"), dirty, clean):
+    assert np.isfinite(np.asarray(a)).all(), what
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=what)
+
+
 def test_bad_input_names_the_argument():
   q = jnp.zeros((2, 8, 4, 16))
   kv = jnp.zeros((2, 8, 2, 16))

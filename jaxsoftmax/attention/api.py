@@ -125,10 +125,9 @@ def _tangent_kernel(res, t, *, call: Call, backend: str, bias_grad: bool):
   """Forward mode: the Triton tangent kernel, which takes any forward's residuals (its
   rows past their length zeroed, as `_rows_past_length_zeroed` says why)."""
   del backend, bias_grad
-  q, k, v, *aux, o, m, log2_l, sinks = res
+  q, k, v, *aux, o, m, log2_l, _ = res
   aux = AuxArrays(*aux)
-  return (_rows_past_length_zeroed(triton.jvp(q, k, v, o, m, log2_l, t, aux, call), aux,
-                                   sinks),)
+  return (_rows_past_length_zeroed(triton.jvp(q, k, v, o, m, log2_l, t, aux, call), aux),)
 
 
 def _tangent_twin(res, t, *, call: Call, backend: str, bias_grad: bool):
@@ -137,21 +136,24 @@ def _tangent_twin(res, t, *, call: Call, backend: str, bias_grad: bool):
   return (jax.jvp(fn, inputs, t)[1],)
 
 
-def _rows_past_length_zeroed(x, aux: AuxArrays, sinks):
-  """``x`` (B, T, N, ·) with the query rows at or past their length zeroed, where sinks
-  are given: those rows' output is 0, but their lse is the sink's, finite, so the
-  kernels' P = exp(s - lse) is not 0 there (without sinks lse = -inf makes it 0). A dO
-  of 0 there makes their dS, and so what they add to dQ, dK, dV and dbias, 0."""
-  if sinks is None or aux.q_lengths is None:
+def _rows_past_length_zeroed(x, aux: AuxArrays):
+  """``x`` (B, T, N, ·) with the query rows at or past their length zeroed. Those rows'
+  output is 0, and nothing of theirs may reach the derivatives; but the kernels walk
+  whole blocks of rows, so the rows past a length inside a block take part: with sinks
+  their lse is the sink's, finite, so P = exp(s - lse) is not 0 there (dq 325 off), and
+  a NaN in their q (padding data) made every dK and dV of its batch row and K/V head NaN.
+  A q and dO of 0 there make their P finite and their dS and P·dO 0, so they add
+  nothing to dQ, dK, dV, dbias or dsinks; tangents there are zeroed after the kernel."""
+  if aux.q_lengths is None:
     return x
   valid = jnp.arange(x.shape[1])[None, :] < aux.q_lengths[:, None]
   return jnp.where(valid[:, :, None, None], x, jnp.zeros((), x.dtype))
 
 
 def _transpose_kernel(res, cts, *, call: Call, backend: str, bias_grad: bool):
-  q, k, v, *aux, o, m, log2_l, sinks = res
+  q, k, v, *aux, o, m, log2_l, _ = res
   aux = AuxArrays(*aux)
-  do = _rows_past_length_zeroed(cts[0], aux, sinks)
+  q, do = (_rows_past_length_zeroed(x, aux) for x in (q, cts[0]))
   if bias_grad:  # the Triton backward: the one that runs a bias (`triton.unsupported`)
     return triton.bwd(q, k, v, o, m, log2_l, do, aux, call, with_dbias=True)
   return select_backward(call, backend).bwd(q, k, v, o, m, log2_l, do, aux, call)
