@@ -202,8 +202,9 @@ def dq_stages(blocks: BlockSizes, dims: "Dims", itemsize: int, plane_tile_bytes:
   once. Compiled offline for sm_90 (`benchmarks/pipelining_offline.py`, H = 128, 128 x
   64 tiles) these terms give its shared memory to the byte: 163840 plain, 229376 with a
   float32 bias tile and 262144 with that bias's gradient too, over the 232448 a block
-  may take, so a learnable float32 bias (1, N, T, S) failed to launch at three stages;
-  two take 196608 (benchmarks/results/tuning/pipelining_attention_offline.md)."""
+  may take, so a learnable float32 bias (1, N, T, S) could not have launched at three
+  stages (read offline, not seen on a GPU); two take 196608
+  (benchmarks/results/tuning/pipelining_attention_offline.md)."""
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
 
   def need(stages: int) -> int:
