@@ -322,8 +322,8 @@ SCORE_TERM_CASES = [
     # keys hundreds of positions from a block's first query.
     pytest.param(1, 300, 300, 2, 1, 16, None, None, True,
                  dict(local_window_size=(200, 0)), id="alibi-left-window-long"),
-    # Two-sided: the interior blocks split by side (`masks.walk_block_ranges`' sides),
-    # keys before and after a block's queries, hundreds of positions away.
+    # Two-sided: keys before and after a block's queries, hundreds of positions away
+    # (the distance on every tile; docs/kernels.md, ALiBi).
     pytest.param(2, 37, 90, 4, 2, 16, None, None, True,
                  dict(key_value_seq_lengths=jnp.array([90, 50])), id="alibi-two-sided-lengths"),
     pytest.param(1, 300, 260, 2, 1, 16, None, None, True, {}, id="alibi-two-sided-long"),

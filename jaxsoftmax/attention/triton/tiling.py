@@ -269,6 +269,16 @@ class Aux:
     return [spec for spec, here in zip(candidates, self.present) if here]
 
 
+def _distance(q_idx, k_idx, n: int):
+  """|i - j| (float32) for the queries q_idx and keys k_idx, indices below ``n``: taken in
+  float32 where that is exact (n <= 2^24), one float subtraction and an absolute value an
+  element, where int32 took three instructions and a conversion (their SASS, read
+  offline with benchmarks/pipelining_offline.py's compiler)."""
+  if n <= 2**24:
+    return jnp.abs(q_idx.astype(jnp.float32)[:, None] - k_idx.astype(jnp.float32)[None, :])
+  return jnp.abs(q_idx[:, None] - k_idx[None, :]).astype(jnp.float32)
+
+
 class ScoreTerms(NamedTuple):
   """What one program adds to its scores beyond the position masks (`masks`): the bias
   and the ALiBi term, in x's units (logits = x · factor, `logits.Logits`), and the mask
@@ -332,7 +342,7 @@ class ScoreTerms(NamedTuple):
       column = (slope / self.factor) * (k_idx - q0).astype(jnp.float32)
       x = x + (column[:, None] if self.transposed else column[None, :])
     elif slope is not None:  # ALiBi: -slope · |i - j|
-      distance = jnp.abs(q_idx[:, None] - k_idx[None, :]).astype(jnp.float32)
+      distance = _distance(q_idx, k_idx, max(self.dims.T, self.dims.S))
       x = x - (slope / self.factor) * (distance.T if self.transposed else distance)
     return x
 
