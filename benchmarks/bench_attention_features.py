@@ -27,7 +27,10 @@ the same with every 61st key masked too (so it runs as segment ids or a mask arr
 form of a padded batch; ours without the mask's check); `bias heads grad` a learnable
 relative-position bias: (1, N, T, S) float32, as Flax keeps parameters, differentiated
 too (fwd+bwd only: dbias, which the Triton dQ kernel adds into one array of the bias's
-shape). The
+shape); `segments packed` ``segment_ids`` (B, T) of eight documents of T/8 tokens
+in each batch row (packed sequences: the Triton walks skip the key blocks of other
+documents, `tiling.live_block_spans`; the Hopper kernels compare the ids on every
+block; cuDNN takes no segment ids through ``jax.nn``). The
 mode fwd+bwd differentiates q, k and v
 (the bias and mask held fixed, as a model's frozen bias would be); jvp is forward mode,
 ``jax.jvp`` with tangents for q, k and v (our forward, then the Triton tangent kernel),
@@ -58,7 +61,7 @@ SHAPES = [((4, 4096, 16, 16, 128, False), jnp.bfloat16),
           ((4, 4096, 16, 16, 128, True), jnp.bfloat16)]
 SMOKE_SHAPES = [((2, 64, 2, 1, 32, True), jnp.bfloat16)]
 FEATURES = ("plain", "sinks", "alibi", "bias keys", "bias heads", "mask", "mask keys",
-            "mask keys holes", "key lengths", "bias heads grad")
+            "mask keys holes", "key lengths", "bias heads grad", "segments packed")
 # Features whose bias is an argument of the step and differentiated, in fwd+bwd only.
 GRAD_BIAS = ("bias heads grad",)
 
@@ -77,7 +80,7 @@ def measured_features() -> tuple[str, ...]:
 # Which features each implementation runs.
 RUNS = {"jaxsoftmax triton": FEATURES,
         "jaxsoftmax mosaic_gpu": ("plain", "sinks", "mask keys", "mask keys holes",
-                                  "key lengths"),
+                                  "key lengths", "segments packed"),
         "cudnn": ("plain", "bias keys", "bias heads", "mask", "mask keys", "mask keys holes",
                   "key lengths", "bias heads grad"),
         "xla": FEATURES}
@@ -106,6 +109,11 @@ def feature_arrays(feature: str, B: int, T: int, N: int):
     dtype = jnp.float32 if feature in GRAD_BIAS else jnp.bfloat16
     return ({"bias": jax.random.normal(key, (1, N, T, T), dtype)},
             lambda kw, group: {"bias": kw["bias"][:, :group]})
+  if feature == "segments packed":
+    segments = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // (T // 8), (B, T))
+    return ({"segment_ids": segments},
+            lambda kw, group: {"q_segments": kw["segment_ids"][:1],
+                               "kv_segments": kw["segment_ids"][:1]})
   lengths = T - T * jnp.arange(B) // 8
   if feature == "key lengths":
     return ({"key_value_seq_lengths": lengths},
@@ -135,6 +143,10 @@ def attention_fn(impl: str, causal: bool, kw: dict):
           key_value_seq_lengths=kw.get("key_value_seq_lengths"))
     return cudnn
   if impl == "xla":  # with every feature, as the reference spells them
+    if "segment_ids" in kw:
+      segments = kw["segment_ids"]
+      kw = {**{name: x for name, x in kw.items() if name != "segment_ids"},
+            "q_segments": segments, "kv_segments": segments}
     return lambda q, k, v: reference.dot_product_attention(q, k, v, is_causal=causal,
                                                            **kw)[0]
   backend = impl.split()[-1]

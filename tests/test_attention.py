@@ -466,6 +466,56 @@ def test_live_block_spans(key, shape, transposed):
     assert (int(first[b, n, r]), int(end[b, n, r])) == want, (b, n, r)
 
 
+@pytest.mark.parametrize("with_mask", [False, True], ids=["segments", "segments-and-mask"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["keys", "queries"])
+def test_live_block_spans_of_segments(key, with_mask, transposed):
+  # Segment ids narrow the walks too: batch row 0 packs three documents (the same in
+  # queries and keys), row 1 repeats the ids 0, 1, 2 (unsorted: every block pair's
+  # ranges overlap). Every block with an allowed pair lies in its span; for the packed
+  # row the span is exactly the blocks of its documents.
+  T = S = 75
+  docs = jnp.repeat(jnp.arange(3), jnp.array([20, 33, 22]), total_repeat_length=T)
+  segments = jnp.stack([docs, jnp.arange(T) % 3]).astype(jnp.int32)
+  mask = None
+  if with_mask:
+    mask = jax.random.bernoulli(key, 0.5, (2, 1, 1, S)).at[:, :, :, 60:].set(False)
+  rows, cols = (16, 8) if transposed else (8, 16)
+  n_cols = -(-T // cols)
+  first, end = tiling.live_block_spans(
+      None if mask is None else mask.astype(jnp.int8), (segments, segments),
+      block_rows=rows, block_cols=cols, n_col_blocks=n_cols, transposed=transposed)
+  allowed = np.asarray(segments)[:, :, None] == np.asarray(segments)[:, None, :]
+  if mask is not None:
+    allowed = allowed & np.asarray(mask)[:, 0]
+  if transposed:
+    allowed = np.swapaxes(allowed, 1, 2)
+  assert first.shape == (2, 1, -(-T // rows))
+  for b, r in np.ndindex(2, first.shape[2]):
+    block = allowed[b, r * rows:(r + 1) * rows]
+    live = [block[:, c * cols:(c + 1) * cols].any() for c in range(n_cols)]
+    f, e = int(first[b, 0, r]), int(end[b, 0, r])
+    assert all(f <= c < e for c in range(n_cols) if live[c]), (b, r, f, e)
+    if b == 0 and mask is None:
+      assert (f, e) == (live.index(True), n_cols - live[::-1].index(True)), (r, f, e)
+
+
+@pytest.mark.parametrize("backend", _per_backend([pytest.param(id="")]))
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_packed_segments(key, backend, is_causal):
+  # Packed documents (row 0: lengths 20, 33 and 22, so whole 16 x 16 tiles lie outside
+  # every query block's documents and its walk skips them) and unsorted ids (row 1:
+  # nothing to skip), at sizes a multiple of no block: values and every gradient under
+  # the 2x rule.
+  B, T = 2, 75
+  dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
+  q, k, v, do = _inputs(key, B, T, T, 2, 1, 16, dtype)
+  docs = jnp.repeat(jnp.arange(3), jnp.array([20, 33, 22]), total_repeat_length=T)
+  segments = jnp.stack([docs, jnp.arange(T) % 3]).astype(jnp.int32)
+  interpret = _interpret(backend)
+  _check(q, k, v, do, backend=backend, interpret=interpret, blocks=_tiles(backend, interpret),
+         segments=(segments, segments), is_causal=is_causal)
+
+
 def test_key_padding_mask_as_segments(key):
   # A key-padding mask (B, 1, 1, S) given to the Hopper kernels as segment ids is the
   # same attention as the mask array, a batch row with every key masked (output 0)

@@ -163,7 +163,7 @@ def test_bench_attention_features_smoke(tmp_path):
   # Every feature on the Triton kernels in both modes asked for, each with its error;
   # forward mode beside XLA's; the cost table at the end.
   features = ("plain", "sinks", "alibi", "bias keys", "bias heads", "mask", "mask keys",
-              "mask keys holes", "key lengths")
+              "mask keys holes", "key lengths", "segments packed")
   assert {r["mode"] for r in rows} == {"fwd+bwd", "jvp"}
   for mode, extra in (("fwd+bwd", ("bias heads grad",)), ("jvp", ())):
     triton = {r["impl"] for r in rows if r["impl"].startswith("jaxsoftmax triton")

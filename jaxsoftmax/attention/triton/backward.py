@@ -121,8 +121,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m_ref, log2_l_ref, delta_ref, *ref
 
   def head_ranges(g):
     """The walk's ranges for the group's query head g: within the query blocks its
-    mask leaves some key of this block to (`tiling.live_block_spans`)."""
-    heads = aux.mask is not None and aux.mask.heads
+    mask and the segment ids leave some key of this block to
+    (`tiling.live_block_spans`)."""
+    heads = aux.spans is not None and aux.spans.heads
     return narrow_ranges(ranges, load_span(first_ref, end_ref, g if heads else None))
 
   zeros = (jnp.zeros((bk, dims.H_pad), jnp.float32),
@@ -364,13 +365,15 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
   stat_group = pl.BlockSpec((None, group, q_rows), lambda j, b, h: (b, h, 0))
   # float32: dK and dV summed 8 query blocks (256 rows) at a time, see _walk_in_chunks.
   chunk = 8 if q.dtype == grad_dtype == jnp.float32 else None
-  mask = AuxArrays(*aux_arrays_in).mask
+  given = AuxArrays(*aux_arrays_in)
   spans, span_specs = [], []
-  if mask is not None:  # per key block, the query blocks its mask leaves a key to
-    spans = live_block_spans(mask, block_rows=bk, block_cols=bq,
+  if aux.spans is not None:  # per key block, the query blocks the masks leave a key to
+    segments = (None if given.q_segments is None
+                else (given.q_segments, given.kv_segments))
+    spans = live_block_spans(given.mask, segments, block_rows=bk, block_cols=bq,
                              n_col_blocks=pl.cdiv(dims.T, bq), transposed=True)
-    span_specs = 2 * [span_spec(aux.mask, lambda j, b, h: (b, h, j), blocked=aux.mask.cols,
-                                heads=group)]
+    span_specs = 2 * [span_spec(aux.spans, lambda j, b, h: (b, h, j),
+                                blocked=aux.spans.cols, heads=group)]
   dk, dv = pallas.pallas_call(
       functools.partial(_dkdv_kernel, chunk=chunk, barrier=pallas.barrier(interpret),
                         **statics),
@@ -396,7 +399,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
   in_specs = [q_tile, launch.kv_all, launch.v_all, launch.o_tile, stat_tile, stat_tile,
               stat_tile, *launch.aux_specs, *launch.span_specs]
   inputs = [q, k, v, do, m, log2_l, delta, *aux_arrays,
-            *query_spans(mask, blocks.block_q_dq, blocks.block_k_dq, dims)]
+            *query_spans(aux_arrays_in, blocks.block_q_dq, blocks.block_k_dq, dims)]
   atomic = with_dbias and not deterministic and _dbias_atomic(aux.bias)
   aliases = {}
   if atomic:

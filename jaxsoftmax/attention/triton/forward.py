@@ -132,7 +132,7 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: BlockSizes, scale: f
   if sinks is not None:
     sink_inputs = [sinks.astype(jnp.float32).reshape(dims.B * dims.N)]
     sink_specs = [pl.BlockSpec((1,), lambda i, b, n: (b * dims.N + n,))]
-  spans = query_spans(AuxArrays(*aux_arrays).mask, blocks.block_q, blocks.block_k, dims)
+  spans = query_spans(aux_arrays, blocks.block_q, blocks.block_k, dims)
   o_tile, stat_tile = launch.o_tile, launch.stat_tile
   o_shape = (*q.shape[:3], dims.Hv)
   return pallas.pallas_call(

@@ -124,7 +124,7 @@ def tangent(q, k, v, o, m, log2_l, q_dot, k_dot, v_dot, aux_arrays, *, spec: Mas
   and row statistics m, log2_l (B, N, T)."""
   dims = Dims.of(q, k, v)
   blocks = fit_shared_memory(blocks, dims, q.dtype.itemsize, bias_dot=bias_dot is not None)
-  mask = AuxArrays(*aux_arrays).mask
+  spans = query_spans(aux_arrays, blocks.block_q_dq, blocks.block_k_dq, dims)
   aux, aux_arrays = Aux.of(aux_arrays)
   launch = query_block_launch(dims, aux, block_q=blocks.block_q_dq,
                               block_k=blocks.block_k_dq, last_first=spec.is_causal)
@@ -147,4 +147,4 @@ def tangent(q, k, v, o, m, log2_l, q_dot, k_dot, v_dot, aux_arrays, *, spec: Mas
       out_shape=jax.ShapeDtypeStruct((*q.shape[:3], dims.Hv), q.dtype),
       num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd, interpret=interpret,
   )(q, k, v, q_dot, k_dot, v_dot, o, m, log2_l, *aux_arrays,
-    *query_spans(mask, blocks.block_q_dq, blocks.block_k_dq, dims), *bias_inputs)
+    *spans, *bias_inputs)

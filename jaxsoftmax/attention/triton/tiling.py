@@ -250,6 +250,18 @@ class Aux:
                for plane, array in ((self.mask, arrays.mask), (self.bias, arrays.bias))
                if plane is not None)
 
+  @property
+  def spans(self) -> Plane | None:
+    """Which axes of the walks' live-block spans (`live_block_spans`) are full: a mask
+    array's, and with segment ids the batch rows, query blocks and key blocks too;
+    None without either, when the walks take no span."""
+    segments = self.present[2]  # the query segment ids, given with the keys'
+    if self.mask is None and not segments:
+      return None
+    mask = self.mask or Plane(False, False, False, False)
+    return Plane(batch=mask.batch or segments, heads=mask.heads,
+                 rows=mask.rows or segments, cols=mask.cols or segments)
+
   @classmethod
   def of(cls, arrays) -> tuple["Aux", list[jax.Array]]:
     """The static description of the optional arrays, and the ones that are given."""
@@ -375,21 +387,44 @@ class ScoreTerms(NamedTuple):
                            shape) != 0
 
 
-def live_block_spans(mask, *, block_rows: int, block_cols: int, n_col_blocks: int,
-                     transposed: bool = False):
-  """(first, end), int32 (Bm, Nm, row blocks): for each block of ``block_rows`` query
-  rows of the mask array (int8, rank 4, broadcastable to (B, N, T, S)), the blocks of
-  ``block_cols`` keys [first, end) from its first to its last that hold an allowed pair
-  (0, 0 where none does); ``transposed``: the same for blocks of keys over the query
-  blocks (the dK/dV walk). A row axis that broadcasts is one block; a column axis that
-  broadcasts spans all ``n_col_blocks`` or none.
+def live_block_spans(mask=None, segments=None, *, block_rows: int, block_cols: int,
+                     n_col_blocks: int, transposed: bool = False):
+  """(first, end), int32 (Bs, Ns, row blocks): for each block of ``block_rows`` query
+  rows, the blocks of ``block_cols`` keys [first, end) from its first to its last that
+  may hold an allowed pair (0, 0 where none does); ``transposed``: the same for blocks
+  of keys over the query blocks (the dK/dV walk). A block pair is live where the mask
+  array (int8, rank 4, broadcastable to (B, N, T, S)) allows a pair in it, and where
+  the ranges [min, max] of the segment ids (``segments``: the queries' (B, T) and the
+  keys' (B, S)) of its rows and of its keys overlap: ranges apart hold no equal pair,
+  sorted or not. A row axis of the mask that broadcasts is one block, and a column
+  axis that does spans all ``n_col_blocks`` or none.
 
-  The walks take these as their ranges (`masks.narrow_ranges`), so that tiles the mask
-  masks entirely at either end of a block's span are skipped without a conditional in
-  the walk: Triton's software pipeliner takes only a loop's top-level loads, and with
-  each tile's work in a conditional that skipped it the mask array's kernels pipelined
-  no load at all (benchmarks/results/tuning/pipelining_attention_offline.md). Tiles
+  The walks take these as their ranges (`masks.narrow_ranges`), so that the tiles at
+  either end of a block's span that the masks mask entirely are skipped without a
+  conditional in the walk: Triton's software pipeliner takes only a loop's top-level
+  loads, and with each tile's work in a conditional that skipped it the mask array's
+  kernels pipelined no load at all
+  (benchmarks/results/tuning/pipelining_attention_offline.md). Packed sequences (sorted
+  segment ids) leave each query block the key blocks of its own documents; tiles
   masked entirely inside a span are computed under the mask."""
+  lives = []
+  if mask is not None:
+    lives.append(_mask_live_blocks(mask, block_rows, block_cols, transposed))
+  if segments is not None:
+    rows, cols = segments[::-1] if transposed else segments
+    lives.append(_segment_live_blocks(rows, cols, block_rows, block_cols))
+  live = lives[0] if len(lives) == 1 else lives[0] & lives[1]
+  live = jnp.broadcast_to(live, (*live.shape[:3], n_col_blocks))
+  some = live.any(-1)
+  first = jnp.argmax(live, axis=-1)
+  end = n_col_blocks - jnp.argmax(live[..., ::-1], axis=-1)
+  return (jnp.where(some, first, 0).astype(jnp.int32),
+          jnp.where(some, end, 0).astype(jnp.int32))
+
+
+def _mask_live_blocks(mask, block_rows: int, block_cols: int, transposed: bool):
+  """Whether each block pair of the mask array holds an allowed pair: (Bm, Nm, row
+  blocks, key blocks), an axis that broadcasts one block."""
   allowed = mask != 0
   if transposed:
     allowed = jnp.swapaxes(allowed, 2, 3)
@@ -397,35 +432,49 @@ def live_block_spans(mask, *, block_rows: int, block_cols: int, n_col_blocks: in
   # One block of rows (or columns) holds them all where there are no more than a block:
   # no padding, so a broadcast row axis (a key mask's) is not padded to a block.
   block_rows, block_cols = min(block_rows, R), min(block_cols, C)
-  n_rows = pl.cdiv(R, block_rows)
-  pad_rows = ((0, 0), (0, 0), (0, n_rows * block_rows - R))
-  if C == 1:  # the keys broadcast: a block attends to all of them or to none
-    some = jnp.pad(allowed[..., 0], pad_rows).reshape(Bm, Nm, n_rows, block_rows).any(-1)
-    return jnp.zeros(some.shape, jnp.int32), jnp.where(some, n_col_blocks, 0).astype(jnp.int32)
-  n_cols = pl.cdiv(C, block_cols)
-  allowed = jnp.pad(allowed, (*pad_rows, (0, n_cols * block_cols - C)))
-  live = allowed.reshape(Bm, Nm, n_rows, block_rows, n_cols, block_cols).any(axis=(3, 5))
-  some = live.any(-1)
-  first = jnp.argmax(live, axis=-1)
-  end = n_cols - jnp.argmax(live[..., ::-1], axis=-1)
-  return (jnp.where(some, first, 0).astype(jnp.int32),
-          jnp.where(some, end, 0).astype(jnp.int32))
+  n_rows, n_cols = pl.cdiv(R, block_rows), pl.cdiv(C, block_cols)
+  allowed = jnp.pad(allowed, ((0, 0), (0, 0), (0, n_rows * block_rows - R),
+                              (0, n_cols * block_cols - C)))
+  return allowed.reshape(Bm, Nm, n_rows, block_rows, n_cols, block_cols).any(axis=(3, 5))
 
 
-def query_spans(mask, block_q: int, block_k: int, dims: Dims) -> list:
-  """The inputs of a query-block kernel's `QueryBlockLaunch.span_specs`: the mask's live
-  key blocks (first, end) per query block (`live_block_spans`), none without a mask."""
-  if mask is None:
+def _segment_live_blocks(row_segments, col_segments, block_rows: int, block_cols: int):
+  """Whether the segment-id ranges of each block of rows and block of columns overlap:
+  (B, 1, row blocks, column blocks)."""
+  def block_range(segments, block: int):
+    B, n = segments.shape
+    blocks = pl.cdiv(n, block)
+    info = jnp.iinfo(segments.dtype)
+    padded = lambda fill: jnp.pad(segments, ((0, 0), (0, blocks * block - n)),
+                                  constant_values=fill).reshape(B, blocks, block)
+    return padded(info.max).min(-1), padded(info.min).max(-1)
+
+  row_lo, row_hi = block_range(row_segments, block_rows)
+  col_lo, col_hi = block_range(col_segments, block_cols)
+  live = ((row_lo[:, :, None] <= col_hi[:, None, :])
+          & (col_lo[:, None, :] <= row_hi[:, :, None]))
+  return live[:, None]
+
+
+def query_spans(aux_arrays, block_q: int, block_k: int, dims: Dims) -> list:
+  """The inputs of a query-block kernel's `QueryBlockLaunch.span_specs`: the live key
+  blocks (first, end) per query block (`live_block_spans`) of the mask array and the
+  segment ids in ``aux_arrays`` (`AuxArrays`), none without either."""
+  arrays = AuxArrays(*aux_arrays)
+  segments = (None if arrays.q_segments is None
+              else (arrays.q_segments, arrays.kv_segments))
+  if arrays.mask is None and segments is None:
     return []
-  return list(live_block_spans(mask, block_rows=block_q, block_cols=block_k,
-                               n_col_blocks=pl.cdiv(dims.S, block_k)))
+  return list(live_block_spans(arrays.mask, segments, block_rows=block_q,
+                               block_cols=block_k, n_col_blocks=pl.cdiv(dims.S, block_k)))
 
 
 def span_spec(plane: Plane, block_index, *, blocked: bool, heads: int = 1):
-  """The BlockSpec of `live_block_spans`' first or end in a kernel: the value of the
-  program's row block (``block_index(*grid)``: its batch row, head and row block;
-  ``blocked``: the mask's row axis is whole, else it has one block), ``heads`` of them
-  (the dK/dV kernel's group) where the mask has a head axis."""
+  """The BlockSpec of `live_block_spans`' first or end in a kernel, whose axes
+  ``plane`` (`Aux.spans`) describes: the value of the program's row block
+  (``block_index(*grid)``: its batch row, head and row block; ``blocked``: the spans
+  have a row axis, else one block), ``heads`` of them (the dK/dV kernel's group) where
+  they have a head axis."""
   def index(*g):
     b, n, blk = block_index(*g)
     return (b if plane.batch else 0, n if plane.heads else 0, blk if blocked else 0)
@@ -434,8 +483,9 @@ def span_spec(plane: Plane, block_index, *, blocked: bool, heads: int = 1):
 
 def split_span_refs(refs, aux: Aux):
   """((first_ref, end_ref), the refs after them): a kernel's refs of `span_spec`, which
-  come next where the call has a mask array, else (None, None)."""
-  return (tuple(refs[:2]), refs[2:]) if aux.mask else ((None, None), refs)
+  come next where the call has a mask array or segment ids (`Aux.spans`), else
+  (None, None)."""
+  return (tuple(refs[:2]), refs[2:]) if aux.spans else ((None, None), refs)
 
 
 def load_span(first_ref, end_ref, head=None):
@@ -459,7 +509,7 @@ class QueryBlockLaunch(NamedTuple):
   v_all: Any  # the same of V, (kv_rows, Hv_pad)
   stat_tile: Any  # BlockSpec of a block_q slice of a (B, N, T) row statistic
   aux_specs: list  # BlockSpecs of the given lengths and segment ids
-  span_specs: list  # BlockSpecs of the mask's live key blocks (first, end), if a mask
+  span_specs: list  # BlockSpecs of the live key blocks (first, end), if `Aux.spans`
 
 
 def query_block_launch(dims: Dims, aux: Aux, *, block_q: int, block_k: int,
@@ -487,8 +537,8 @@ def query_block_launch(dims: Dims, aux: Aux, *, block_q: int, block_k: int,
                           batch_index=lambda i, b, n: b,
                           plane_spec=lambda p: query_plane_spec(p, block_q, kv_rows, q_block),
                           slopes_spec=pl.BlockSpec((1,), lambda i, b, n: (n,))),
-      span_specs=[] if aux.mask is None else 2 * [span_spec(
-          aux.mask, lambda i, b, n: (b, n, q_block(i)), blocked=aux.mask.rows)])
+      span_specs=[] if aux.spans is None else 2 * [span_spec(
+          aux.spans, lambda i, b, n: (b, n, q_block(i)), blocked=aux.spans.rows)])
 
 
 def query_plane_spec(plane: Plane, block_q: int, kv_rows: int, q_block, *,
