@@ -57,8 +57,7 @@ PEERS = ("cudnn", "fa3", "tokamax mosaic")
 SCHEDULE_FLAGS = {"stale": ("fresh_tile_addresses", False),
                   "fa3": ("fa3_step_order", True), "nofa3": ("fa3_step_order", False),
                   "wide": ("split_keys_width", 2 * mosaic_backward.SPLIT_KEYS_HEAD_DIM),
-                  "ordered": ("ordered_dq_adds", True),
-                  "swz32": ("dq_staging_swizzle", 32)}
+                  "ordered": ("ordered_dq_adds", True)}
 
 
 def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes, bool]:

@@ -9,6 +9,7 @@ carry the gpu mark.
 
 import dataclasses
 import functools
+import os
 import re
 
 import jax
@@ -277,10 +278,22 @@ def test_value_head_dim(key, backend, B, T, S, N, K, H, Hv, options):
                         jnp.float32 if backend == "triton" else jnp.bfloat16)
 
 
+# A one-ulp rounding of dQ at the default seed (docs/testing.md, "A five-key row in
+# bfloat16"): strict, so that the day it passes the mark must go.
+T1_BFLOAT16_FLIP = (
+    "dQ of the five-key row rounds to the bfloat16 one ulp from the nearest (-1.2578 where "
+    "the truth is -1.26454) where both references round to the nearest; over 24 seeds "
+    "the kernels' largest dQ error averages 2.8e-3 against the references' 3.2e-3 and 4.2e-3")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B, T, S, N, K, H, Hv, options", VALUE_HEAD_CASES)
-def test_value_head_dim_triton_bfloat16_gpu(key, B, T, S, N, K, H, Hv, options):
+def test_value_head_dim_triton_bfloat16_gpu(key, request, B, T, S, N, K, H, Hv, options):
   # The Triton kernels compiled in bfloat16 (test_value_head_dim runs them in float32).
+  if (request.node.callspec.id == "T1-H40-Hv24"
+      and os.environ.get("JAXSOFTMAX_TEST_SEED", "0") == "0"):
+    request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError,
+                                          reason=T1_BFLOAT16_FLIP))
   _check_value_head_dim(key, "triton", B, T, S, N, K, H, Hv, options, jnp.bfloat16)
 
 

@@ -131,14 +131,6 @@ class HopperBackwardBlockSizes:
       GPU tests, but on an H100 it ran at 0.58x the atomic default where the dQ kernel
       runs at 0.86x (`benchmarks/results/tuning/attention_backward_ordered_h100.md`),
       so False stays the default.
-    dq_staging_swizzle: the swizzle, in bytes, of the shared-memory tiles through which
-      the consumers send their float32 dQ chunks to the TMA adds. At 128 (what Mosaic GPU
-      infers for them) the register-to-shared store is a staggered transfer, 32 selects
-      (FSEL) a step of the interior loop; at 32 it is a plain one. The SASS of the causal
-      head-dim-128 backward, read offline (ptxas and nvdisasm on the dumped PTX), has
-      496 / 508 instructions a step (the two dQ chunks a consumer alternates between) at
-      128 and 464 / 476 at 32; FlashAttention-3's main loop runs 484 with its causal
-      mask's 68.
   """
 
   block_q: int = 64
@@ -148,14 +140,6 @@ class HopperBackwardBlockSizes:
   fa3_step_order: bool | None = None
   split_keys_width: int = 192 + 128  # MLA's head dims
   ordered_dq_adds: bool = False
-  dq_staging_swizzle: int = 128
-
-  def dq_staging(self, shape: tuple[int, ...]):
-    """The float32 shared-memory tiles of ``shape`` that stage dQ's chunks for the TMA
-    adds, swizzled by `dq_staging_swizzle`."""
-    swizzle = self.dq_staging_swizzle
-    return plgpu.SMEM(shape, jnp.float32, transforms=(
-        plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle)))
 
   def fa3_order(self, head_dim: int, value_head_dim: int) -> bool:
     """Whether the split-keys consumers take `fa3_step_order` at these padded head
@@ -849,7 +833,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     buffers = ds_buffers(wide, terms)
     scratch.update(
         ds_smem=plgpu.SMEM((buffers, terms, bkv, bq), q.dtype, transforms=tiled),
-        dq_smem=blocks.dq_staging((bq, _CHUNK)),
+        dq_smem=plgpu.SMEM((bq, _CHUNK), jnp.float32),
         ds_ready=plgpu.Barrier(num_barriers=buffers),
         ds_free=plgpu.Barrier(num_barriers=buffers),  # consumer 0's products read it
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both done reading K and V
@@ -857,7 +841,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   elif atomic_dq:
     scratch.update(
         ds_smem=plgpu.SMEM((2, terms, _CONSUMERS, bkv, bq), q.dtype, transforms=tiled),
-        dq_smem=blocks.dq_staging((_CONSUMERS, bq, _CHUNK)),  # chunks on their way out
+        dq_smem=plgpu.SMEM((_CONSUMERS, bq, _CHUNK), jnp.float32),  # chunks on their way out
         ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),  # both halves of dSᵀ
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
     )
