@@ -255,7 +255,7 @@ class Aux:
     """Which axes of the walks' live-block spans (`live_block_spans`) are full: a mask
     array's, and with segment ids the batch rows, query blocks and key blocks too;
     None without either, when the walks take no span."""
-    segments = self.present[2]  # the query segment ids, given with the keys'
+    segments = AuxArrays(*self.present).q_segments  # given with the keys'
     if self.mask is None and not segments:
       return None
     mask = self.mask or Plane(False, False, False, False)
@@ -283,9 +283,9 @@ class Aux:
 
 def _distance(q_idx, k_idx, n: int):
   """|i - j| (float32) for the queries q_idx and keys k_idx, indices below ``n``: taken in
-  float32 where that is exact (n <= 2^24), one float subtraction and an absolute value an
-  element, where int32 took three instructions and a conversion (their SASS, read
-  offline with benchmarks/pipelining_offline.py's compiler)."""
+  float32 where that is exact (n <= 2^24), a float subtraction and an absolute value an
+  element, where the int32 form took a subtraction, an absolute value and a conversion
+  (their SASS, read offline with benchmarks/pipelining_offline.py's compiler)."""
   if n <= 2**24:
     return jnp.abs(q_idx.astype(jnp.float32)[:, None] - k_idx.astype(jnp.float32)[None, :])
   return jnp.abs(q_idx[:, None] - k_idx[None, :]).astype(jnp.float32)
@@ -456,17 +456,22 @@ def _segment_live_blocks(row_segments, col_segments, block_rows: int, block_cols
   return live[:, None]
 
 
+def segment_pair(aux_arrays) -> tuple | None:
+  """(query, key) segment ids of ``aux_arrays`` (`AuxArrays`), `live_block_spans`'
+  ``segments``; None without them."""
+  arrays = AuxArrays(*aux_arrays)
+  return None if arrays.q_segments is None else (arrays.q_segments, arrays.kv_segments)
+
+
 def query_spans(aux_arrays, block_q: int, block_k: int, dims: Dims) -> list:
   """The inputs of a query-block kernel's `QueryBlockLaunch.span_specs`: the live key
   blocks (first, end) per query block (`live_block_spans`) of the mask array and the
   segment ids in ``aux_arrays`` (`AuxArrays`), none without either."""
-  arrays = AuxArrays(*aux_arrays)
-  segments = (None if arrays.q_segments is None
-              else (arrays.q_segments, arrays.kv_segments))
-  if arrays.mask is None and segments is None:
+  mask, segments = AuxArrays(*aux_arrays).mask, segment_pair(aux_arrays)
+  if mask is None and segments is None:
     return []
-  return list(live_block_spans(arrays.mask, segments, block_rows=block_q,
-                               block_cols=block_k, n_col_blocks=pl.cdiv(dims.S, block_k)))
+  return list(live_block_spans(mask, segments, block_rows=block_q, block_cols=block_k,
+                               n_col_blocks=pl.cdiv(dims.S, block_k)))
 
 
 def span_spec(plane: Plane, block_index, *, blocked: bool, heads: int = 1):
