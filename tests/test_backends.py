@@ -51,6 +51,52 @@ def test_when_none_can_the_error_lists_each_reason():
     picky.select(None, "big")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Deferring(_Fake):
+  def defers(self, call):
+    return "a later one is faster" if call.startswith("packed") else None
+
+
+def test_a_backend_may_defer_a_call_to_a_later_one():
+  # Unnamed, a call the first backend defers goes to the next that can run it, and to
+  # the deferring one where none can; named, the deferring one runs it.
+  deferring = _Deferring("fast")
+  registry = Registry("op", (deferring, _Fake("slow", frozenset({"packed-big"}))))
+  assert registry.select(None, "packed").NAME == "slow"
+  assert registry.select(None, "small") is deferring
+  assert registry.select(None, "packed-big") is deferring
+  assert registry.select("fast", "packed") is deferring
+
+
+def test_packed_segments_go_to_the_triton_kernels(monkeypatch):
+  # Where the Hopper kernels could run them, the caller's segment ids go to the Triton
+  # kernels, which skip the tiles whose ids cannot match (docs/kernels.md); a key mask
+  # run as segment ids, or a name, keeps the Hopper ones.
+  from jaxsoftmax.attention import mosaic_gpu
+  monkeypatch.setattr(mosaic_gpu, "unsupported", lambda call: None)
+  q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
+  segments = jnp.zeros((2, 64), jnp.int32)
+  plan = api._plan(q, q, q, None, None, scale=None, is_causal=True, query_seq_lengths=None,
+                   key_value_seq_lengths=None, local_window_size=None,
+                   implementation=None, logits_soft_cap=None, segment_ids=segments,
+                   block_sizes=None, interpret=True, deterministic=None)
+  assert plan.call.packed and plan.backend.NAME == "triton"
+  assert "segment ids" in mosaic_gpu.defers(plan.call)
+  named = api._plan(q, q, q, None, None, scale=None, is_causal=True, query_seq_lengths=None,
+                    key_value_seq_lengths=None, local_window_size=None,
+                    implementation="mosaic_gpu", logits_soft_cap=None,
+                    segment_ids=segments, block_sizes=None, interpret=True,
+                    deterministic=None)
+  assert named.backend.NAME == "mosaic_gpu"
+  key_mask = jnp.ones((2, 1, 1, 64), bool)
+  masked = api._plan(q, q, q, None, key_mask, scale=None, is_causal=True,
+                     query_seq_lengths=None,
+                     key_value_seq_lengths=None, local_window_size=None,
+                     implementation=None, logits_soft_cap=None, segment_ids=None,
+                     block_sizes=None, interpret=True, deterministic=None)
+  assert not masked.call.packed and masked.backend.NAME == "mosaic_gpu"
+
+
 def test_names_are_unique():
   with pytest.raises(ValueError, match="two backends share a name"):
     Registry("op", (FAST, FAST))

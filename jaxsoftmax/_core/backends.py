@@ -7,7 +7,9 @@ arrays (attention's `Call`). Each op adds the kernel entry points its backends s
 (`jaxsoftmax.attention.call.AttentionBackend`). A `Registry` lists an op's backends in
 order of preference, fastest first, and applies the one dispatch rule (docs/architecture.md,
 "Add an attention backend"): a backend named by the caller runs the call or raises why
-it cannot; no name takes the first backend that can.
+it cannot; no name takes the first backend that can, unless it defers the call to a
+later one that can too (an optional ``defers(call)``: why a later backend is the faster
+for what the call holds, measured; None where it is not).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class Registry(Generic[B]):
 
   def select(self, implementation: str | None, call: Any) -> B:
     """The backend that runs ``call``: the one named ``implementation``, or with None
-    the first that can; a ValueError says why when it cannot (or none can)."""
+    the first that can and does not defer it (else the first that can); a ValueError
+    says why when it cannot (or none can)."""
     if implementation is not None:
       backend = self[implementation]
       why = backend.unsupported(call)
@@ -83,12 +86,17 @@ class Registry(Generic[B]):
         raise ValueError(f"{self.op}: implementation={implementation!r} cannot run this "
                          f"call: {why}")
       return backend
-    reasons = []
+    reasons, deferring = [], None
     for backend in self.backends:
       why = backend.unsupported(call)
-      if why is None:
+      if why is not None:
+        reasons.append(f"{backend.NAME}: {why}")
+      elif getattr(backend, "defers", lambda call: None)(call) is None:
         return backend
-      reasons.append(f"{backend.NAME}: {why}")
+      elif deferring is None:
+        deferring = backend
+    if deferring is not None:
+      return deferring
     raise ValueError(f"{self.op}: no kernel backend can run this call ("
                      + "; ".join(reasons) + ")" + (f"; {self.otherwise}" if self.otherwise
                                                    else ""))

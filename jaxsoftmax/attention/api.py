@@ -460,7 +460,8 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
     return _Plan(query, key, value, unbatched, aux, scale, window, None, None)
   window_left, window_right = window or (None, None)
 
-  def call_of(has_segments: bool, has_mask: bool, causal: bool = is_causal) -> Call:
+  def call_of(has_segments: bool, has_mask: bool, causal: bool = is_causal,
+              packed: bool = False) -> Call:
     return Call(B=B, T=T, S=S, N=N, K=key.shape[2], H=H, Hv=value.shape[3],
                 dtype=jnp.dtype(query.dtype).name,
                 spec=MaskSpec(q_len=T, kv_len=S, is_causal=bool(causal),
@@ -469,7 +470,8 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
                 scale=scale, softcap=logits_soft_cap, block_sizes=block_sizes,
                 interpret=pallas.resolve_interpret(interpret),
                 deterministic=pallas.resolve_deterministic(deterministic),
-                has_bias=bias is not None, has_alibi=alibi_slopes is not None)
+                has_bias=bias is not None, has_alibi=alibi_slopes is not None,
+                packed=packed)
 
   as_lengths = _mask_as_lengths(aux, B, is_causal, call_of, implementation)
   if _is_key_mask(aux) and implementation in (None, "mosaic_gpu"):
@@ -478,7 +480,8 @@ def _plan(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
     if backend.NAME == "mosaic_gpu":
       return _Plan(query, key, value, unbatched, _key_mask_as_segments(aux, B, T, S),
                    scale, window, call, backend, as_lengths)
-  call = call_of(has_segments=q_seg is not None, has_mask=mask is not None)
+  call = call_of(has_segments=q_seg is not None, has_mask=mask is not None,
+                 packed=q_seg is not None)
   return _Plan(query, key, value, unbatched, aux, scale, window, call,
                select_backend(implementation, call), as_lengths)
 

@@ -32,6 +32,8 @@ class Call:
     block_sizes: the caller's tiles for a backend, or None for its defaults.
     interpret: run the kernels in Pallas interpret mode.
     deterministic: the gradients must be bit-identical from run to run (no atomic adds).
+    packed: the caller's segment ids are given (packed sequences), not a key mask run
+      as segment ids; backends may defer such calls (`_core.backends.Registry`).
   """
 
   B: int
@@ -50,6 +52,7 @@ class Call:
   Hv: int | None = None
   has_bias: bool = False
   has_alibi: bool = False
+  packed: bool = False
 
   def __post_init__(self):
     if self.Hv is None:

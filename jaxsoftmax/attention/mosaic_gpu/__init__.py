@@ -48,6 +48,17 @@ def unsupported(call: Call) -> str | None:
   return None
 
 
+def defers(call: Call) -> str | None:
+  """Why, though it can run ``call``, this backend leaves it to a later one when no
+  implementation is named (`_core.backends.Registry`), or None."""
+  if call.packed:
+    return ("segment ids: the Triton kernels skip the tiles whose ids cannot match, "
+            "these compare the ids on every tile (eight packed documents a row: 0.20x "
+            "the plain Triton forward and 0.21x forward + backward, against 1.32x and "
+            "1.11x the plain Hopper kernels', on an H100; docs/kernels.md)")
+  return None
+
+
 def blocks(call: Call) -> HopperBlockSizes:
   """The caller's Hopper tiles, else the defaults for the wider of the call's head dims
   (whose tiles take the most shared memory and registers)."""
