@@ -97,6 +97,20 @@ def test_packed_segments_go_to_the_triton_kernels(monkeypatch):
   assert not masked.call.packed and masked.backend.NAME == "mosaic_gpu"
 
 
+def test_ring_steps_with_segments_are_packed():
+  # Ring attention's steps are calls of the same kernels: with segment ids they are
+  # packed calls too, which the Hopper backend defers to the Triton kernels.
+  from jaxsoftmax.attention.context_parallel import ring
+  plan = ring._RingPlan(axis_name="x", shards=2, layout="contiguous", strategy="ring",
+                        is_causal=True, window=None, has_segments=True, scale=0.125,
+                        softcap=None, implementation=None, block_sizes=None, interpret=True,
+                        deterministic=False, B=2, T=64, S=64, N=4, K=4, H=64,
+                        dtype="bfloat16")
+  [piece] = plan._whole(64, 0)
+  assert plan.call(piece).packed
+  assert not dataclasses.replace(plan, has_segments=False).call(piece).packed
+
+
 def test_names_are_unique():
   with pytest.raises(ValueError, match="two backends share a name"):
     Registry("op", (FAST, FAST))

@@ -127,7 +127,7 @@ class _RingPlan:
     return Call(B=self.B, T=piece.T, S=piece.S, N=self.N, K=self.K, H=self.H,
                 dtype=self.dtype, spec=piece.spec, scale=self.scale, softcap=self.softcap,
                 block_sizes=self.block_sizes, interpret=self.interpret,
-                deterministic=self.deterministic)
+                deterministic=self.deterministic, packed=self.has_segments)
 
   def _whole(self, S: int, offset: int) -> list[_Piece]:
     spec = _band(self.T, S, offset, self.is_causal, self.window, self.has_segments)
