@@ -479,6 +479,13 @@ def test_live_block_spans(key, shape, transposed):
     assert (int(first[b, n, r]), int(end[b, n, r])) == want, (b, n, r)
 
 
+def _packed_and_unsorted_segments(T: int):
+  """(2, T) int32 segment ids: row 0 packs three documents of 20, 33 and the rest;
+  row 1 repeats the ids 0, 1, 2 (unsorted: every block pair's ranges overlap)."""
+  docs = jnp.repeat(jnp.arange(3), jnp.array([20, 33, T - 53]), total_repeat_length=T)
+  return jnp.stack([docs, jnp.arange(T) % 3]).astype(jnp.int32)
+
+
 @pytest.mark.parametrize("with_mask", [False, True], ids=["segments", "segments-and-mask"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["keys", "queries"])
 def test_live_block_spans_of_segments(key, with_mask, transposed):
@@ -487,8 +494,7 @@ def test_live_block_spans_of_segments(key, with_mask, transposed):
   # ranges overlap). Every block with an allowed pair lies in its span; for the packed
   # row the span is exactly the blocks of its documents.
   T = S = 75
-  docs = jnp.repeat(jnp.arange(3), jnp.array([20, 33, 22]), total_repeat_length=T)
-  segments = jnp.stack([docs, jnp.arange(T) % 3]).astype(jnp.int32)
+  segments = _packed_and_unsorted_segments(T)
   mask = None
   if with_mask:
     mask = jax.random.bernoulli(key, 0.5, (2, 1, 1, S)).at[:, :, :, 60:].set(False)
@@ -522,8 +528,7 @@ def test_packed_segments(key, backend, is_causal):
   B, T = 2, 75
   dtype = jnp.float32 if backend == "triton" else jnp.bfloat16
   q, k, v, do = _inputs(key, B, T, T, 2, 1, 16, dtype)
-  docs = jnp.repeat(jnp.arange(3), jnp.array([20, 33, 22]), total_repeat_length=T)
-  segments = jnp.stack([docs, jnp.arange(T) % 3]).astype(jnp.int32)
+  segments = _packed_and_unsorted_segments(T)
   interpret = _interpret(backend)
   _check(q, k, v, do, backend=backend, interpret=interpret, blocks=_tiles(backend, interpret),
          segments=(segments, segments), is_causal=is_causal)

@@ -76,24 +76,18 @@ def test_packed_segments_go_to_the_triton_kernels(monkeypatch):
   monkeypatch.setattr(mosaic_gpu, "unsupported", lambda call: None)
   q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
   segments = jnp.zeros((2, 64), jnp.int32)
-  plan = api._plan(q, q, q, None, None, scale=None, is_causal=True, query_seq_lengths=None,
-                   key_value_seq_lengths=None, local_window_size=None,
-                   implementation=None, logits_soft_cap=None, segment_ids=segments,
-                   block_sizes=None, interpret=True, deterministic=None)
-  assert plan.call.packed and plan.backend.NAME == "triton"
-  assert "segment ids" in mosaic_gpu.defers(plan.call)
-  named = api._plan(q, q, q, None, None, scale=None, is_causal=True, query_seq_lengths=None,
-                    key_value_seq_lengths=None, local_window_size=None,
-                    implementation="mosaic_gpu", logits_soft_cap=None,
-                    segment_ids=segments, block_sizes=None, interpret=True,
-                    deterministic=None)
-  assert named.backend.NAME == "mosaic_gpu"
-  key_mask = jnp.ones((2, 1, 1, 64), bool)
-  masked = api._plan(q, q, q, None, key_mask, scale=None, is_causal=True,
-                     query_seq_lengths=None,
-                     key_value_seq_lengths=None, local_window_size=None,
-                     implementation=None, logits_soft_cap=None, segment_ids=None,
-                     block_sizes=None, interpret=True, deterministic=None)
+  def plan(mask=None, segment_ids=None, implementation=None):
+    return api._plan(q, q, q, None, mask, scale=None, is_causal=True,
+                     query_seq_lengths=None, key_value_seq_lengths=None,
+                     local_window_size=None, implementation=implementation,
+                     logits_soft_cap=None, segment_ids=segment_ids, block_sizes=None,
+                     interpret=True, deterministic=None)
+
+  packed = plan(segment_ids=segments)
+  assert packed.call.packed and packed.backend.NAME == "triton"
+  assert "segment ids" in mosaic_gpu.defers(packed.call)
+  assert plan(segment_ids=segments, implementation="mosaic_gpu").backend.NAME == "mosaic_gpu"
+  masked = plan(mask=jnp.ones((2, 1, 1, 64), bool))
   assert not masked.call.packed and masked.backend.NAME == "mosaic_gpu"
 
 
