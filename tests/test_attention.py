@@ -1069,8 +1069,11 @@ HOPPER_BACKWARD_CASES = [
 ]
 
 
-# The deterministic backward's two designs (`HopperBackwardBlockSizes.ordered_dq_adds`).
-DETERMINISTIC_DESIGNS = {"dq-kernel": False, "ordered-adds": True}
+# The deterministic backward's two designs (`HopperBackwardBlockSizes.ordered_dq_adds`),
+# the ordered adds also sent by the writer warp (`dq_writer_warp`).
+DETERMINISTIC_DESIGNS = {"dq-kernel": dict(ordered_dq_adds=False),
+                         "ordered-adds": dict(ordered_dq_adds=True),
+                         "ordered-writer": dict(ordered_dq_adds=True, dq_writer_warp=True)}
 # Head dims above 128, which only the ordered adds' design takes deterministically.
 WIDE_BACKWARD_CASES = [
     pytest.param(2, 1000, 1000, 8, 2, 256, jnp.bfloat16, dict(is_causal=True),
@@ -1088,6 +1091,7 @@ WIDE_BACKWARD_CASES = [
     # counters were each CTA's own): where pytest-timeout is installed, as on the GPU
     # machine, the test fails after 4 minutes and the stage goes on.
     pytest.param("ordered-adds", marks=pytest.mark.timeout(240, method="thread")),
+    pytest.param("ordered-writer", marks=pytest.mark.timeout(240, method="thread")),
 ])
 @pytest.mark.parametrize("B, T, S, N, K, H, dtype, options",
                          HOPPER_BACKWARD_CASES + WIDE_BACKWARD_CASES)
@@ -1098,18 +1102,19 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N,
   # float64 by the 2x rule and identical in two runs; the ordered adds' dK and dV are
   # the default's (the same products in the same order, the key tiles only launched in
   # reverse).
-  if H > 128 and not DETERMINISTIC_DESIGNS[design]:
+  ordered = DETERMINISTIC_DESIGNS[design]["ordered_dq_adds"]
+  if H > 128 and not ordered:
     pytest.skip("the dQ kernel takes head dims up to 128")
   inputs = _inputs(key, B, T, S, N, K, H, dtype)
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
-      mosaic_backward.BLOCKS, ordered_dq_adds=DETERMINISTIC_DESIGNS[design]))
+      mosaic_backward.BLOCKS, **DETERMINISTIC_DESIGNS[design]))
   first = _check(*inputs, backend="mosaic_gpu", interpret=False, deterministic=True,
                  **options)
   second = _check(*inputs, backend="mosaic_gpu", interpret=False, deterministic=True,
                   **options)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(a, b)
-  if DETERMINISTIC_DESIGNS[design]:  # the field only changes deterministic calls
+  if ordered:  # the field only changes deterministic calls
     *_, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
     np.testing.assert_array_equal(first[3], dk)
     np.testing.assert_array_equal(first[4], dv)
@@ -1215,11 +1220,12 @@ def test_hopper_block_sizes_gpu(key, blocks):
 
 # The Hopper backward's schedules other than the default (`HopperBackwardBlockSizes`),
 # as the HOPPER_BWD_SCHEDULES rows of benchmarks/bench_attention_backward.py time them:
-# the tile addresses as LLVM hoists them (the default before the sweep), and
-# FlashAttention-3's step order at head dims up to 128.
+# the tile addresses as LLVM hoists them (the default before the sweep),
+# FlashAttention-3's step order at head dims up to 128, and dQ sent by a writer warp.
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
     "fa3-order": dict(fa3_step_order=True),
+    "dq-writer": dict(dq_writer_warp=True),
 }
 
 
@@ -1426,6 +1432,33 @@ def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, m
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, **BACKWARD_SCHEDULES[schedule]))
   _lower_backward(H, H, dtype, options)
+
+
+@pytest.mark.parametrize("H, dtype, options", [
+    (64, jnp.float16, dict(has_segments=True, window_left=100, window_right=20)),
+    (128, jnp.bfloat16, dict(is_causal=True)),
+    ((64, 128), jnp.bfloat16, dict(is_causal=True)),
+])
+def test_dq_writer_ordered_lowers_for_cuda(H, dtype, options, monkeypatch):
+  # The ordered adds sent by the writer warp (test_hopper_deterministic_backward_gpu's
+  # "ordered-writer"), lowered on any machine: one chunk a step between the consumers at
+  # head dim 64, one each at 128.
+  H, Hv = H if isinstance(H, tuple) else (H, H)
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
+      mosaic_backward.BLOCKS, ordered_dq_adds=True, dq_writer_warp=True))
+  _lower_backward(H, Hv, dtype, options, deterministic=True)
+
+
+def test_dq_writer_takes_even_chunk_counts():
+  # The writer warp serves the split-keys design where each consumer stages its chunks
+  # without a branch (head dim 128) or one consumer takes the step's one chunk (64);
+  # not MLA's 192 (three chunks), nor the wide design.
+  blocks = dataclasses.replace(mosaic_backward.BLOCKS, dq_writer_warp=True)
+  assert blocks.writes_dq_by_warp(64, wide=False)
+  assert blocks.writes_dq_by_warp(128, wide=False)
+  assert not blocks.writes_dq_by_warp(192, wide=False)
+  assert not blocks.writes_dq_by_warp(256, wide=True)
+  assert not mosaic_backward.BLOCKS.writes_dq_by_warp(128, wide=False)
 
 
 def _lower_backward(H, Hv, dtype, options, **kwargs):

@@ -131,6 +131,15 @@ class HopperBackwardBlockSizes:
       GPU tests, but on an H100 it ran at 0.58x the atomic default where the dQ kernel
       runs at 0.86x (`benchmarks/results/tuning/attention_backward_ordered_h100.md`),
       so False stays the default.
+    dq_writer_warp: in the split-keys design with dQ added in the kernel (the atomic
+      default and ``ordered_dq_adds``), a consumer stages its dQ chunk in shared memory
+      and signals a barrier, and one warp of the producer warpgroup sends the chunks out
+      by TMA reductions (and, ordered, waits for the later key tiles' adds and counts
+      its own), as FlashAttention-3's backward does. Otherwise each consumer issues its
+      chunk's reduction itself and waits for the last one to have left before staging
+      the next: about 35 instructions of its step (docs/kernels.md, the SASS reading),
+      and every wait of the ordered adds. Only where each consumer takes the same
+      number of chunks every step, or at most one (`writes_dq_by_warp`).
   """
 
   block_q: int = 64
@@ -140,6 +149,7 @@ class HopperBackwardBlockSizes:
   fa3_step_order: bool | None = None
   split_keys_width: int = 192 + 128  # MLA's head dims
   ordered_dq_adds: bool = False
+  dq_writer_warp: bool = False
 
   def fa3_order(self, head_dim: int, value_head_dim: int) -> bool:
     """Whether the split-keys consumers take `fa3_step_order` at these padded head
@@ -147,6 +157,17 @@ class HopperBackwardBlockSizes:
     if self.fa3_step_order is not None:
       return self.fa3_step_order
     return head_dim + value_head_dim > 2 * SPLIT_KEYS_HEAD_DIM
+
+  def writes_dq_by_warp(self, head_dim: int, wide: bool) -> bool:
+    """Whether `dq_writer_warp` applies at this padded head dim: in the split-keys design,
+    where the consumers take the same number of dQ chunks a step (head dim 128: one
+    each, staged without a branch), or one chunk between them (64). With a branch per
+    chunk, ptxas serialized the kernel's wgmma instructions ("insufficient register
+    resources", read offline) at 128 and at MLA's 192 (three chunks), where it also
+    spilled 364 bytes, so MLA's keeps the consumers' own reductions."""
+    n_chunks = head_dim // _CHUNK
+    return (self.dq_writer_warp and not wide
+            and (n_chunks % _CONSUMERS == 0 or n_chunks == 1))
 
   def keys_per_tile(self, wide: bool) -> int:
     """Keys per CTA: each consumer's own block_kv, or one block_kv shared by both in the
@@ -316,6 +337,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
                  v_smem, q_ring, do_ring, lse2_ring, delta_ring, kv_loaded, q_loaded,
                  do_loaded, slot_free, key_tiles: int | None = None, ds_smem=None,
                  dq_smem=None, ds_ready=None, ds_free=None, done=None,
+                 dq_staged=None, dq_free=None,
                  dq_order_shape: tuple[int, int, int] | None = None):
   """dK and dV of a key tile; with ``atomic_dq`` also its share of dQ, added into the
   float32 dQ ref (the last input). ``float32_grads``: dK and dV leave in float32, stored
@@ -325,10 +347,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   ``dq_order_shape`` (`ordered_dq_adds`: (B, N, query blocks), the shape of the
   counters of the chunks added into each query block's dQ; the input before dQ is
   `last_key_tiles`' table; ``key_tiles`` CTAs along the keys) the key tiles add into each
-  query block in a fixed order, the last first."""
+  query block in a fixed order, the last first. With ``dq_staged`` and ``dq_free`` (a
+  barrier per consumer: `dq_writer_warp`) the consumers stage their dQ chunks and a warp
+  of the producer warpgroup adds them into dQ."""
   aux_refs, refs = AuxArrays.split_refs(refs, aux_present)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   ordered = dq_order_shape is not None
+  writer = dq_staged is not None
   # The counters are shared by every CTA, so they come from pl.get_global: semaphores
   # among the kernel's scratch are each CTA's own (Pallas gives each block its slice),
   # and with them every wait for another tile's adds hung. Pallas zeroes them at each
@@ -381,6 +406,49 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
                            memory_scope="gpu")
     plgpu.copy_smem_to_gmem(staging, dq_ref.at[b, pl.ds(i * bq, bq), n, columns],
                             reduction_op="add")
+
+  def stage_dq_chunk(acc_fn, c):
+    """Chunk c of dQ, from the product ``acc_fn`` accumulates, staged in this consumer's
+    tile for the writer warp (`dq_writer`). It waits for the writer to have sent the
+    last chunk out before the product, not after it: ptxas spilled the product's 32
+    registers a thread around a wait placed between product and store."""
+    plgpu.barrier_wait(dq_free.at[wg])
+    dq = pl.run_scoped(functools.partial(acc_fn, columns=pl.ds(c * _CHUNK, _CHUNK)),
+                       plgpu.ACC((bq, _CHUNK), jnp.float32))
+    dq_smem.at[wg][...] = dq
+    plgpu.commit_smem()  # visible to the writer's TMA
+    plgpu.barrier_arrive(dq_staged.at[wg])
+
+  def dq_writer():
+    """The writer warp of `dq_writer_warp`: for each step of the walk, in the consumers'
+    order, each chunk of dQ staged by the consumer that owns it (`owns_chunk`) is added
+    into the float32 dQ by a TMA reduction, and its staging tile handed back once read.
+    Ordered, a step's chunks wait for the later key tiles' adds into the query block
+    (`last_key_tiles`) and, once landed, count as this tile's."""
+    for c in range(_CONSUMERS):  # the staging tiles start free
+      plgpu.barrier_arrive(dq_free.at[c])
+
+    def step(i, n, step_index, s, *, masked: bool):
+      del s, masked
+      rows = pl.ds(i * bq, bq)
+      if ordered:
+        later_adds = jnp.maximum(last_ref[b, i] - key_tile, 0) * n_chunks
+        plgpu.semaphore_wait(dq_order.at[b, n, i], later_adds, decrement=False,
+                             memory_scope="gpu")
+      for c in range(n_chunks):
+        owner = rem32(step_index + c, _CONSUMERS)  # as owns_chunk assigns it
+        plgpu.barrier_wait(dq_staged.at[owner])
+        plgpu.copy_smem_to_gmem(dq_smem.at[owner],
+                                dq_ref.at[b, rows, n, pl.ds(c * _CHUNK, _CHUNK)],
+                                reduction_op="add")
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.barrier_arrive(dq_free.at[owner])
+      if ordered:
+        plgpu.wait_smem_to_gmem(0)  # the adds have landed
+        plgpu.semaphore_signal(dq_order.at[b, n, i], n_chunks, memory_scope="gpu")
+
+    walk_steps(step)
+    plgpu.wait_smem_to_gmem(0)  # the last adds have landed before the CTA ends
 
   def owns_chunk(step_index, c):
     """Whether this consumer takes chunk c of its step_index-th step's dQ in the
@@ -592,7 +660,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         memory, and once both consumers' halves are there, dQ = dS K over the CTA's keys
         in 64-column chunks, each added into the float32 dQ by TMA. ``own``: this
         consumer's block of the CTA's keys (`key_block`)."""
-        if ordered:
+        if ordered and not writer:
           signal_previous_dq_adds(i, n, step_index)
         buf = rem32(step_index, 2)
         for t, term in enumerate(ds_terms):
@@ -609,12 +677,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
               plgpu.wgmma(acc, ds_smem.at[buf, t, half].T, k_smem.at[half, :, columns])
           return acc[...]
 
-        for c in range(n_chunks):  # a consumer's first chunk is 0 or 1: it waits there
-          pl.when(owns_chunk(step_index, c))(
-              lambda c=c: add_dq_chunk(chunk, dq_smem.at[wg], i, n, c, wait=c < _CONSUMERS))
+        if writer and n_chunks == 1:
+          pl.when(owns_chunk(step_index, 0))(lambda: stage_dq_chunk(chunk, 0))
+        elif writer:  # the chunks (step + wg) mod 2, + 2, ...: no branch (see
+          first = rem32(step_index + wg, _CONSUMERS)  # writes_dq_by_warp)
+          for j in range(n_chunks // _CONSUMERS):
+            stage_dq_chunk(chunk, first + j * _CONSUMERS)
+        else:
+          for c in range(n_chunks):  # a consumer's first chunk is 0 or 1: it waits there
+            pl.when(owns_chunk(step_index, c))(lambda c=c: add_dq_chunk(
+                chunk, dq_smem.at[wg], i, n, c, wait=c < _CONSUMERS))
 
       walk_steps(step)
-      if ordered:
+      if ordered and not writer:
         signal_last_dq_adds()
       return dk_acc[...], dv_acc[...]
 
@@ -628,9 +703,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     leave(dv, v_tile, dv_ref, keys)
     plgpu.wait_smem_to_gmem(0)  # and the last dQ chunk has left
 
-  @pl.when(wg == _CONSUMERS)
-  def _producer():
-    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+  def loads():
+    """The producer's TMA loads: K and V of the CTA's keys, then Q with lse₂ and dO with
+    delta of every step into the ring."""
     for c in range(key_blocks):
       rows = (b, pl.ds(k0 + c * bkv, bkv), kv_head)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[c], kv_loaded)
@@ -654,6 +729,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       return lax.fori_loop(lo, hi, block, carry)
 
     lax.fori_loop(0, group, walk_head, 0)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    if not writer:
+      loads()
+      return
+
+    @plgpu.warp_map
+    def _(warp):
+      pl.when(warp == 0)(loads)
+      pl.when(warp == 1)(dq_writer)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
@@ -845,6 +932,9 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
         ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),  # both halves of dSᵀ
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
     )
+    if blocks.writes_dq_by_warp(H_pad, wide):  # a chunk staged for the writer warp, and sent
+      scratch.update(dq_staged=plgpu.Barrier(num_barriers=_CONSUMERS),
+                     dq_free=plgpu.Barrier(num_barriers=_CONSUMERS))
   # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
   def kv_type(width):
     if float32_grads:
