@@ -162,9 +162,10 @@ class HopperBackwardBlockSizes:
     """Whether `dq_writer_warp` applies at this padded head dim: in the split-keys design,
     where the consumers take the same number of dQ chunks a step (head dim 128: one
     each, staged without a branch), or one chunk between them (64). With a branch per
-    chunk, ptxas serialized the kernel's wgmma instructions ("insufficient register
-    resources", read offline) at 128 and at MLA's 192 (three chunks), where it also
-    spilled 364 bytes, so MLA's keeps the consumers' own reductions."""
+    chunk, ptxas serialized the kernel's wgmma instructions at 128 ("insufficient
+    register resources", read offline). MLA's 192 (three chunks) keeps the consumers'
+    own reductions: there ptxas serializes the wgmma with or without the writer, which
+    spilled 168 bytes causal where the consumers' reductions spill 144."""
     n_chunks = head_dim // _CHUNK
     return (self.dq_writer_warp and not wide
             and (n_chunks % _CONSUMERS == 0 or n_chunks == 1))
