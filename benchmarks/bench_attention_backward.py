@@ -23,7 +23,9 @@ HOPPER_BWD_SCHEDULES (comma-separated; each a "+"-joined set of `SCHEDULE_FLAGS`
 "stale,fa3,nofa3,wide,stale+det,ordered+det") adds a row of the Hopper backward per
 schedule: the default `HopperBackwardBlockSizes` with those fields changed ("det" for
 deterministic=True), named "jaxsoftmax mosaic_gpu fa3". The sweep that chose today's
-default: benchmarks/results/tuning/attention_backward_schedules.md.
+default: benchmarks/results/tuning/attention_backward_schedules.md. BWD_ROWS
+(comma-separated row names, e.g. "jaxsoftmax mosaic_gpu,fa3") keeps only those of the
+other rows, to spend less device time on a sweep.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def bench_shape(report: harness.Report, case, dtype):
   (q, k, v, do), common, flops = case_inputs(case, dtype)
   truth = harness.float64_truth(fwd_bwd(ref), part_q(q), part_kv(k), part_kv(v), part_q(do))
   impls = implementations(N, K, H, causal)
-  rows = [(name, name, None) for name in (*OUR_ROWS, *PEERS)]
+  keep = set(filter(None, os.environ.get("BWD_ROWS", "").split(",")))
+  rows = [(name, name, None) for name in (*OUR_ROWS, *PEERS) if not keep or name in keep]
   for suffix, (blocks, deterministic) in schedules().items():
     name = f"{OURS} mosaic_gpu" + " deterministic" * deterministic
     rows.append((name, f"{OURS} mosaic_gpu {suffix}", blocks))

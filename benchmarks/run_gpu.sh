@@ -26,7 +26,8 @@
 #                           names the results, ATTN_MODES="fwd" measures the forward alone)
 #   attn-bench-bwd          bench_attention_backward.py: the backwards alone (ATTN_ONLY;
 #                           HOPPER_BWD_SCHEDULES adds rows of the Hopper backward's
-#                           schedules, e.g. "stale,fa3,wide,stale+det")
+#                           schedules, e.g. "stale,fa3,wide,stale+det"; BWD_ROWS keeps
+#                           only those of the other rows)
 #   attn-features           bench_attention_features.py: sinks, ALiBi, bias and mask
 #                           arrays against the plain kernels and cuDNN (ATTN_ONLY;
 #                           ATTN_MODES="fwd,fwd+bwd,jvp" adds forward mode; ATTN_FEATURES
