@@ -1449,6 +1449,19 @@ def test_dq_writer_ordered_lowers_for_cuda(H, dtype, options, monkeypatch):
   _lower_backward(H, Hv, dtype, options, deterministic=True)
 
 
+@pytest.mark.parametrize("n_chunks", [1, 2, 4])
+def test_staged_dq_chunks_are_those_the_writer_waits_for(n_chunks):
+  # The writer warp waits, chunk by chunk, on the barrier of the consumer that
+  # dq_chunk_owner names; a consumer that staged another chunk, or none, would hang the
+  # kernel. Each step, each consumer stages exactly the chunks it owns.
+  for step in range(6):
+    for wg in range(2):
+      staged = {int(c) for c, when in mosaic_backward.staged_dq_chunks(step, wg, n_chunks)
+                if when is None or bool(when)}
+      owned = {c for c in range(n_chunks) if int(mosaic_backward.dq_chunk_owner(step, c)) == wg}
+      assert staged == owned, (step, wg)
+
+
 def test_dq_writer_takes_even_chunk_counts():
   # The writer warp serves the split-keys design where each consumer stages its chunks
   # without a branch (head dim 128) or one consumer takes the step's one chunk (64);

@@ -213,6 +213,26 @@ class HopperBackwardBlockSizes:
 BLOCKS = HopperBackwardBlockSizes()
 
 
+def dq_chunk_owner(step_index, c):
+  """The consumer that takes chunk c of the dQ of its step_index-th step in the
+  split-keys design: consumer (step + c) mod 2, so that both take some each step (in the
+  wide design consumer 0 takes every chunk)."""
+  return rem32(step_index + c, _CONSUMERS)
+
+
+def staged_dq_chunks(step_index, wg, n_chunks: int):
+  """The chunks of dQ consumer ``wg`` stages for the writer warp in its step_index-th
+  step (`dq_chunk_owner`'s), as (chunk, predicate): one chunk between the consumers is
+  staged where the predicate holds; of an even count each consumer takes chunks
+  (step + wg) mod 2, + 2, ... at a column offset computed at run time, with no predicate
+  (None): a branch per chunk made ptxas serialize the kernel's wgmma
+  (`HopperBackwardBlockSizes.writes_dq_by_warp`)."""
+  if n_chunks == 1:
+    return [(0, dq_chunk_owner(step_index, 0) == wg)]
+  first = rem32(step_index + wg, _CONSUMERS)
+  return [(first + j * _CONSUMERS, None) for j in range(n_chunks // _CONSUMERS)]
+
+
 def ds_buffers(wide: bool, terms: int) -> int:
   """Buffers of dSᵀ in shared memory, so that a query block's may be written while the
   products of the one before still read theirs: two, but one of float16's two terms in
@@ -422,7 +442,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
   def dq_writer():
     """The writer warp of `dq_writer_warp`: for each step of the walk, in the consumers'
-    order, each chunk of dQ staged by the consumer that owns it (`owns_chunk`) is added
+    order, each chunk of dQ staged by the consumer that owns it (`dq_chunk_owner`) is added
     into the float32 dQ by a TMA reduction, and its staging tile handed back once read.
     Ordered, a step's chunks wait for the later key tiles' adds into the query block
     (`last_key_tiles`) and, once landed, count as this tile's."""
@@ -437,7 +457,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         plgpu.semaphore_wait(dq_order.at[b, n, i], later_adds, decrement=False,
                              memory_scope="gpu")
       for c in range(n_chunks):
-        owner = rem32(step_index + c, _CONSUMERS)  # as owns_chunk assigns it
+        owner = dq_chunk_owner(step_index, c)
         plgpu.barrier_wait(dq_staged.at[owner])
         plgpu.copy_smem_to_gmem(dq_smem.at[owner],
                                 dq_ref.at[b, rows, n, pl.ds(c * _CHUNK, _CHUNK)],
@@ -452,10 +472,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     plgpu.wait_smem_to_gmem(0)  # the last adds have landed before the CTA ends
 
   def owns_chunk(step_index, c):
-    """Whether this consumer takes chunk c of its step_index-th step's dQ in the
-    split-keys design: consumer (c + step)'s, so that both take some each step (in the
-    wide design consumer 0 takes every chunk)."""
-    return rem32(step_index + c, _CONSUMERS) == wg
+    """Whether this consumer takes chunk c of its step_index-th step's dQ
+    (`dq_chunk_owner`)."""
+    return dq_chunk_owner(step_index, c) == wg
 
   def signal_dq_adds(i, n, step_index):
     """Counts the chunks of dQ this consumer added in its step_index-th step, that of
@@ -678,12 +697,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
               plgpu.wgmma(acc, ds_smem.at[buf, t, half].T, k_smem.at[half, :, columns])
           return acc[...]
 
-        if writer and n_chunks == 1:
-          pl.when(owns_chunk(step_index, 0))(lambda: stage_dq_chunk(chunk, 0))
-        elif writer:  # the chunks (step + wg) mod 2, + 2, ...: no branch (see
-          first = rem32(step_index + wg, _CONSUMERS)  # writes_dq_by_warp)
-          for j in range(n_chunks // _CONSUMERS):
-            stage_dq_chunk(chunk, first + j * _CONSUMERS)
+        if writer:
+          for c, staged in staged_dq_chunks(step_index, wg, n_chunks):
+            if staged is None:
+              stage_dq_chunk(chunk, c)
+            else:
+              pl.when(staged)(lambda c=c: stage_dq_chunk(chunk, c))
         else:
           for c in range(n_chunks):  # a consumer's first chunk is 0 or 1: it waits there
             pl.when(owns_chunk(step_index, c))(lambda c=c: add_dq_chunk(
