@@ -1221,11 +1221,13 @@ def test_hopper_block_sizes_gpu(key, blocks):
 # The Hopper backward's schedules other than the default (`HopperBackwardBlockSizes`),
 # as the HOPPER_BWD_SCHEDULES rows of benchmarks/bench_attention_backward.py time them:
 # the tile addresses as LLVM hoists them (the default before the sweep),
-# FlashAttention-3's step order at head dims up to 128, and dQ sent by a writer warp.
+# FlashAttention-3's step order at head dims up to 128, dQ sent by a writer warp, and
+# the CTAs taking their tiles in sections of heads that fit L2.
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
     "fa3-order": dict(fa3_step_order=True),
     "dq-writer": dict(dq_writer_warp=True),
+    "l2-sections": dict(l2_sections=True),
 }
 
 
@@ -1460,6 +1462,17 @@ def test_staged_dq_chunks_are_those_the_writer_waits_for(n_chunks):
                 if when is None or bool(when)}
       owned = {c for c in range(n_chunks) if int(mosaic_backward.dq_chunk_owner(step, c)) == wg}
       assert staged == owned, (step, wg)
+
+
+def test_l2_section_fits_the_budget():
+  # K/V heads of 4 MB each (Q and dO in bfloat16, dQ in float32, 4096 x 128): 8 of them
+  # fit 40 MB; a section divides the heads, and holds one at least.
+  head = 4096 * (128 * 2 * 2 + 128 * 4)
+  assert mosaic_backward.l2_section(head, 16) == 8
+  assert mosaic_backward.l2_section(head, 4) == 4
+  assert mosaic_backward.l2_section(head, 12) == 4
+  assert mosaic_backward.l2_section(head, 5) == 1
+  assert mosaic_backward.l2_section(100 * 10**6, 64) == 1
 
 
 def test_dq_writer_takes_even_chunk_counts():
