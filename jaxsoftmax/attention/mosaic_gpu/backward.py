@@ -228,12 +228,12 @@ class HopperBackwardBlockSizes:
 BLOCKS = HopperBackwardBlockSizes()
 
 
-def l2_section(pair_bytes: int, kv_heads: int) -> int:
+def l2_section(head_bytes: int, kv_heads: int) -> int:
   """K/V heads per launch section of `l2_sections`: the largest power of two that
-  divides ``kv_heads`` and whose heads' ``pair_bytes`` each (Q, dO and dQ of one K/V
+  divides ``kv_heads`` and whose heads' ``head_bytes`` each (Q, dO and dQ of one K/V
   head of one batch row) fit `L2_SECTION_BYTES` together; at least 1."""
   section = 1
-  while kv_heads % (2 * section) == 0 and 2 * section * pair_bytes <= L2_SECTION_BYTES:
+  while kv_heads % (2 * section) == 0 and 2 * section * head_bytes <= L2_SECTION_BYTES:
     section *= 2
   return section
 
