@@ -45,7 +45,7 @@ from jaxsoftmax.attention.triton.tiling import (Aux, BlockSizes, Dims, Plane, Sc
                                                 load_scalar, load_span, max_or_inf,
                                                 probabilities, query_block,
                                                 query_block_launch, query_plane_spec,
-                                                query_spans, scores, segment_pair,
+                                                query_spans, scores, span_sources,
                                                 span_spec,
                                                 split_span_refs)
 
@@ -368,8 +368,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, blocks: B
   chunk = 8 if q.dtype == grad_dtype == jnp.float32 else None
   spans, span_specs = [], []
   if aux.spans is not None:  # per key block, the query blocks the masks leave a key to
-    spans = live_block_spans(AuxArrays(*aux_arrays_in).mask, segment_pair(aux_arrays_in),
-                             block_rows=bk, block_cols=bq,
+    spans = live_block_spans(*span_sources(aux_arrays_in), block_rows=bk, block_cols=bq,
                              n_col_blocks=pl.cdiv(dims.T, bq), transposed=True)
     span_specs = 2 * [span_spec(aux.spans, lambda j, b, h: (b, h, j),
                                 blocked=aux.spans.cols, heads=group)]

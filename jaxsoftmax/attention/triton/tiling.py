@@ -456,18 +456,19 @@ def _segment_live_blocks(row_segments, col_segments, block_rows: int, block_cols
   return live[:, None]
 
 
-def segment_pair(aux_arrays) -> tuple | None:
-  """(query, key) segment ids of ``aux_arrays`` (`AuxArrays`), `live_block_spans`'
-  ``segments``; None without them."""
+def span_sources(aux_arrays) -> tuple:
+  """`live_block_spans`' mask and segments in ``aux_arrays`` (`AuxArrays`): the mask
+  array, and the (query, key) segment ids; None for either not given."""
   arrays = AuxArrays(*aux_arrays)
-  return None if arrays.q_segments is None else (arrays.q_segments, arrays.kv_segments)
+  segments = None if arrays.q_segments is None else (arrays.q_segments, arrays.kv_segments)
+  return arrays.mask, segments
 
 
 def query_spans(aux_arrays, block_q: int, block_k: int, dims: Dims) -> list:
   """The inputs of a query-block kernel's `QueryBlockLaunch.span_specs`: the live key
   blocks (first, end) per query block (`live_block_spans`) of the mask array and the
   segment ids in ``aux_arrays`` (`AuxArrays`), none without either."""
-  mask, segments = AuxArrays(*aux_arrays).mask, segment_pair(aux_arrays)
+  mask, segments = span_sources(aux_arrays)
   if mask is None and segments is None:
     return []
   return list(live_block_spans(mask, segments, block_rows=block_q, block_cols=block_k,
