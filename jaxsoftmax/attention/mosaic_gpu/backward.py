@@ -79,9 +79,9 @@ _CONSUMER_REGISTERS = 240
 _PRODUCER_REGISTERS = 24
 # dQ leaves in chunks of this many head-dim columns (one 128-byte swizzle of 16-bit K).
 _CHUNK = 64
-# With `l2_sections`, the (K/V head, batch) pairs of one launch section read at most
-# this much Q, dO and float32 dQ: FlashAttention-3's backward sizes its sections of heads
-# to 40 MB of L2 (hopper/tile_scheduler.hpp, SingleTileBwdLPTScheduler).
+# With `l2_sections`, the K/V heads of one launch section read at most this much Q,
+# dO and float32 dQ: FlashAttention-3's backward sizes its sections of heads
+# to 40 MB of L2 (docs/kernels.md, on the order of the CTAs).
 L2_SECTION_BYTES = 40 * 10**6
 # Up to this head dim each consumer holds dK and dV of its own keys; above it the wide
 # design splits them: one consumer holds dV (and takes dQ), the other dK.
