@@ -1073,7 +1073,10 @@ HOPPER_BACKWARD_CASES = [
 # the ordered adds also sent by the writer warp (`dq_writer_warp`).
 DETERMINISTIC_DESIGNS = {"dq-kernel": dict(ordered_dq_adds=False),
                          "ordered-adds": dict(ordered_dq_adds=True),
-                         "ordered-writer": dict(ordered_dq_adds=True, dq_writer_warp=True)}
+                         "ordered-writer": dict(ordered_dq_adds=True, dq_writer_warp=True),
+                         "ordered-writer-2-tiles": dict(ordered_dq_adds=True,
+                                                        dq_writer_warp=True,
+                                                        dq_staging_tiles=2)}
 # Head dims above 128, which only the ordered adds' design takes deterministically.
 WIDE_BACKWARD_CASES = [
     pytest.param(2, 1000, 1000, 8, 2, 256, jnp.bfloat16, dict(is_causal=True),
@@ -1221,12 +1224,14 @@ def test_hopper_block_sizes_gpu(key, blocks):
 # The Hopper backward's schedules other than the default (`HopperBackwardBlockSizes`),
 # as the HOPPER_BWD_SCHEDULES rows of benchmarks/bench_attention_backward.py time them:
 # the tile addresses as LLVM hoists them (the default before the sweep),
-# FlashAttention-3's step order at head dims up to 128, dQ sent by a writer warp, and
-# the CTAs taking their tiles in sections of heads that fit L2.
+# FlashAttention-3's step order at head dims up to 128, dQ sent by a writer warp (from
+# one staging tile per consumer, or two), and the CTAs taking their tiles in sections of
+# heads that fit L2.
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
     "fa3-order": dict(fa3_step_order=True),
     "dq-writer": dict(dq_writer_warp=True),
+    "dq-writer-2-tiles": dict(dq_writer_warp=True, dq_staging_tiles=2),
     "l2-sections": dict(l2_sections=True),
 }
 
@@ -1436,19 +1441,45 @@ def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, m
   _lower_backward(H, H, dtype, options)
 
 
+@pytest.mark.parametrize("tiles", [1, 2])
 @pytest.mark.parametrize("H, dtype, options", [
     (64, jnp.float16, dict(has_segments=True, window_left=100, window_right=20)),
     (128, jnp.bfloat16, dict(is_causal=True)),
     ((64, 128), jnp.bfloat16, dict(is_causal=True)),
 ])
-def test_dq_writer_ordered_lowers_for_cuda(H, dtype, options, monkeypatch):
+def test_dq_writer_ordered_lowers_for_cuda(H, dtype, options, tiles, monkeypatch):
   # The ordered adds sent by the writer warp (test_hopper_deterministic_backward_gpu's
   # "ordered-writer"), lowered on any machine: one chunk a step between the consumers at
-  # head dim 64, one each at 128.
+  # head dim 64, one each at 128; from one staging tile per consumer, or two.
   H, Hv = H if isinstance(H, tuple) else (H, H)
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
-      mosaic_backward.BLOCKS, ordered_dq_adds=True, dq_writer_warp=True))
+      mosaic_backward.BLOCKS, ordered_dq_adds=True, dq_writer_warp=True,
+      dq_staging_tiles=tiles))
   _lower_backward(H, Hv, dtype, options, deterministic=True)
+
+
+@pytest.mark.parametrize("n_chunks", [1, 2, 4])
+def test_dq_staging_tiles_taken_in_turn(n_chunks):
+  # Each consumer's chunks, in the walk's order, take its two staging tiles in turn
+  # (dq_staging_tile): a tile taken twice running would wait for the chunk it holds to
+  # have left, which the second tile is there to spare.
+  for wg in range(2):
+    tiles = [int(mosaic_backward.dq_staging_tile(step, c, n_chunks, 2))
+             for step in range(8) for c in range(n_chunks)
+             if int(mosaic_backward.dq_chunk_owner(step, c)) == wg]
+    assert tiles == [k % 2 for k in range(len(tiles))], (wg, tiles)
+
+
+def test_dq_staging_tiles_where_they_fit():
+  # Two staging tiles a consumer fit bfloat16 at head dim 128 (1 KiB to spare), not
+  # float16's two dS terms; without the writer warp, one.
+  two = dataclasses.replace(mosaic_backward.BLOCKS, dq_writer_warp=True, dq_staging_tiles=2)
+  assert two.staging_tiles(128, 128, 2, 1) == 2
+  assert two.smem_bytes(128, 128, 2, 1) <= mosaic_backward.SMEM_BYTES
+  assert two.staging_tiles(128, 128, 2, 2) == 1
+  assert dataclasses.replace(two, dq_writer_warp=False).staging_tiles(128, 128, 2, 1) == 1
+  with pytest.raises(ValueError, match="dq_staging_tiles"):
+    dataclasses.replace(two, dq_staging_tiles=3)
 
 
 @pytest.mark.parametrize("n_chunks", [1, 2, 4])

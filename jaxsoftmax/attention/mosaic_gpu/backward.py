@@ -144,6 +144,11 @@ class HopperBackwardBlockSizes:
       the next: about 35 instructions of its step (docs/kernels.md, the SASS reading),
       and every wait of the ordered adds. Only where each consumer takes the same
       number of chunks every step, or at most one (`writes_dq_by_warp`).
+    dq_staging_tiles: with the writer warp, the staging tiles of each consumer (1 or 2),
+      taken in turn: with two a consumer may stage a chunk while the writer still waits
+      to send its last one, which with ``ordered_dq_adds`` waits for the later key
+      tiles' adds. Two take 32 KiB more at block_q 64: bfloat16 at head dim 128 then
+      has 1 KiB to spare; where they do not fit, one (`staging_tiles`).
     l2_sections: the order in which the dK/dV kernel's CTAs take their (batch, K/V
       head, key tile): in sections of K/V heads whose Q, dO and float32 dQ fit
       `L2_SECTION_BYTES` (`l2_section`), the head fastest within a section, then the
@@ -164,7 +169,13 @@ class HopperBackwardBlockSizes:
   split_keys_width: int = 192 + 128  # MLA's head dims
   ordered_dq_adds: bool = False
   dq_writer_warp: bool = False
+  dq_staging_tiles: int = 1
   l2_sections: bool = False
+
+  def __post_init__(self):
+    if self.dq_staging_tiles not in (1, 2):
+      raise ValueError("HopperBackwardBlockSizes.dq_staging_tiles must be 1 or 2, got "
+                       f"{self.dq_staging_tiles!r}")
 
   def fa3_order(self, head_dim: int, value_head_dim: int) -> bool:
     """Whether the split-keys consumers take `fa3_step_order` at these padded head
@@ -210,18 +221,32 @@ class HopperBackwardBlockSizes:
     """Shared memory of the dK/dV kernel at these (padded) head dims of Q/K and of V/dO:
     K and V, the Q/dO ring with its row statistics, the dSᵀ buffers (`ds_buffers`,
     ``terms`` float16 terms each), the dQ chunks on their way out (one per consumer
-    taking dQ), and 1 KiB for barriers and alignment."""
+    taking dQ, `dq_staging_tiles` with the writer warp), and 1 KiB for barriers and
+    alignment."""
     wide = self.wide(head_dim, value_head_dim, itemsize, terms)
-    return self._smem_bytes(wide, head_dim, value_head_dim, itemsize, terms)
+    tiles = self.staging_tiles(head_dim, value_head_dim, itemsize, terms)
+    return self._smem_bytes(wide, head_dim, value_head_dim, itemsize, terms, tiles)
+
+  def staging_tiles(self, head_dim: int, value_head_dim: int, itemsize: int,
+                    terms: int) -> int:
+    """The dQ staging tiles of each consumer at these padded head dims:
+    `dq_staging_tiles` where the writer warp takes dQ (`writes_dq_by_warp`) and they fit
+    shared memory, else 1."""
+    wide = self.wide(head_dim, value_head_dim, itemsize, terms)
+    tiles = self.dq_staging_tiles
+    if tiles == 1 or not self.writes_dq_by_warp(head_dim, wide):
+      return 1
+    needed = self._smem_bytes(wide, head_dim, value_head_dim, itemsize, terms, tiles)
+    return tiles if needed <= SMEM_BYTES else 1
 
   def _smem_bytes(self, wide: bool, head_dim: int, value_head_dim: int, itemsize: int,
-                  terms: int) -> int:
+                  terms: int, staging_tiles: int = 1) -> int:
     keys = self.keys_per_tile(wide)
     kv = keys * (head_dim + value_head_dim) * itemsize
     ring = self.num_stages * (self.block_q * (head_dim + value_head_dim) * itemsize
                               + 2 * self.block_q * 4)
     ds = ds_buffers(wide, terms) * terms * keys * self.block_q * itemsize
-    dq = (1 if wide else _CONSUMERS) * self.block_q * _CHUNK * 4
+    dq = (1 if wide else _CONSUMERS * staging_tiles) * self.block_q * _CHUNK * 4
     return kv + ring + ds + dq + 1024
 
 
@@ -256,6 +281,16 @@ def staged_dq_chunks(step_index, wg, n_chunks: int):
     return [(0, dq_chunk_owner(step_index, 0) == wg)]
   first = rem32(step_index + wg, _CONSUMERS)
   return [(first + j * _CONSUMERS, None) for j in range(n_chunks // _CONSUMERS)]
+
+
+def dq_staging_tile(step_index, c, n_chunks: int, tiles: int):
+  """Which of its ``tiles`` staging tiles (`dq_staging_tiles`) the consumer that owns chunk
+  c of its step_index-th step's dQ (`dq_chunk_owner`) stages it in: its chunks take them
+  in turn, and as each consumer owns half of every even count of chunks, and every other
+  step's one chunk, this is its chunk's place in its own sequence, modulo ``tiles``."""
+  if tiles == 1:
+    return 0
+  return rem32(div32(step_index * n_chunks + c, _CONSUMERS), tiles)
 
 
 def ds_buffers(wide: bool, terms: int) -> int:
@@ -403,6 +438,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   ordered = dq_order_shape is not None
   writer = dq_staged is not None
+  staging_tiles = dq_smem.shape[0] // _CONSUMERS if writer else 1  # `staging_tiles`
   # The counters are shared by every CTA, so they come from pl.get_global: semaphores
   # among the kernel's scratch are each CTA's own (Pallas gives each block its slice),
   # and with them every wait for another tile's adds hung. Pallas zeroes them at each
@@ -460,17 +496,24 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     plgpu.copy_smem_to_gmem(staging, dq_ref.at[b, pl.ds(i * bq, bq), n, columns],
                             reduction_op="add")
 
-  def stage_dq_chunk(acc_fn, c):
-    """Chunk c of dQ, from the product ``acc_fn`` accumulates, staged in this consumer's
-    tile for the writer warp (`dq_writer`). It waits for the writer to have sent the
-    last chunk out before the product, not after it: ptxas spilled the product's 32
-    registers a thread around a wait placed between product and store."""
-    plgpu.barrier_wait(dq_free.at[wg])
+  def staging(owner, step_index, c):
+    """The staging tile, with its barriers' index, of chunk c of the step_index-th
+    step's dQ, which consumer ``owner`` stages (`dq_staging_tile`)."""
+    return owner * staging_tiles + dq_staging_tile(step_index, c, n_chunks, staging_tiles)
+
+  def stage_dq_chunk(acc_fn, step_index, c):
+    """Chunk c of the step_index-th step's dQ, from the product ``acc_fn`` accumulates,
+    staged in one of this consumer's tiles for the writer warp (`dq_writer`). It waits
+    for the writer to have sent the tile's last chunk out before the product, not after
+    it: ptxas spilled the product's 32 registers a thread around a wait placed between
+    product and store."""
+    tile = staging(wg, step_index, c)
+    plgpu.barrier_wait(dq_free.at[tile])
     dq = pl.run_scoped(functools.partial(acc_fn, columns=pl.ds(c * _CHUNK, _CHUNK)),
                        plgpu.ACC((bq, _CHUNK), jnp.float32))
-    dq_smem.at[wg][...] = dq
+    dq_smem.at[tile][...] = dq
     plgpu.commit_smem()  # visible to the writer's TMA
-    plgpu.barrier_arrive(dq_staged.at[wg])
+    plgpu.barrier_arrive(dq_staged.at[tile])
 
   def dq_writer():
     """The writer warp of `dq_writer_warp`: for each step of the walk, in the consumers'
@@ -478,8 +521,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     into the float32 dQ by a TMA reduction, and its staging tile handed back once read.
     Ordered, a step's chunks wait for the later key tiles' adds into the query block
     (`last_key_tiles`) and, once landed, count as this tile's."""
-    for c in range(_CONSUMERS):  # the staging tiles start free
-      plgpu.barrier_arrive(dq_free.at[c])
+    for tile in range(_CONSUMERS * staging_tiles):  # the staging tiles start free
+      plgpu.barrier_arrive(dq_free.at[tile])
 
     def step(i, n, step_index, s, *, masked: bool):
       del s, masked
@@ -489,13 +532,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         plgpu.semaphore_wait(dq_order.at[b, n, i], later_adds, decrement=False,
                              memory_scope="gpu")
       for c in range(n_chunks):
-        owner = dq_chunk_owner(step_index, c)
-        plgpu.barrier_wait(dq_staged.at[owner])
-        plgpu.copy_smem_to_gmem(dq_smem.at[owner],
+        tile = staging(dq_chunk_owner(step_index, c), step_index, c)
+        plgpu.barrier_wait(dq_staged.at[tile])
+        plgpu.copy_smem_to_gmem(dq_smem.at[tile],
                                 dq_ref.at[b, rows, n, pl.ds(c * _CHUNK, _CHUNK)],
                                 reduction_op="add")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.barrier_arrive(dq_free.at[owner])
+        plgpu.barrier_arrive(dq_free.at[tile])
       if ordered:
         plgpu.wait_smem_to_gmem(0)  # the adds have landed
         plgpu.semaphore_signal(dq_order.at[b, n, i], n_chunks, memory_scope="gpu")
@@ -732,9 +775,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         if writer:
           for c, staged in staged_dq_chunks(step_index, wg, n_chunks):
             if staged is None:
-              stage_dq_chunk(chunk, c)
+              stage_dq_chunk(chunk, step_index, c)
             else:
-              pl.when(staged)(lambda c=c: stage_dq_chunk(chunk, c))
+              pl.when(staged)(lambda c=c: stage_dq_chunk(chunk, step_index, c))
         else:
           for c in range(n_chunks):  # a consumer's first chunk is 0 or 1: it waits there
             pl.when(owns_chunk(step_index, c))(lambda c=c: add_dq_chunk(
@@ -978,15 +1021,18 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both done reading K and V
     )
   elif atomic_dq:
+    writer = blocks.writes_dq_by_warp(H_pad, wide)
+    tiles = _CONSUMERS * (blocks.staging_tiles(H_pad, Hv_pad, q.dtype.itemsize, terms)
+                          if writer else 1)
     scratch.update(
         ds_smem=plgpu.SMEM((2, terms, _CONSUMERS, bkv, bq), q.dtype, transforms=tiled),
-        dq_smem=plgpu.SMEM((_CONSUMERS, bq, _CHUNK), jnp.float32),  # chunks on their way out
+        dq_smem=plgpu.SMEM((tiles, bq, _CHUNK), jnp.float32),  # chunks on their way out
         ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),  # both halves of dSᵀ
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
     )
-    if blocks.writes_dq_by_warp(H_pad, wide):  # a chunk staged for the writer warp, and sent
-      scratch.update(dq_staged=plgpu.Barrier(num_barriers=_CONSUMERS),
-                     dq_free=plgpu.Barrier(num_barriers=_CONSUMERS))
+    if writer:  # a chunk staged for the writer warp, and sent
+      scratch.update(dq_staged=plgpu.Barrier(num_barriers=tiles),
+                     dq_free=plgpu.Barrier(num_barriers=tiles))
   # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
   def kv_type(width):
     if float32_grads:
