@@ -1464,10 +1464,22 @@ def test_dq_staging_tiles_taken_in_turn(n_chunks):
   # (dq_staging_tile): a tile taken twice running would wait for the chunk it holds to
   # have left, which the second tile is there to spare.
   for wg in range(2):
-    tiles = [int(mosaic_backward.dq_staging_tile(step, c, n_chunks, 2))
-             for step in range(8) for c in range(n_chunks)
-             if int(mosaic_backward.dq_chunk_owner(step, c)) == wg]
+    tiles = []
+    for step in range(8):
+      staged = [c for c, when in mosaic_backward.staged_dq_chunks(step, wg, n_chunks)
+                if when is None or bool(when)]
+      tiles += [int(mosaic_backward.dq_staging_tile(step, j, n_chunks, 2))
+                for j in range(len(staged))]
+    assert len(tiles) == 8 * n_chunks // 2, (wg, tiles)
     assert tiles == [k % 2 for k in range(len(tiles))], (wg, tiles)
+  # The writer names a chunk's tile from the chunk (the owner's (c // 2)-th): the tile
+  # its owner staged it in.
+  for step in range(8):
+    for wg in range(2):
+      for j, (c, when) in enumerate(mosaic_backward.staged_dq_chunks(step, wg, n_chunks)):
+        if when is None or bool(when):
+          assert (int(mosaic_backward.dq_staging_tile(step, int(c) // 2, n_chunks, 2))
+                  == int(mosaic_backward.dq_staging_tile(step, j, n_chunks, 2))), (step, c)
 
 
 def test_dq_staging_tiles_where_they_fit():

@@ -283,14 +283,18 @@ def staged_dq_chunks(step_index, wg, n_chunks: int):
   return [(first + j * _CONSUMERS, None) for j in range(n_chunks // _CONSUMERS)]
 
 
-def dq_staging_tile(step_index, c, n_chunks: int, tiles: int):
-  """Which of its ``tiles`` staging tiles (`dq_staging_tiles`) the consumer that owns chunk
-  c of its step_index-th step's dQ (`dq_chunk_owner`) stages it in: its chunks take them
-  in turn, and as each consumer owns half of every even count of chunks, and every other
-  step's one chunk, this is its chunk's place in its own sequence, modulo ``tiles``."""
+def dq_staging_tile(step_index, j: int, n_chunks: int, tiles: int):
+  """Which of its ``tiles`` staging tiles (`dq_staging_tiles`, 1 or 2) a consumer stages
+  its j-th chunk of its step_index-th step's dQ in (`staged_dq_chunks`' order): its
+  chunks take them in turn. Of an even count of chunks each consumer takes half every
+  step; of one chunk, the step's owner (`dq_chunk_owner`), every other step. A mask, not
+  a remainder: the step index is never negative, and it costs one instruction."""
   if tiles == 1:
     return 0
-  return rem32(div32(step_index * n_chunks + c, _CONSUMERS), tiles)
+  per_step = n_chunks // _CONSUMERS
+  sequence = step_index * per_step + j if per_step else lax.shift_right_logical(
+      step_index, 1)
+  return lax.bitwise_and(sequence, tiles - 1)
 
 
 def ds_buffers(wide: bool, terms: int) -> int:
@@ -496,18 +500,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     plgpu.copy_smem_to_gmem(staging, dq_ref.at[b, pl.ds(i * bq, bq), n, columns],
                             reduction_op="add")
 
-  def staging(owner, step_index, c):
-    """The staging tile, with its barriers' index, of chunk c of the step_index-th
-    step's dQ, which consumer ``owner`` stages (`dq_staging_tile`)."""
-    return owner * staging_tiles + dq_staging_tile(step_index, c, n_chunks, staging_tiles)
+  def staging(owner, step_index, j):
+    """The staging tile, with its barriers' index, of the j-th chunk consumer ``owner``
+    stages in its step_index-th step (`dq_staging_tile`)."""
+    if staging_tiles == 1:
+      return owner
+    return owner * staging_tiles + dq_staging_tile(step_index, j, n_chunks, staging_tiles)
 
-  def stage_dq_chunk(acc_fn, step_index, c):
-    """Chunk c of the step_index-th step's dQ, from the product ``acc_fn`` accumulates,
-    staged in one of this consumer's tiles for the writer warp (`dq_writer`). It waits
-    for the writer to have sent the tile's last chunk out before the product, not after
-    it: ptxas spilled the product's 32 registers a thread around a wait placed between
-    product and store."""
-    tile = staging(wg, step_index, c)
+  def stage_dq_chunk(acc_fn, tile, c):
+    """Chunk c of dQ, from the product ``acc_fn`` accumulates, staged in this consumer's
+    staging tile ``tile`` for the writer warp (`dq_writer`). It waits for the writer to
+    have sent the tile's last chunk out before the product, not after it: ptxas spilled
+    the product's 32 registers a thread around a wait placed between product and
+    store."""
     plgpu.barrier_wait(dq_free.at[tile])
     dq = pl.run_scoped(functools.partial(acc_fn, columns=pl.ds(c * _CHUNK, _CHUNK)),
                        plgpu.ACC((bq, _CHUNK), jnp.float32))
@@ -532,7 +537,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         plgpu.semaphore_wait(dq_order.at[b, n, i], later_adds, decrement=False,
                              memory_scope="gpu")
       for c in range(n_chunks):
-        tile = staging(dq_chunk_owner(step_index, c), step_index, c)
+        # The owner's chunks of a step are c mod 2, + 2, ...: this is its (c // 2)-th.
+        tile = staging(dq_chunk_owner(step_index, c), step_index, c // _CONSUMERS)
         plgpu.barrier_wait(dq_staged.at[tile])
         plgpu.copy_smem_to_gmem(dq_smem.at[tile],
                                 dq_ref.at[b, rows, n, pl.ds(c * _CHUNK, _CHUNK)],
@@ -773,11 +779,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           return acc[...]
 
         if writer:
-          for c, staged in staged_dq_chunks(step_index, wg, n_chunks):
+          for j, (c, staged) in enumerate(staged_dq_chunks(step_index, wg, n_chunks)):
+            tile = staging(wg, step_index, j)
             if staged is None:
-              stage_dq_chunk(chunk, step_index, c)
+              stage_dq_chunk(chunk, tile, c)
             else:
-              pl.when(staged)(lambda c=c: stage_dq_chunk(chunk, step_index, c))
+              pl.when(staged)(lambda c=c, tile=tile: stage_dq_chunk(chunk, tile, c))
         else:
           for c in range(n_chunks):  # a consumer's first chunk is 0 or 1: it waits there
             pl.when(owns_chunk(step_index, c))(lambda c=c: add_dq_chunk(
