@@ -143,12 +143,16 @@ class HopperBackwardBlockSizes:
       chunk's reduction itself and waits for the last one to have left before staging
       the next: about 35 instructions of its step (docs/kernels.md, the SASS reading),
       and every wait of the ordered adds. Only where each consumer takes the same
-      number of chunks every step, or at most one (`writes_dq_by_warp`).
+      number of chunks every step, or at most one (`writes_dq_by_warp`). On the H200 it
+      ran at 0.95x the consumers' own reductions causal and 0.99x on GQA 32/8
+      (`benchmarks/results/tuning/attention_backward_writer_h200.md`), so False.
     dq_staging_tiles: with the writer warp, the staging tiles of each consumer (1 or 2),
       taken in turn: with two a consumer may stage a chunk while the writer still waits
       to send its last one, which with ``ordered_dq_adds`` waits for the later key
       tiles' adds. Two take 32 KiB more at block_q 64: bfloat16 at head dim 128 then
-      has 1 KiB to spare; where they do not fit, one (`staging_tiles`).
+      has 1 KiB to spare; where they do not fit, one (`staging_tiles`). With the ordered
+      adds on the H200, two ran level with the dQ kernel causal and at 0.77x on GQA
+      (`attention_backward_writer_h200.md`).
     l2_sections: the order in which the dK/dV kernel's CTAs take their (batch, K/V
       head, key tile): in sections of K/V heads whose Q, dO and float32 dQ fit
       `L2_SECTION_BYTES` (`l2_section`), the head fastest within a section, then the
@@ -158,7 +162,9 @@ class HopperBackwardBlockSizes:
       at 4x4096x16x128 every key tile's CTAs then span all 16 heads of a batch row,
       64 MB of Q, dO and dQ against the 50 MB of L2. On GQA 32/8 (an earlier kernel) Nsight
       Compute read an L2 hit rate of 82% against FlashAttention-3's 91%, and 2.7x its
-      DRAM bytes (`benchmarks/results/tuning/ncu_attention_backward_gqa_*.log`).
+      DRAM bytes (`benchmarks/results/tuning/ncu_attention_backward_gqa_*.log`). Timed
+      with the writer warp on the H200: 1.00x causal and 0.97x on GQA 32/8
+      (`attention_backward_writer_h200.md`), so False.
   """
 
   block_q: int = 64
