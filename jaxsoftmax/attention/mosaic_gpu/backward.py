@@ -509,8 +509,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   def staging(owner, step_index, j):
     """The staging tile, with its barriers' index, of the j-th chunk consumer ``owner``
     stages in its step_index-th step (`dq_staging_tile`)."""
-    if staging_tiles == 1:
-      return owner
     return owner * staging_tiles + dq_staging_tile(step_index, j, n_chunks, staging_tiles)
 
   def stage_dq_chunk(acc_fn, tile, c):
