@@ -1032,16 +1032,14 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both done reading K and V
     )
   elif atomic_dq:
-    writer = blocks.writes_dq_by_warp(H_pad, wide)
-    tiles = _CONSUMERS * (blocks.staging_tiles(H_pad, Hv_pad, q.dtype.itemsize, terms)
-                          if writer else 1)
+    tiles = _CONSUMERS * blocks.staging_tiles(H_pad, Hv_pad, q.dtype.itemsize, terms)
     scratch.update(
         ds_smem=plgpu.SMEM((2, terms, _CONSUMERS, bkv, bq), q.dtype, transforms=tiled),
         dq_smem=plgpu.SMEM((tiles, bq, _CHUNK), jnp.float32),  # chunks on their way out
         ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),  # both halves of dSᵀ
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
     )
-    if writer:  # a chunk staged for the writer warp, and sent
+    if blocks.writes_dq_by_warp(H_pad, wide):  # a chunk staged for the writer warp, and sent
       scratch.update(dq_staged=plgpu.Barrier(num_barriers=tiles),
                      dq_free=plgpu.Barrier(num_barriers=tiles))
   # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
