@@ -1458,6 +1458,14 @@ def test_dq_writer_ordered_lowers_for_cuda(H, dtype, options, tiles, monkeypatch
   _lower_backward(H, Hv, dtype, options, deterministic=True)
 
 
+def _staged_chunks(step, wg, n_chunks):
+  """(j, chunk) of each chunk consumer wg stages in this step, as the kernel's loop over
+  `staged_dq_chunks` takes them: those with no predicate, or whose predicate holds."""
+  return [(j, int(c)) for j, (c, when)
+          in enumerate(mosaic_backward.staged_dq_chunks(step, wg, n_chunks))
+          if when is None or bool(when)]
+
+
 @pytest.mark.parametrize("n_chunks", [1, 2, 4])
 def test_dq_staging_tiles_taken_in_turn(n_chunks):
   # Each consumer's chunks, in the walk's order, take its two staging tiles in turn
@@ -1466,20 +1474,17 @@ def test_dq_staging_tiles_taken_in_turn(n_chunks):
   for wg in range(2):
     tiles = []
     for step in range(8):
-      staged = [c for c, when in mosaic_backward.staged_dq_chunks(step, wg, n_chunks)
-                if when is None or bool(when)]
       tiles += [int(mosaic_backward.dq_staging_tile(step, j, n_chunks, 2))
-                for j in range(len(staged))]
+                for j, _ in _staged_chunks(step, wg, n_chunks)]
     assert len(tiles) == 8 * n_chunks // 2, (wg, tiles)
     assert tiles == [k % 2 for k in range(len(tiles))], (wg, tiles)
   # The writer names a chunk's tile from the chunk (the owner's (c // 2)-th): the tile
   # its owner staged it in.
   for step in range(8):
     for wg in range(2):
-      for j, (c, when) in enumerate(mosaic_backward.staged_dq_chunks(step, wg, n_chunks)):
-        if when is None or bool(when):
-          assert (int(mosaic_backward.dq_staging_tile(step, int(c) // 2, n_chunks, 2))
-                  == int(mosaic_backward.dq_staging_tile(step, j, n_chunks, 2))), (step, c)
+      for j, c in _staged_chunks(step, wg, n_chunks):
+        assert (int(mosaic_backward.dq_staging_tile(step, c // 2, n_chunks, 2))
+                == int(mosaic_backward.dq_staging_tile(step, j, n_chunks, 2))), (step, c)
 
 
 def test_dq_staging_tiles_where_they_fit():
@@ -1501,8 +1506,7 @@ def test_staged_dq_chunks_are_those_the_writer_waits_for(n_chunks):
   # kernel. Each step, each consumer stages exactly the chunks it owns.
   for step in range(6):
     for wg in range(2):
-      staged = {int(c) for c, when in mosaic_backward.staged_dq_chunks(step, wg, n_chunks)
-                if when is None or bool(when)}
+      staged = {c for _, c in _staged_chunks(step, wg, n_chunks)}
       owned = {c for c in range(n_chunks) if int(mosaic_backward.dq_chunk_owner(step, c)) == wg}
       assert staged == owned, (step, wg)
 
