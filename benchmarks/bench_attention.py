@@ -25,12 +25,15 @@ fit the device's time.
 
 A peer that is absent (FA3 and tokamax travel as wheels in .peers, see run_gpu.sh) or fails on
 a shape gets a row saying so, never a crash. The table ends with each shape's ratio of
-ours to the fastest peer whose errors are finite (`vs_best_peer`).
+ours to the fastest peer whose errors are finite (`vs_best_peer`). ATTN_ROWS
+(comma-separated row names, e.g. "jaxsoftmax mosaic_gpu,cudnn,fa3") keeps only those rows,
+in both dtypes, so that every target row fits one command on the GPU machine.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import jax
@@ -138,6 +141,12 @@ def float16_implementations(N: int, K: int, H: int, causal: bool, Hv: int):
           "cudnn": impls["cudnn"]}
 
 
+def kept(impls: dict) -> dict:
+  """The rows of ``impls`` that ATTN_ROWS names (all where it is unset)."""
+  keep = set(filter(None, os.environ.get("ATTN_ROWS", "").split(",")))
+  return {name: impl for name, impl in impls.items() if not keep or name in keep}
+
+
 def fwd_bwd(attention):
   """q, k, v, dO -> (dq, dk, dv): the forward and the backward, as a training step runs."""
   def run(q, k, v, do):
@@ -183,9 +192,9 @@ def bench_shape(report: harness.Report, case, dtype):
   B, T, N, K, H, causal, Hv = dims(case)
   part_q, part_kv, compare_bwd, ref = truth_slices(case)
 
-  runs = [(dtype, implementations(N, K, H, causal), report.modes)]
+  runs = [(dtype, kept(implementations(N, K, H, causal)), report.modes)]
   if "fwd" in report.modes:
-    runs.append((jnp.float16, float16_implementations(N, K, H, causal, Hv), ("fwd",)))
+    runs.append((jnp.float16, kept(float16_implementations(N, K, H, causal, Hv)), ("fwd",)))
   for run_dtype, impls, modes in runs:
     if not impls:
       continue
@@ -249,8 +258,8 @@ def vs_best_peer(rows) -> str:
 def _rows(case, dtype, modes):
   # bench_shape's rows: each implementation in each mode, and float16's in the forward.
   _, _, N, K, H, causal, Hv = dims(case)
-  return (len(implementations(N, K, H, causal)) * len(modes)
-          + len(float16_implementations(N, K, H, causal, Hv)) * ("fwd" in modes))
+  return (len(kept(implementations(N, K, H, causal))) * len(modes)
+          + len(kept(float16_implementations(N, K, H, causal, Hv))) * ("fwd" in modes))
 
 
 if __name__ == "__main__":

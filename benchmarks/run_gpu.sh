@@ -23,7 +23,8 @@
 #   attn-tune-hopper        tune_attention_hopper.py: the Mosaic GPU forward's tiles
 #                           (TUNE_ONLY picks shapes)
 #   attn-bench              bench_attention.py (ATTN_ONLY="0,1" picks shapes, ATTN_NAME
-#                           names the results, ATTN_MODES="fwd" measures the forward alone)
+#                           names the results, ATTN_MODES="fwd" measures the forward alone,
+#                           ATTN_ROWS="jaxsoftmax mosaic_gpu,cudnn" keeps only those rows)
 #   attn-bench-bwd          bench_attention_backward.py: the backwards alone (ATTN_ONLY;
 #                           HOPPER_BWD_SCHEDULES adds rows of the Hopper backward's
 #                           schedules, e.g. "stale,fa3,wide,stale+det"; BWD_ROWS keeps
