@@ -24,7 +24,9 @@
 #                           (TUNE_ONLY picks shapes)
 #   attn-bench              bench_attention.py (ATTN_ONLY="0,1" picks shapes, ATTN_NAME
 #                           names the results, ATTN_MODES="fwd" measures the forward alone,
-#                           ATTN_ROWS="jaxsoftmax mosaic_gpu,cudnn" keeps only those rows)
+#                           ATTN_ROWS="jaxsoftmax mosaic_gpu,cudnn" keeps only those rows;
+#                           ATTN_TIMEOUT, default 540 s, bounds it: its tables are
+#                           written row by row)
 #   attn-bench-bwd          bench_attention_backward.py: the backwards alone (ATTN_ONLY;
 #                           HOPPER_BWD_SCHEDULES adds rows of the Hopper backward's
 #                           schedules, e.g. "stale,fa3,wide,stale+det"; BWD_ROWS keeps
@@ -192,7 +194,7 @@ for stage in $stages; do
         ${TUNE_ONLY:+--only "$TUNE_ONLY"} 2>&1 \
         | tee "$out/attn_tune_hopper.log" | tail -n 3 | tee -a "$out/summary.log" ;;
     attn-bench)
-      timeout 540 $python benchmarks/bench_attention.py --out "$out" \
+      timeout ${ATTN_TIMEOUT:-540} $python benchmarks/bench_attention.py --out "$out" \
         ${ATTN_ONLY:+--only "$ATTN_ONLY"} --name "${ATTN_NAME:-attention}" \
         --modes "${ATTN_MODES:-fwd,fwd+bwd}" 2>&1 \
         | tee -a "$out/attn_bench.log" | tail -n 2 | tee -a "$out/summary.log" ;;
