@@ -529,18 +529,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     order, each chunk of dQ staged by the consumer that owns it (`dq_chunk_owner`) is added
     into the float32 dQ by a TMA reduction, and its staging tile handed back once read.
     Ordered, a step's chunks wait for the later key tiles' adds into the query block
-    (`last_key_tiles`), and count as this tile's once landed: a step late, once the next
-    step's adds are on their way. Waiting for them to land within their own step left
-    the consumers waiting for a free staging tile 17% of the time (Nsight Compute's stall
-    samples on an H100, 2026-12-06, docs/kernels.md)."""
+    (`last_key_tiles`) and, once landed, count as this tile's."""
     for tile in range(_CONSUMERS * staging_tiles):  # the staging tiles start free
       plgpu.barrier_arrive(dq_free.at[tile])
-
-    def count_adds(i, n, in_flight):
-      """Counts a step's adds into query block i of head n once no more than
-      ``in_flight`` adds (those of the steps after it) are still on their way."""
-      plgpu.wait_smem_to_gmem(in_flight)
-      plgpu.semaphore_signal(dq_order.at[b, n, i], n_chunks, memory_scope="gpu")
 
     def step(i, n, step_index, s, *, masked: bool):
       del s, masked
@@ -558,13 +549,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
                                 reduction_op="add")
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         plgpu.barrier_arrive(dq_free.at[tile])
-      if ordered:  # the step before's adds, with this step's n_chunks still in flight
-        pl.when(step_index > 0)(lambda: count_adds(*previous_step(i, n), n_chunks))
+      if ordered:
+        plgpu.wait_smem_to_gmem(0)  # the adds have landed
+        plgpu.semaphore_signal(dq_order.at[b, n, i], n_chunks, memory_scope="gpu")
 
     walk_steps(step)
-    if ordered:
-      pl.when(group * blocks_per_head > 0)(
-          lambda: count_adds(hi - 1, kv_head * group + group - 1, 0))
     plgpu.wait_smem_to_gmem(0)  # the last adds have landed before the CTA ends
 
   def owns_chunk(step_index, c):
@@ -593,16 +582,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       pl.when(first)(lambda: signal(n_chunks // 2 + 1))
       pl.when(jnp.logical_not(first))(lambda: signal(n_chunks // 2))
 
-  def previous_step(i, n):
-    """(query block, head) of the step before that of query block i of head n: block
-    i - 1 of the head, or the last block of the head before (selects, where division
-    would cost registers ptxas then spills)."""
-    first = i == lo
-    return jnp.where(first, hi - 1, i - 1), jnp.where(first, n - 1, n)
-
   def signal_previous_dq_adds(i, n, step_index):
-    """`signal_dq_adds` of the step before that of query block i of head n."""
-    pl.when(step_index > 0)(lambda: signal_dq_adds(*previous_step(i, n), step_index - 1))
+    """`signal_dq_adds` of the step before that of query block i of head n: block i - 1
+    of the head, or the last block of the head before (selects, where division would
+    cost registers ptxas then spills)."""
+    first = i == lo
+    pl.when(step_index > 0)(lambda: signal_dq_adds(
+        jnp.where(first, hi - 1, i - 1), jnp.where(first, n - 1, n), step_index - 1))
 
   def signal_last_dq_adds():
     """`signal_dq_adds` of the CTA's last step, once the walk is done."""
