@@ -40,7 +40,8 @@
 #   attn-planes             plane_tile_stages.py: the Triton forward's stages with a mask
 #                           or bias tile, plain and at tiles that keep them (ATTN_ONLY)
 #   attn-ncu                Nsight Compute counters of one forward (NCU_SOURCE=1 adds the
-#                           per-instruction stall samples on the SASS)
+#                           per-instruction stall samples on the SASS, summed up by
+#                           ncu_stalls.py)
 #   attn-resources          ptxas' registers and spills of the Mosaic GPU kernels
 #                           (PROFILE_SHAPES picks shapes)
 #   example                 the transformer example at GPU size, with its profiler trace
@@ -141,6 +142,10 @@ counters() {
     ncu --import "${log%.log}.ncu-rep" --page source --print-source sass --csv \
       > "${log%.log}.sass.log" 2>&1
     rm -f "${log%.log}.ncu-rep"
+    # Where the warps wait, by reason and by instruction (the SASS table is too large to
+    # come back from the machine alone).
+    $python benchmarks/ncu_stalls.py "${log%.log}.sass.log" > "${log%.log}.stalls.log" 2>&1
+    sed -n '3,5p' "${log%.log}.stalls.log" | sed "s/^/$label: /" | tee -a "$out/summary.log"
   fi
   grep -E "^  [a-z_]|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Issued Ipc|No Eligible|Stall|Tensor|Local|Achieved Occupancy" \
     "$log" | head -n 30 | sed "s/^/$label: /" | tee -a "$out/summary.log"

@@ -275,6 +275,45 @@ def test_kernel_timeline_helpers():
   assert harness.device_kernels({"/host:CPU": {}}) == []
 
 
+def _benchmark_module(name):
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    return __import__(name)
+  finally:
+    sys.path.pop(0)
+
+
+def test_attn_rows_keeps_the_named_rows(monkeypatch):
+  bench_attention = _benchmark_module("bench_attention")
+  impls = {"jaxsoftmax mosaic_gpu": 1, "cudnn": 2, "fa3": 3}
+  monkeypatch.setenv("ATTN_ROWS", "jaxsoftmax mosaic_gpu,fa3")
+  assert bench_attention.kept(impls) == {"jaxsoftmax mosaic_gpu": 1, "fa3": 3}
+  monkeypatch.delenv("ATTN_ROWS")
+  assert bench_attention.kept(impls) == impls
+
+
+def test_ncu_stalls_reads_a_source_table(tmp_path):
+  # A loop body of two instructions run 1000 times, a barrier's retry loop of one run
+  # 1500 times, and a prologue run once: the step count is the body's, and its shares are
+  # the body's samples alone.
+  header = ["Address", "Source", "Warp Stall Sampling (All Samples)",
+            "Instructions Executed", "stall_barrier", "stall_long_sb",
+            "stall_long_sb (Not Issued)"]
+  rows = [["0x0", "  MOV R1, R2", "1", "1", "0", "1", "0"],
+          ["0x10", "  HGMMA.64x64x16 R0, gdesc[UR4], R0", "30", "1000", "30", "0", "0"],
+          ["0x20", "  FADD R3, R3, R4", "10", "1000", "0", "10", "0"],
+          ["0x30", "  @!P0 BRA 0x30", "60", "1500", "0", "60", "0"]]
+  path = tmp_path / "k.sass.log"
+  path.write_text('"Kernel Name","k",\n' + "\n".join(
+      ",".join(f'"{x}"' for x in r) for r in [header, *rows]) + "\n")
+  out = _run("benchmarks/ncu_stalls.py", str(path), "--top", "2").stdout
+  assert "step count 1 K (warp-steps); the per-step code: 2 instructions, 40% of the " \
+      "samples, 2 executed a warp-step" in out
+  assert "per-step code: barrier 75.0%, long_sb 25.0%" in out
+  assert "whole kernel: long_sb 70.3%, barrier 29.7%" in out
+  assert out.splitlines()[-2].split()[:2] == ["3", "59.4%"]  # the retry loop first
+
+
 def test_tune_linear_cross_entropy_smoke(tmp_path):
   rows = _smoke_rows(tmp_path, "tune_linear_cross_entropy", "tune_linear_cross_entropy")
   # XLA's product alone, then each tiling of the forward, right against float64.

@@ -152,7 +152,8 @@ class HopperBackwardBlockSizes:
       tiles' adds. Two take 32 KiB more at block_q 64: bfloat16 at head dim 128 then
       has 1 KiB to spare; where they do not fit, one (`staging_tiles`). With the ordered
       adds on the H200, two ran level with the dQ kernel causal and at 0.77x on GQA
-      (`attention_backward_writer_h200.md`).
+      (`attention_backward_writer_h200.md`); without them, on an H100, level with one
+      tile (`attention_backward_writer_h100.md`).
     l2_sections: the order in which the dK/dV kernel's CTAs take their (batch, K/V
       head, key tile): in sections of K/V heads whose Q, dO and float32 dQ fit
       `L2_SECTION_BYTES` (`l2_section`), the head fastest within a section, then the
@@ -164,7 +165,8 @@ class HopperBackwardBlockSizes:
       Compute read an L2 hit rate of 82% against FlashAttention-3's 91%, and 2.7x its
       DRAM bytes (`benchmarks/results/tuning/ncu_attention_backward_gqa_*.log`). Timed
       with the writer warp on the H200: 1.00x causal and 0.97x on GQA 32/8
-      (`attention_backward_writer_h200.md`), so False.
+      (`attention_backward_writer_h200.md`); without it on an H100, 1.00x and 0.92x
+      (`attention_backward_writer_h100.md`), so False.
   """
 
   block_q: int = 64
