@@ -22,6 +22,15 @@ def _run(*args, cwd=ROOT):
                         capture_output=True, text=True, timeout=600)
 
 
+def _benchmark_module(name: str):
+  """A module of benchmarks/, imported as the scripts import each other."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    return __import__(name)
+  finally:
+    sys.path.pop(0)
+
+
 def _smoke_rows(tmp_path, script: str, name: str, *args) -> list:
   """The rows a benchmark script's --smoke run writes to tmp_path/name.json."""
   pytest.importorskip("matplotlib")  # the reports' plots; in the "test" extra
@@ -241,11 +250,7 @@ def test_pullbacks_apply_each_sets_own_residuals():
   import numpy as np
 
   import jaxsoftmax as js
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  try:
-    import harness
-  finally:
-    sys.path.pop(0)
+  harness = _benchmark_module("harness")
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
   xs = [jax.random.normal(k, (3, 40)) for k in keys[:2]]
   dys = [jax.random.normal(k, (3, 40)) for k in keys[2:]]
@@ -259,11 +264,7 @@ def test_pullbacks_apply_each_sets_own_residuals():
 
 def test_kernel_timeline_helpers():
   # Two calls of two kernels each: a (2 us) then b (1 us), the second call 6 us later.
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  try:
-    import harness
-  finally:
-    sys.path.pop(0)
+  harness = _benchmark_module("harness")
   planes = {"/host:CPU": {"python": [("a", 0.0, 99.0)]},
             "/device:GPU:0": {"Stream #1": [("a", 10.0, 2.0), ("b", 12.0, 1.0)],
                               "Stream #2": [("a", 0.0, 2.0), ("b", 3.0, 1.0)],
@@ -273,14 +274,6 @@ def test_kernel_timeline_helpers():
   assert harness.kernel_groups(kernels, 2) == [("a", 1, 2.0), ("b", 1, 1.0)]
   assert harness.span_and_gaps(kernels, 2) == (6.5, [6.0, 1.0])
   assert harness.device_kernels({"/host:CPU": {}}) == []
-
-
-def _benchmark_module(name):
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  try:
-    return __import__(name)
-  finally:
-    sys.path.pop(0)
 
 
 def test_attn_rows_keeps_the_named_rows(monkeypatch):
