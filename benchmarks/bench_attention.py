@@ -141,10 +141,11 @@ def float16_implementations(N: int, K: int, H: int, causal: bool, Hv: int):
           "cudnn": impls["cudnn"]}
 
 
-def kept(impls: dict) -> dict:
-  """The rows of ``impls`` that ATTN_ROWS names (all where it is unset)."""
-  keep = set(filter(None, os.environ.get("ATTN_ROWS", "").split(",")))
-  return {name: impl for name, impl in impls.items() if not keep or name in keep}
+def kept(rows: dict, variable: str = "ATTN_ROWS") -> dict:
+  """The entries of ``rows`` (by row name) that the comma-separated environment variable
+  ``variable`` names; all of them where it is unset."""
+  keep = set(filter(None, os.environ.get(variable, "").split(",")))
+  return {name: row for name, row in rows.items() if not keep or name in keep}
 
 
 def fwd_bwd(attention):

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 
 import harness
 from bench_attention import (MLA_SHAPES, MORE_TARGET_SHAPES, OURS, TARGET_SHAPES,
-                             case_inputs, dims, fwd_bwd, implementations, truth_slices,
-                             vs_best_peer)
+                             case_inputs, dims, fwd_bwd, implementations, kept,
+                             truth_slices, vs_best_peer)
 import jaxsoftmax as js
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 
@@ -105,8 +105,8 @@ def bench_shape(report: harness.Report, case, dtype):
   (q, k, v, do), common, flops = case_inputs(case, dtype)
   truth = harness.float64_truth(fwd_bwd(ref), part_q(q), part_kv(k), part_kv(v), part_q(do))
   impls = implementations(N, K, H, causal)
-  keep = set(filter(None, os.environ.get("BWD_ROWS", "").split(",")))
-  rows = [(name, name, None) for name in (*OUR_ROWS, *PEERS) if not keep or name in keep]
+  rows = [(name, name, None)
+          for name in kept(dict.fromkeys((*OUR_ROWS, *PEERS)), "BWD_ROWS")]
   for suffix, (blocks, deterministic) in schedules().items():
     name = f"{OURS} mosaic_gpu" + " deterministic" * deterministic
     rows.append((name, f"{OURS} mosaic_gpu {suffix}", blocks))

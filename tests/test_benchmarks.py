@@ -283,6 +283,8 @@ def test_attn_rows_keeps_the_named_rows(monkeypatch):
   assert bench_attention.kept(impls) == {"jaxsoftmax mosaic_gpu": 1, "fa3": 3}
   monkeypatch.delenv("ATTN_ROWS")
   assert bench_attention.kept(impls) == impls
+  monkeypatch.setenv("BWD_ROWS", "cudnn")  # bench_attention_backward's rows
+  assert bench_attention.kept(impls, "BWD_ROWS") == {"cudnn": 2}
 
 
 def test_ncu_stalls_reads_a_source_table(tmp_path):
