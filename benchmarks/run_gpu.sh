@@ -7,7 +7,7 @@
 #
 # Stages (each bounded by a timeout, so that one hung stage still leaves the others'
 # results; everything is also packed into $OUT/run.tgz, since only a few files come back
-# from the machine):
+# from the machine; PACK_ONLY=1 leaves only that archive and summary.log under $OUT):
 #   tests, tune, bench      pytest -m gpu; tune_rows.py; bench_softmax.py (ROWS_ONLY picks
 #                           shapes, ROWS_NAME names the results, ROWS_MODES="fwd,fwd+bwd,bwd"
 #                           adds the backward alone) and
@@ -94,10 +94,13 @@ for stage in $stages; do
   esac
 done
 # Only a few files come back from the machine: the logs and results go to $OUT/run and
-# come back packed in $OUT/run.tgz, with the one-line-per-stage summary beside it.
+# come back packed in $OUT/run.tgz, with the one-line-per-stage summary beside it. The
+# device tool brings back the first 8 files it finds under its $OUT, so that with two
+# runs' folders under it the second's archive may stay behind: PACK_ONLY=1 writes the
+# logs outside $OUT, leaving run.tgz and summary.log alone there.
 top=${OUT:-benchmarks/results/run}
-out=$top/run
-mkdir -p "$out"
+if [ "${PACK_ONLY:-0}" = 1 ]; then out=$(mktemp -d); else out=$top/run; fi
+mkdir -p "$top" "$out"
 python=${PYTHON:-python3}
 export PYTHONPATH=$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1

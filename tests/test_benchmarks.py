@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 
 import jax
 import pytest
@@ -316,6 +317,23 @@ def test_tune_linear_cross_entropy_smoke(tmp_path):
   tiles = rows[1:]
   assert len(tiles) == 2 and all(r["median_us"] > 0 and r["max_rel_err"] < 1e-4
                                  for r in tiles)
+
+
+def test_run_gpu_pack_only_leaves_the_archive_alone(tmp_path):
+  # PACK_ONLY=1: under $OUT only run.tgz and summary.log, the stage's log inside the
+  # archive (a pytest stage, which runs anywhere).
+  script = os.path.join(ROOT, "benchmarks", "run_gpu.sh")
+  env = dict(os.environ, STAGES="pytest", OUT=str(tmp_path), PACK_ONLY="1",
+             PYTEST_ARGS="tests/test_benchmarks.py -k kernel_timeline -p no:xdist",
+             PYTHON=sys.executable)
+  subprocess.run(["bash", script], capture_output=True, text=True, env=env, cwd=ROOT,
+                 check=True, timeout=300)
+  assert sorted(os.listdir(tmp_path)) == ["run.tgz", "summary.log"]
+  with tarfile.open(tmp_path / "run.tgz") as archive:
+    names = {os.path.basename(n) for n in archive.getnames()}
+  assert {"env.log", "pytest.log", "summary.log"} <= names
+  with open(tmp_path / "summary.log") as f:
+    assert "1 passed" in f.read()
 
 
 def test_run_gpu_lists_and_checks_its_stages(tmp_path):
