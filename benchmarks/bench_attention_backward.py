@@ -61,7 +61,8 @@ SCHEDULE_FLAGS = {"stale": ("fresh_tile_addresses", False),
                   "wide": ("split_keys_width", 2 * mosaic_backward.SPLIT_KEYS_HEAD_DIM),
                   "ordered": ("ordered_dq_adds", True),
                   "writer": ("dq_writer_warp", True), "nowriter": ("dq_writer_warp", False),
-                  "stage2": ("dq_staging_tiles", 2), "l2": ("l2_sections", True)}
+                  "stage2": ("dq_staging_tiles", 2), "l2": ("l2_sections", True),
+                  "late": ("late_dq", True)}
 
 
 def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes, bool]:

@@ -1225,14 +1225,16 @@ def test_hopper_block_sizes_gpu(key, blocks):
 # as the HOPPER_BWD_SCHEDULES rows of benchmarks/bench_attention_backward.py time them:
 # the tile addresses as LLVM hoists them (the default before the sweep),
 # FlashAttention-3's step order at head dims up to 128, dQ sent by a writer warp (from
-# one staging tile per consumer, or two), and the CTAs taking their tiles in sections of
-# heads that fit L2.
+# one staging tile per consumer, or two), the CTAs taking their tiles in sections of
+# heads that fit L2, and each step's dQ chunk computed in the next step (which only the
+# cases without a causal mask or window take).
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
     "fa3-order": dict(fa3_step_order=True),
     "dq-writer": dict(dq_writer_warp=True),
     "dq-writer-2-tiles": dict(dq_writer_warp=True, dq_staging_tiles=2),
     "l2-sections": dict(l2_sections=True),
+    "late-dq": dict(late_dq=True),
 }
 
 
@@ -1433,6 +1435,9 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_
     pytest.param("fa3-order", 64, jnp.float16,
                  dict(has_segments=True, window_left=100, window_right=20),
                  id="fa3-order-segments-window-H64-float16"),
+    pytest.param("late-dq", 128, jnp.bfloat16, {}, id="late-dq-H128"),
+    pytest.param("late-dq", 96, jnp.float16, dict(has_segments=True),
+                 id="late-dq-segments-H96-float16"),
 ])
 def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, monkeypatch):
   # The schedules test_hopper_backward_schedules_gpu runs, lowered on any machine.
@@ -1509,6 +1514,23 @@ def test_staged_dq_chunks_are_those_the_writer_waits_for(n_chunks):
       staged = {c for _, c in _staged_chunks(step, wg, n_chunks)}
       owned = {c for c in range(n_chunks) if int(mosaic_backward.dq_chunk_owner(step, c)) == wg}
       assert staged == owned, (step, wg)
+
+
+def test_late_dq_applies_where_it_compiles_without_spills():
+  # late_dq: the split-keys design at head dim 128 with the consumers' own reductions,
+  # without a causal mask or window (where ptxas spilled an accumulator, offline); every
+  # other call keeps the default's order.
+  late = dataclasses.replace(mosaic_backward.BLOCKS, late_dq=True)
+  assert late.takes_late_dq(128, 128, False, False, False)
+  assert not mosaic_backward.BLOCKS.takes_late_dq(128, 128, False, False, False)
+  assert not late.takes_late_dq(128, 128, False, False, True)  # causal or a window
+  assert not late.takes_late_dq(128, 128, False, True, False)  # ordered adds
+  assert not late.takes_late_dq(64, 64, False, False, False)  # one chunk a step
+  assert not late.takes_late_dq(256, 256, True, False, False)  # the wide design
+  assert not dataclasses.replace(late, dq_writer_warp=True).takes_late_dq(
+      128, 128, False, False, False)
+  assert not dataclasses.replace(late, fa3_step_order=True).takes_late_dq(
+      128, 128, False, False, False)
 
 
 def test_l2_section_fits_the_budget():

@@ -167,6 +167,19 @@ class HopperBackwardBlockSizes:
       with the writer warp on the H200: 1.00x causal and 0.97x on GQA 32/8
       (`attention_backward_writer_h200.md`); without it on an H100, 1.00x and 0.92x
       (`attention_backward_writer_h100.md`), so False.
+    late_dq: in the split-keys design with the consumers' own dQ reductions, at head dim
+      128 (one chunk each a step), without a causal mask or a window
+      (`takes_late_dq`), each consumer computes its chunk of a step's dQ in the next
+      step, issued right after that step's Sᵀ, so that the tensor cores run it while
+      the consumer waits for Sᵀ and computes Pᵀ, and the consumers meet at the exchange
+      of dSᵀ a step after writing it rather than at once. Otherwise a step issues Sᵀ
+      and waits for it with nothing else queued: on an H100 our consumers spent 24% of
+      their stall samples waiting on wgmma results against 13.5% in FlashAttention-3's
+      (the first wait of a step, on Sᵀ, 5% of all samples, causal;
+      `benchmarks/results/tuning/ncu_attention_backward_causal_*_h100.stalls.log`).
+      Offline, ptxas spills nothing without a mask (8 and 12 bytes with ragged
+      lengths, GQA 32/8 ragged) but 132 causal, where it also serializes the wgmma
+      (docs/kernels.md). Not yet timed, so False.
   """
 
   block_q: int = 64
@@ -179,6 +192,7 @@ class HopperBackwardBlockSizes:
   dq_writer_warp: bool = False
   dq_staging_tiles: int = 1
   l2_sections: bool = False
+  late_dq: bool = False
 
   def __post_init__(self):
     if self.dq_staging_tiles not in (1, 2):
@@ -203,6 +217,19 @@ class HopperBackwardBlockSizes:
     n_chunks = head_dim // _CHUNK
     return (self.dq_writer_warp and not wide
             and (n_chunks % _CONSUMERS == 0 or n_chunks == 1))
+
+  def takes_late_dq(self, head_dim: int, value_head_dim: int, wide: bool, ordered: bool,
+                    banded: bool) -> bool:
+    """Whether `late_dq` applies at these padded head dims: in the split-keys design in
+    its own step order (not `fa3_order`), with the consumers' own reductions (neither
+    ordered adds nor the writer warp), where each consumer takes one chunk of dQ a step
+    (head dim 128), so that its chunk's columns are computed at run time with no
+    branch around the product, and not ``banded`` (a causal mask or a window), where
+    ptxas spilled half of dK's or dV's accumulator in every step (offline)."""
+    return (self.late_dq and not wide and not ordered and not banded
+            and head_dim // _CHUNK == _CONSUMERS
+            and not self.writes_dq_by_warp(head_dim, wide)
+            and not self.fa3_order(head_dim, value_head_dim))
 
   def keys_per_tile(self, wide: bool) -> int:
     """Keys per CTA: each consumer's own block_kv, or one block_kv shared by both in the
@@ -495,17 +522,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     ``acc_fn`` accumulates, added into the float32 dQ by TMA through ``staging``; where
     ``ordered``, after every chunk of the later key tiles (`signal_dq_adds`), which it
     waits for unless ``wait`` is False (a chunk of the block has waited already)."""
-    columns = pl.ds(c * _CHUNK, _CHUNK)
-    dq = pl.run_scoped(functools.partial(acc_fn, columns=columns),
+    dq = pl.run_scoped(functools.partial(acc_fn, columns=pl.ds(c * _CHUNK, _CHUNK)),
                        plgpu.ACC((bq, _CHUNK), jnp.float32))
+    send_dq_chunk(dq, staging, i, n, c, wait=ordered and wait)
+
+  def send_dq_chunk(dq, staging, i, n, c, wait=False):
+    """Adds ``dq``, chunk c of query block i of head n's dQ, into the float32 dQ by TMA
+    through ``staging``; with ``wait`` (the ordered adds), after every chunk of the
+    later key tiles."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk has left
     staging[...] = dq
     plgpu.commit_smem()
-    if ordered and wait:  # the tiles after this one that add into block i are done
+    if wait:  # the tiles after this one that add into block i are done
       later_adds = jnp.maximum(last_ref[b, i] - key_tile, 0) * n_chunks
       plgpu.semaphore_wait(dq_order.at[b, n, i], later_adds, decrement=False,
                            memory_scope="gpu")
-    plgpu.copy_smem_to_gmem(staging, dq_ref.at[b, pl.ds(i * bq, bq), n, columns],
+    plgpu.copy_smem_to_gmem(staging, dq_ref.at[b, pl.ds(i * bq, bq), n,
+                                                pl.ds(c * _CHUNK, _CHUNK)],
                             reduction_op="add")
 
   def staging(owner, step_index, j):
@@ -584,19 +617,26 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       pl.when(first)(lambda: signal(n_chunks // 2 + 1))
       pl.when(jnp.logical_not(first))(lambda: signal(n_chunks // 2))
 
-  def signal_previous_dq_adds(i, n, step_index):
-    """`signal_dq_adds` of the step before that of query block i of head n: block i - 1
-    of the head, or the last block of the head before (selects, where division would
-    cost registers ptxas then spills)."""
+  def previous_step(i, n):
+    """(query block, head) of the step before that of query block i of head n: block
+    i - 1 of the head, or the last block of the head before (selects, where division
+    would cost registers ptxas then spills)."""
     first = i == lo
-    pl.when(step_index > 0)(lambda: signal_dq_adds(
-        jnp.where(first, hi - 1, i - 1), jnp.where(first, n - 1, n), step_index - 1))
+    return jnp.where(first, hi - 1, i - 1), jnp.where(first, n - 1, n)
+
+  def signal_previous_dq_adds(i, n, step_index):
+    """`signal_dq_adds` of the step before that of query block i of head n."""
+    pl.when(step_index > 0)(lambda: signal_dq_adds(*previous_step(i, n), step_index - 1))
+
+  def last_step():
+    """(query block, head) of the CTA's last step: the last block of the group's last
+    head."""
+    return hi - 1, kv_head * group + group - 1
 
   def signal_last_dq_adds():
     """`signal_dq_adds` of the CTA's last step, once the walk is done."""
     steps = group * blocks_per_head
-    pl.when(steps > 0)(lambda: signal_dq_adds(hi - 1, kv_head * group + group - 1,
-                                              steps - 1))
+    pl.when(steps > 0)(lambda: signal_dq_adds(*last_step(), steps - 1))
 
   def leave(grad, tile, grad_ref, keys):
     """Sends a consumer's gradient of the CTA's ``keys`` out: from registers in float32,
@@ -717,6 +757,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     shape = (bkv, bq)
     k_seg = _key_segments(kv_seg_ref, b, key0, shape)
     fa3_order = blocks.fa3_order(head_dim, value_dim)
+    banded = spec.is_causal or spec.window_left is not None or spec.window_right is not None
+    late = atomic_dq and blocks.takes_late_dq(head_dim, value_dim, False, ordered, banded)
     plgpu.barrier_wait(kv_loaded)
 
     def compute(dk_acc, dv_acc):
@@ -745,7 +787,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           plgpu.wgmma(dv_acc, p16, do_tile)
         else:
           plgpu.barrier_wait(q_loaded.at[s])
-          p, tanh = _probabilities(k_own, q_tile, lse2_ring.at[s], logits, mask)
+          if late:
+            p, tanh = probabilities_beside_last_dq(i, n, step_index, s, k_own, mask)
+          else:
+            p, tanh = _probabilities(k_own, q_tile, lse2_ring.at[s], logits, mask)
           plgpu.barrier_wait(do_loaded.at[s])
 
           def value_grads(acc):
@@ -757,10 +802,70 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           ds_terms = _score_grad_operands(p, dp, tanh, delta_ring.at[s], q_tile.dtype)
         for term in ds_terms:
           plgpu.wgmma(dk_acc, term, q_tile)
-        if atomic_dq:
+        if late:
+          hand_over_ds(step_index, ds_terms)
+        elif atomic_dq:
           query_grads(i, n, step_index, ds_terms, own)
         plgpu.wgmma_wait(0)  # dK's product has read Q
         plgpu.barrier_arrive(slot_free.at[s])
+
+      def hand_over_ds(step_index, ds_terms):
+        """This consumer's half of the step's dSᵀ, into shared memory for both
+        consumers' dQ products of the next step (`late_dq`)."""
+        buf = rem32(step_index, 2)
+        for t, term in enumerate(ds_terms):
+          ds_smem.at[buf, t, wg][...] = term
+        plgpu.commit_smem()  # dSᵀ visible to both consumers' products
+        plgpu.barrier_arrive(ds_ready.at[buf])
+
+      def last_dq_product(step_index, acc):
+        """Issues this consumer's chunk of the dQ of its step before step_index (`late_dq`)
+        into ``acc``, once both halves of that step's dSᵀ are in shared memory, and
+        returns the chunk's index. In the first step there is no step before: the product
+        reads whatever the buffer holds, and nothing sends it."""
+        buf = rem32(step_index + 1, 2)  # that of step_index - 1, never negative
+        pl.when(step_index > 0)(lambda: plgpu.barrier_wait(ds_ready.at[buf]))
+        c = rem32(step_index + 1 + wg, _CONSUMERS)  # `staged_dq_chunks` of the step before
+        columns = pl.ds(c * _CHUNK, _CHUNK)
+        own = key_block(wg)
+        halves = (own, 1 - own) if blocks.fresh_tile_addresses else range(_CONSUMERS)
+        for t in range(ds_smem.shape[1]):
+          for half in halves:  # both consumers' keys
+            plgpu.wgmma(acc, ds_smem.at[buf, t, half].T, k_smem.at[half, :, columns])
+        return c
+
+      def probabilities_beside_last_dq(i, n, step_index, s, k_own, mask):
+        """`_probabilities` of the step, with this consumer's chunk of the step before's
+        dQ issued right after Sᵀ: the tensor cores run it while Pᵀ is computed, and it
+        leaves once Pᵀ is (`late_dq`)."""
+        def send(dq, c):
+          pl.when(step_index > 0)(
+              lambda: send_dq_chunk(dq, dq_smem.at[wg], *previous_step(i, n), c))
+
+        def products(s_acc, dq_acc):
+          plgpu.wgmma(s_acc, k_own, q_ring.at[s].T)
+          c = last_dq_product(step_index, dq_acc)
+          qk = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # Sᵀ; the dQ chunk may run
+          p, tanh = _scores_to_probabilities(qk, lse2_ring.at[s], logits, mask)
+          send(plgpu.wgmma_accumulator_load(dq_acc, wait_n=0), c)
+          return p, tanh
+
+        return pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
+                             plgpu.ACC((bq, _CHUNK), jnp.float32))
+
+      def last_step_dq():
+        """The dQ chunk of the walk's last step, which no next step computes."""
+        steps = group * blocks_per_head
+
+        def product(acc):
+          c = last_dq_product(steps, acc)
+          return plgpu.wgmma_accumulator_load(acc, wait_n=0), c
+
+        def send():
+          dq, c = pl.run_scoped(product, plgpu.ACC((bq, _CHUNK), jnp.float32))
+          send_dq_chunk(dq, dq_smem.at[wg], *last_step(), c)
+
+        pl.when(steps > 0)(send)
 
       def query_grads(i, n, step_index, ds_terms, own):
         """This consumer's chunks of dQ for query block i of head n: dSᵀ goes to shared
@@ -799,6 +904,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       walk_steps(step)
       if ordered and not writer:
         signal_last_dq_adds()
+      if late:
+        last_step_dq()
       return dk_acc[...], dv_acc[...]
 
     dk, dv = pl.run_scoped(compute, plgpu.ACC((bkv, head_dim), jnp.float32),
