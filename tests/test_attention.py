@@ -1258,6 +1258,23 @@ def test_hopper_backward_schedules_gpu(key, monkeypatch, schedule, B, T, S, N, K
   np.testing.assert_array_equal(dv, dv0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, S, N, K, H, dtype", [
+    pytest.param(2, 700, 1000, 8, 2, 128, jnp.bfloat16, id="gqa-T!=S-H128"),
+    pytest.param(1, 1000, 1000, 2, 2, 128, jnp.bfloat16, id="H128"),
+])
+def test_late_dq_gpu(key, monkeypatch, B, T, S, N, K, H, dtype):
+  # late_dq where it applies (no causal mask or window, head dim 128; the schedule test's
+  # lengths case takes it too): the 2x rule, and dK and dV identical to the default's.
+  inputs = _inputs(key, B, T, S, N, K, H, dtype)
+  *_, dk0, dv0 = _check(*inputs, backend="mosaic_gpu", interpret=False)
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
+      mosaic_backward.BLOCKS, late_dq=True))
+  *_, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False)
+  np.testing.assert_array_equal(dk, dk0)
+  np.testing.assert_array_equal(dv, dv0)
+
+
 # MLA's head dims in the wide design, which the default's split keys replace there.
 MLA_WIDE = dict(split_keys_width=2 * mosaic_backward.SPLIT_KEYS_HEAD_DIM)
 
