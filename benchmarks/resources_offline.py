@@ -11,7 +11,9 @@ CUDA on the CPU as a forward + backward of `dot_product_attention`
 (implementation="mosaic_gpu"), and each Mosaic GPU kernel it holds is compiled for
 sm_90a by the CUDA plugin's own pipeline (MosaicGpuCompile: the passes, LLVM's PTX,
 ptxas), which stops at loading the binary, the one step that needs a device. ptxas'
-report, per kernel: registers, bytes of spill stores and loads.
+report, per kernel: registers, bytes of spill stores and loads. --lengths gives the call
+query and key lengths per batch row, as arrays (the kernels' ranges then come at run
+time).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from bench_attention_backward import parse_schedule
 
 
-def kernel_modules(shape: str, deterministic: bool, dtype) -> list[bytes]:
+def kernel_modules(shape: str, deterministic: bool, dtype,
+                   lengths: bool = False) -> list[bytes]:
   """The serialized Mosaic GPU modules that one forward + backward at ``shape`` lowers
-  to (the CUDA lowering rule records each one it emits)."""
+  to (the CUDA lowering rule records each one it emits); with ``lengths``, given query
+  and key lengths per batch row (known at run time only, as a padded batch's)."""
   B, T, N, K, H, causal, *value_dim = (int(x) for x in shape.split(","))
   Hv = value_dim[0] if value_dim else H
   x = functools.partial(jax.ShapeDtypeStruct, dtype=dtype)
@@ -44,12 +48,15 @@ def kernel_modules(shape: str, deterministic: bool, dtype) -> list[bytes]:
                                 implementation="mosaic_gpu", deterministic=deterministic,
                                 interpret=False)
 
-  def step(q, k, v, do):
-    return jax.vjp(attention, q, k, v)[1](do)
+  def step(q, k, v, do, *lengths):
+    call = functools.partial(attention, **dict(zip(
+        ("query_seq_lengths", "key_value_seq_lengths"), lengths)))
+    return jax.vjp(call, q, k, v)[1](do)
 
   mosaic_core.KNOWN_KERNELS.clear()
+  length_args = (jax.ShapeDtypeStruct((B,), jnp.int32),) * 2 if lengths else ()
   jax.jit(step).trace(x((B, T, N, H)), x((B, T, K, H)), x((B, T, K, Hv)),
-                      x((B, T, N, Hv))).lower(lowering_platforms=("cuda",))
+                      x((B, T, N, Hv)), *length_args).lower(lowering_platforms=("cuda",))
   return list(mosaic_core.KNOWN_KERNELS.values())
 
 
@@ -69,6 +76,8 @@ def main():
   parser.add_argument("--schedule", default="",
                       help="the Hopper backward's schedule (bench_attention_backward.py)")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+  parser.add_argument("--lengths", action="store_true",
+                      help="query and key lengths per batch row, known at run time")
   args = parser.parse_args()
   deterministic = False
   if args.schedule:
@@ -78,7 +87,7 @@ def main():
   dump = tempfile.mkdtemp(prefix="ptxas")
   os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
   for shape in args.shapes:
-    for module in kernel_modules(shape, deterministic, jnp.dtype(args.dtype)):
+    for module in kernel_modules(shape, deterministic, jnp.dtype(args.dtype), args.lengths):
       for old in glob.glob(f"{dump}/*.ptxas"):
         os.remove(old)
       compile_module(module)
@@ -88,7 +97,8 @@ def main():
         stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
                                   text).groups()
         kernel = re.sub(r"_\d+$", "", os.path.basename(path).split(".")[0])
-        print(f"{shape} {args.dtype} {args.schedule or 'default'} {kernel}: {registers} registers, "
+        print(f"{shape} {args.dtype}{' lengths' * args.lengths} {args.schedule or 'default'} "
+              f"{kernel}: {registers} registers, "
               f"spills {stores} bytes stored, {loads} loaded", flush=True)
 
 
