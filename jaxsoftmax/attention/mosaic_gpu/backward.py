@@ -811,28 +811,38 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
       def hand_over_ds(step_index, ds_terms):
         """This consumer's half of the step's dSᵀ, into shared memory for both
-        consumers' dQ products of the next step (`late_dq`)."""
+        consumers' dQ products (of this step, or with `late_dq` of the next), and the
+        buffer it went to."""
         buf = rem32(step_index, 2)
         for t, term in enumerate(ds_terms):
           ds_smem.at[buf, t, wg][...] = term
         plgpu.commit_smem()  # dSᵀ visible to both consumers' products
         plgpu.barrier_arrive(ds_ready.at[buf])
+        return buf
 
       def last_dq_product(step_index, acc):
         """Issues this consumer's chunk of the dQ of its step before step_index (`late_dq`)
         into ``acc``, once both halves of that step's dSᵀ are in shared memory, and
         returns the chunk's index. In the first step there is no step before: the product
         reads whatever the buffer holds, and nothing sends it."""
-        buf = rem32(step_index + 1, 2)  # that of step_index - 1, never negative
+        # step_index + 1 has the parity of the step before and is never negative.
+        buf = rem32(step_index + 1, 2)
         pl.when(step_index > 0)(lambda: plgpu.barrier_wait(ds_ready.at[buf]))
-        c = rem32(step_index + 1 + wg, _CONSUMERS)  # `staged_dq_chunks` of the step before
-        columns = pl.ds(c * _CHUNK, _CHUNK)
-        own = key_block(wg)
-        halves = (own, 1 - own) if blocks.fresh_tile_addresses else range(_CONSUMERS)
+        (c, _), = staged_dq_chunks(step_index + 1, wg, n_chunks)
+        dq_product(acc, buf, key_halves(key_block(wg)), pl.ds(c * _CHUNK, _CHUNK))
+        return c
+
+      def key_halves(own):
+        """Both consumers' blocks of the CTA's keys, this consumer's (``own``,
+        `key_block`) first."""
+        return (own, 1 - own) if blocks.fresh_tile_addresses else range(_CONSUMERS)
+
+      def dq_product(acc, buf, halves, columns):
+        """Issues dQ's ``columns`` = dS K over the CTA's keys (the blocks ``halves``) into
+        ``acc``, from both consumers' dSᵀ in buffer ``buf``."""
         for t in range(ds_smem.shape[1]):
           for half in halves:  # both consumers' keys
             plgpu.wgmma(acc, ds_smem.at[buf, t, half].T, k_smem.at[half, :, columns])
-        return c
 
       def probabilities_beside_last_dq(i, n, step_index, s, k_own, mask):
         """`_probabilities` of the step, with this consumer's chunk of the step before's
@@ -874,19 +884,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         consumer's block of the CTA's keys (`key_block`)."""
         if ordered and not writer:
           signal_previous_dq_adds(i, n, step_index)
-        buf = rem32(step_index, 2)
-        for t, term in enumerate(ds_terms):
-          ds_smem.at[buf, t, wg][...] = term
-        plgpu.commit_smem()  # dSᵀ visible to both consumers' products
-        plgpu.barrier_arrive(ds_ready.at[buf])
+        buf = hand_over_ds(step_index, ds_terms)
         plgpu.barrier_wait(ds_ready.at[buf])
-
-        halves = (own, 1 - own) if blocks.fresh_tile_addresses else range(_CONSUMERS)
+        halves = key_halves(own)
 
         def chunk(acc, *, columns):
-          for t in range(len(ds_terms)):
-            for half in halves:  # both consumers' keys
-              plgpu.wgmma(acc, ds_smem.at[buf, t, half].T, k_smem.at[half, :, columns])
+          dq_product(acc, buf, halves, columns)
           return acc[...]
 
         if writer:
