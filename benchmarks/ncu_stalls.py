@@ -71,16 +71,15 @@ def main():
   for e in executed:
     work[float(f"{e:.2g}")] += e
   steps = max(work, key=work.get, default=0.0)
-  step = [r for r, e in zip(table, executed)
+  step = [i for i, e in enumerate(executed)
           if steps and args.step_share * steps <= e <= 1.01 * steps]
   print(f"kernel: {kernel[:120]}")
   print(f"{len(table)} SASS instructions, {sum(executed) / 1e6:.1f} M warp-instructions "
         f"executed, {total:.0f} stall samples")
   print(f"step count {steps / 1e3:.0f} K (warp-steps); the per-step code: {len(step)} "
-        f"instructions, {sum(_number(r[_SAMPLES]) for r in step) / total:.0%} of the "
-        f"samples, {sum(_number(r[_EXECUTED]) for r in step) / max(steps, 1):.0f} executed "
-        "a warp-step")
-  for name, rows in (("whole kernel", table), ("per-step code", step)):
+        f"instructions, {sum(samples[i] for i in step) / total:.0%} of the samples, "
+        f"{sum(executed[i] for i in step) / max(steps, 1):.0f} executed a warp-step")
+  for name, rows in (("whole kernel", table), ("per-step code", [table[i] for i in step])):
     print(f"{name}: " + ", ".join(f"{s} {v:.1%}" for s, v in shares(rows, stalls)[:9]))
   print(f"\nthe {args.top} instructions with the most samples (index in the SASS, share, "
         "times executed, the two main reasons):")
