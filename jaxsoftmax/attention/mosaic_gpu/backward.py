@@ -177,9 +177,9 @@ class HopperBackwardBlockSizes:
       their stall samples waiting on wgmma results against 13.5% in FlashAttention-3's
       (the first wait of a step, on Sᵀ, 5% of all samples, causal;
       `benchmarks/results/tuning/ncu_attention_backward_causal_*_h100.stalls.log`).
-      Offline, ptxas spills nothing without a mask (8 and 12 bytes with ragged
-      lengths, GQA 32/8 ragged) but 132 causal, where it also serializes the wgmma
-      (docs/kernels.md). Not yet timed, so False.
+      Offline, ptxas spills nothing without a mask at 4x4096 (8 and 12 bytes at
+      T = 1000, 16/16 and 32/8 heads) but 132 causal, where it also serializes the
+      wgmma (docs/kernels.md). Not yet timed, so False.
   """
 
   block_q: int = 64
