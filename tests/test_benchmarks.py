@@ -2,6 +2,7 @@
 (--smoke: tiny shapes, interpreted kernels), so that the scripts the GPU run depends on do
 not rot off-GPU."""
 
+import importlib.util
 import json
 import os
 import re
@@ -143,8 +144,13 @@ def test_bench_decode_attention_smoke(tmp_path):
         assert impl != "jaxsoftmax triton" or r["note"].startswith("splits "), r
   if not ON_GPU:  # Pallas' own decode kernels, interpreted (T = 1 only)
     pallas = [r for r in rows if r["impl"].startswith("pallas ") and r["op"] != "ceiling"]
-    assert {(r["op"], r["mode"]) for r in pallas if r["median_us"] is not None} == {
-        ("decode T=1", "contiguous"), ("decode T=1", "paged 16")}
+    ran = {(r["op"], r["mode"]) for r in pallas if r["median_us"] is not None}
+    # JAX 0.12.1 no longer ships Pallas' Triton decode kernels: their rows say so.
+    if importlib.util.find_spec("jax.experimental.pallas.ops.gpu.decode_attention"):
+      assert ran == {("decode T=1", "contiguous"), ("decode T=1", "paged 16")}
+    else:
+      assert not ran and all("not importable" in r["note"] for r in pallas
+                             if r["op"] == "decode T=1")
     assert all(r["max_rel_err"] < 2e-2 for r in pallas if r["median_us"] is not None)
   # Peers that cannot run here (cuDNN and FA3 need a GPU, FA3 its wheel; T > 1 for the
   # one-query kernels) are rows that say why, not crashes.
