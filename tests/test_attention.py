@@ -1226,15 +1226,15 @@ def test_hopper_block_sizes_gpu(key, blocks):
 # the tile addresses as LLVM hoists them (the default before the sweep),
 # FlashAttention-3's step order at head dims up to 128, dQ sent by a writer warp (from
 # one staging tile per consumer, or two), the CTAs taking their tiles in sections of
-# heads that fit L2, and each step's dQ chunk computed in the next step (which only the
-# cases without a causal mask or window take).
+# heads that fit L2, and each step's dQ chunk computed in that step rather than the next
+# (the default's `late_dq`, which only the cases without a causal mask or window take).
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
     "fa3-order": dict(fa3_step_order=True),
     "dq-writer": dict(dq_writer_warp=True),
     "dq-writer-2-tiles": dict(dq_writer_warp=True, dq_staging_tiles=2),
     "l2-sections": dict(l2_sections=True),
-    "late-dq": dict(late_dq=True),
+    "no-late-dq": dict(late_dq=False),
 }
 
 
@@ -1264,12 +1264,13 @@ def test_hopper_backward_schedules_gpu(key, monkeypatch, schedule, B, T, S, N, K
     pytest.param(1, 1000, 1000, 2, 2, 128, jnp.bfloat16, id="H128"),
 ])
 def test_late_dq_gpu(key, monkeypatch, B, T, S, N, K, H, dtype):
-  # late_dq where it applies (no causal mask or window, head dim 128; the schedule test's
-  # lengths case takes it too): the 2x rule, and dK and dV identical to the default's.
+  # The default's late_dq where it applies (no causal mask or window, head dim 128; the
+  # schedule test's lengths case takes it too) against each step's dQ in that step: the
+  # 2x rule, and dK and dV identical.
   inputs = _inputs(key, B, T, S, N, K, H, dtype)
   *_, dk0, dv0 = _check(*inputs, backend="mosaic_gpu", interpret=False)
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
-      mosaic_backward.BLOCKS, late_dq=True))
+      mosaic_backward.BLOCKS, late_dq=False))
   *_, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False)
   np.testing.assert_array_equal(dk, dk0)
   np.testing.assert_array_equal(dv, dv0)
@@ -1452,9 +1453,9 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_
     pytest.param("fa3-order", 64, jnp.float16,
                  dict(has_segments=True, window_left=100, window_right=20),
                  id="fa3-order-segments-window-H64-float16"),
-    pytest.param("late-dq", 128, jnp.bfloat16, {}, id="late-dq-H128"),
-    pytest.param("late-dq", 96, jnp.float16, dict(has_segments=True),
-                 id="late-dq-segments-H96-float16"),
+    pytest.param("no-late-dq", 128, jnp.bfloat16, {}, id="no-late-dq-H128"),
+    pytest.param("no-late-dq", 96, jnp.float16, dict(has_segments=True),
+                 id="no-late-dq-segments-H96-float16"),
 ])
 def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, monkeypatch):
   # The schedules test_hopper_backward_schedules_gpu runs, lowered on any machine.
@@ -1536,10 +1537,11 @@ def test_staged_dq_chunks_are_those_the_writer_waits_for(n_chunks):
 def test_late_dq_applies_where_it_compiles_without_spills():
   # late_dq: the split-keys design at head dim 128 with the consumers' own reductions,
   # without a causal mask or window (where ptxas spilled an accumulator, offline); every
-  # other call keeps the default's order.
-  late = dataclasses.replace(mosaic_backward.BLOCKS, late_dq=True)
+  # other call computes each step's dQ in that step.
+  late = mosaic_backward.BLOCKS
   assert late.takes_late_dq(128, 128, False, False, False)
-  assert not mosaic_backward.BLOCKS.takes_late_dq(128, 128, False, False, False)
+  assert not dataclasses.replace(late, late_dq=False).takes_late_dq(
+      128, 128, False, False, False)
   assert not late.takes_late_dq(128, 128, False, False, True)  # causal or a window
   assert not late.takes_late_dq(128, 128, False, True, False)  # ordered adds
   assert not late.takes_late_dq(64, 64, False, False, False)  # one chunk a step
