@@ -62,7 +62,8 @@ SCHEDULE_FLAGS = {"stale": ("fresh_tile_addresses", False),
                   "ordered": ("ordered_dq_adds", True),
                   "writer": ("dq_writer_warp", True), "nowriter": ("dq_writer_warp", False),
                   "stage2": ("dq_staging_tiles", 2), "l2": ("l2_sections", True),
-                  "late": ("late_dq", True), "nolate": ("late_dq", False)}
+                  "late": ("late_dq", True), "nolate": ("late_dq", False),
+                  "rows": ("rows_first", True)}
 
 
 def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes, bool]:

@@ -65,7 +65,8 @@ from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
-                                        query_block_ranges, walk_block_ranges)
+                                        query_block_ranges, walk_block_ranges,
+                                        walk_block_ranges_down)
 from jaxsoftmax.attention.mosaic_gpu.forward import wgmma_head_dim
 
 # One value per row, and per column, of a wgmma tile: the dK/dV kernel works on
@@ -182,6 +183,23 @@ class HopperBackwardBlockSizes:
       wgmma (docs/kernels.md). Timed on an H100 beside the default's order in one run
       (`attention_backward_late_dq_h100.md`): 572 against 557 TFLOP/s at 4x4096, 595
       against 565 at 1x16384, 565 against 566 on GQA 32/8 (non-causal), so True.
+    rows_first: with a causal mask or a window (and not `ordered_dq_adds`), each CTA
+      walks its query blocks from the last down, every query head of the K/V head's
+      group at each block (starting from head key_tile mod group), rather than every
+      block of one head after another. Causal, key tile k sees query blocks 2k..end, so
+      in the head-by-head walk the CTAs resident together drift apart by head: tile 0
+      takes twice as many steps a head as the middle tile, and the Q and dO they read
+      spread over the group's heads (on GQA 32/8 an L2 hit rate of 82% against
+      FlashAttention-3's 91%, `ncu_attention_backward_gqa_*_h100.log`; the gap widens
+      with the sequence: 0.87x FlashAttention-3 forward + backward at 2x8192 32/4
+      against 0.95x at 4x4096 32/8, `attention_issue30_h100.md`). Walking down from
+      the last block, every tile reads block i of head n in the same step of its walk
+      (all tiles of a causal batch row end their rows at the same block), and the head
+      rotation keeps the tiles of a step from adding into the same dQ block at once.
+      The sum of dK and dV then runs in another order: not bit-identical to the
+      default's. Only on GQA in the split-keys design (`walks_rows_first`). Offline,
+      ptxas spills less than in the default's walk (48 bytes against 56 at 2x8192
+      32/4 causal, against 64 at 4x4096 32/8). Not yet timed, so False.
   """
 
   block_q: int = 64
@@ -195,6 +213,7 @@ class HopperBackwardBlockSizes:
   dq_staging_tiles: int = 1
   l2_sections: bool = False
   late_dq: bool = True
+  rows_first: bool = False
 
   def __post_init__(self):
     if self.dq_staging_tiles not in (1, 2):
@@ -232,6 +251,14 @@ class HopperBackwardBlockSizes:
             and head_dim // _CHUNK == _CONSUMERS
             and not self.writes_dq_by_warp(head_dim, wide)
             and not self.fa3_order(head_dim, value_head_dim))
+
+  def walks_rows_first(self, group: int, wide: bool, banded: bool, ordered: bool) -> bool:
+    """Whether `rows_first` applies: on GQA (``group`` query heads a K/V head), whose
+    walks drift apart by head, in the split-keys design (in the wide one ptxas spilled
+    more: 228 bytes against 176 causal at head dim 256, offline), with a causal mask or
+    a window (``banded``), where the key tiles' walks differ in length, and without the
+    ordered adds, whose counts follow the head-by-head walk (`signal_previous_dq_adds`)."""
+    return self.rows_first and group > 1 and not wide and banded and not ordered
 
   def keys_per_tile(self, wide: bool) -> int:
     """Keys per CTA: each consumer's own block_kv, or one block_kv shared by both in the
@@ -508,15 +535,37 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   lo, hi = ranges[0], ranges[3]
   blocks_per_head = hi - lo
 
-  def walk_steps(step):
+  banded = spec.is_causal or spec.window_left is not None or spec.window_right is not None
+  rows_first = blocks.walks_rows_first(group, ds_free is not None, banded, ordered)
+
+  def walk_steps(step, masked_apart=True):
     """``step(i, n, step_index, s, masked=...)`` for every query block i of every query
-    head n of the group, the step_index-th of the CTA, in ring slot s."""
+    head n of the group, the step_index-th of the CTA, in ring slot s: head by head, or
+    with `rows_first` block by block from the last down. ``masked_apart=False`` (the
+    producer's loads, which need no mask) walks each head's blocks in one loop, every
+    step with masked=False."""
+    if rows_first:
+      def block(i, carry, *, masked: bool):
+        def head(g, carry):
+          step_index = (hi - 1 - i) * group + g
+          n = kv_head * group + rem32(g + key_tile, group)
+          step(i, n, step_index, rem32(step_index, stages), masked=masked)
+          return carry
+        return lax.fori_loop(0, group, head, carry)
+      if masked_apart:
+        walk_block_ranges_down(ranges, block, 0)
+      else:
+        lax.fori_loop(0, hi - lo, lambda j, carry: block(hi - 1 - j, carry, masked=False), 0)
+      return
+
     def walk_head(g, carry):
       def block(i, carry, *, masked: bool):
         step_index = g * blocks_per_head + i - lo
         step(i, kv_head * group + g, step_index, rem32(step_index, stages), masked=masked)
         return carry
-      return walk_block_ranges(ranges, block, carry)
+      if masked_apart:
+        return walk_block_ranges(ranges, block, carry)
+      return lax.fori_loop(lo, hi, functools.partial(block, masked=False), carry)
     lax.fori_loop(0, group, walk_head, 0)
 
   def add_dq_chunk(acc_fn, staging, i, n, c, wait=True):
@@ -759,7 +808,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     shape = (bkv, bq)
     k_seg = _key_segments(kv_seg_ref, b, key0, shape)
     fa3_order = blocks.fa3_order(head_dim, value_dim)
-    banded = spec.is_causal or spec.window_left is not None or spec.window_right is not None
     late = atomic_dq and blocks.takes_late_dq(head_dim, value_dim, False, ordered, banded)
     plgpu.barrier_wait(kv_loaded)
 
@@ -931,24 +979,17 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[c], kv_loaded)
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[c], kv_loaded)
 
-    def walk_head(g, carry):
-      n = kv_head * group + g
+    def step(i, n, step_index, s, *, masked: bool):
+      del masked
+      rows = pl.ds(i * bq, bq)
+      pl.when(step_index >= stages)(lambda: plgpu.barrier_wait(slot_free.at[s]))
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, n], q_ring.at[s], q_loaded.at[s])
+      plgpu.copy_gmem_to_smem(lse2_ref.at[b, n, rows], lse2_ring.at[s], q_loaded.at[s])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, n], do_ring.at[s], do_loaded.at[s])
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, n, rows], delta_ring.at[s],
+                              do_loaded.at[s])
 
-      def block(i, carry):
-        step_index = g * blocks_per_head + i - lo
-        s = rem32(step_index, stages)
-        rows = pl.ds(i * bq, bq)
-        pl.when(step_index >= stages)(lambda: plgpu.barrier_wait(slot_free.at[s]))
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, n], q_ring.at[s], q_loaded.at[s])
-        plgpu.copy_gmem_to_smem(lse2_ref.at[b, n, rows], lse2_ring.at[s], q_loaded.at[s])
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, n], do_ring.at[s], do_loaded.at[s])
-        plgpu.copy_gmem_to_smem(delta_ref.at[b, n, rows], delta_ring.at[s],
-                                do_loaded.at[s])
-        return carry
-
-      return lax.fori_loop(lo, hi, block, carry)
-
-    lax.fori_loop(0, group, walk_head, 0)
+    walk_steps(step, masked_apart=False)
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
