@@ -316,6 +316,17 @@ def test_ncu_stalls_reads_a_source_table(tmp_path):
   assert out.splitlines()[-2].split()[:2] == ["3", "59.4%"]  # the retry loop first
 
 
+def test_launch_order_schedules_the_backward_ctas():
+  # Two SMs and CTAs of 5, 3, 3 and 1 steps (+1 each) in that order: the first two start
+  # at once, the third on the SM free at 4, the fourth on the one free at 6: finish 8.
+  launch_order = _benchmark_module("launch_order")
+  assert launch_order.finish([5, 3, 3, 1], sms=2, overhead=1) == 8
+  # Causal 1x512, 2 heads: tiles of 128 keys see 8, 6, 4 and 2 query blocks of 64, the
+  # K/V head the fastest axis.
+  assert launch_order.cta_steps(1, 512, 2, 2) == [8, 8, 6, 6, 4, 4, 2, 2]
+  assert launch_order.cta_steps(1, 512, 4, 2)[:2] == [16, 16]  # two query heads a CTA
+
+
 def test_tune_linear_cross_entropy_smoke(tmp_path):
   rows = _smoke_rows(tmp_path, "tune_linear_cross_entropy", "tune_linear_cross_entropy")
   # XLA's product alone, then each tiling of the forward, right against float64.
