@@ -1172,11 +1172,13 @@ def test_hopper_wide_backward_gpu(key, B, T, S, N, K, H, dtype, options):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H, deterministic", [(128, False), (128, True), (256, False)],
-                         ids=["atomic", "deterministic", "wide"])
-def test_hopper_backward_float32_grads_gpu(key, H, deterministic):
+@pytest.mark.parametrize("H, deterministic, options", [
+    (128, False, {}), (128, True, {}), (256, False, {}), (128, False, dict(heads_per_cta=1))],
+    ids=["atomic", "deterministic", "wide", "one-head-a-cta"])
+def test_hopper_backward_float32_grads_gpu(key, H, deterministic, options):
   # Context parallelism's partial gradients: float32 from the Hopper backward, with the
-  # caller's delta, as the Triton backward gives them.
+  # caller's delta, as the Triton backward gives them (also with each group's dK and dV
+  # summed over CTAs of one query head).
   q, k, v, do = _inputs(key, 2, 300, 700, 4, 2, H, jnp.bfloat16)
   spec = MaskSpec(300, 700, is_causal=True)
   aux = AuxArrays(kv_lengths=jnp.array([700, 333], jnp.int32))
@@ -1186,7 +1188,8 @@ def test_hopper_backward_float32_grads_gpu(key, H, deterministic):
   delta = jnp.einsum("btnh,btnh->bnt", o32, do.astype(jnp.float32))
   ours = mosaic_backward.backward(q, k, v, None, m, log2_l, do, aux, spec=spec, scale=0.1,
                                   softcap=None, deterministic=deterministic,
-                                  grad_dtype=jnp.float32, delta=delta)
+                                  grad_dtype=jnp.float32, delta=delta,
+                                  blocks=dataclasses.replace(mosaic_backward.BLOCKS, **options))
   theirs = api.REGISTRY["triton"].bwd(
       q, k, v, o32, m, log2_l, do, aux,
       Call(2, 300, 700, 4, 2, H, "bfloat16", spec, 0.1, None, None, False),
@@ -1229,8 +1232,9 @@ def test_hopper_block_sizes_gpu(key, blocks):
 # one staging tile per consumer, or two), the CTAs taking their tiles in sections of
 # heads that fit L2, each step's dQ chunk computed in that step rather than the next
 # (the default's `late_dq`, which only the cases without a causal mask or window take),
-# and the query blocks walked from the last down (`rows_first`, which only the cases
-# with a causal mask or window take).
+# the query blocks walked from the last down (`rows_first`, which only the cases with a
+# causal mask or window take), and each group's query heads over CTAs of one head or
+# two (`heads_per_cta`).
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
     "fa3-order": dict(fa3_step_order=True),
@@ -1239,10 +1243,13 @@ BACKWARD_SCHEDULES = {
     "l2-sections": dict(l2_sections=True),
     "no-late-dq": dict(late_dq=False),
     "rows-first": dict(rows_first=True),
+    "one-head-a-cta": dict(heads_per_cta=1),
+    "rows-first-2-heads": dict(rows_first=True, heads_per_cta=2),
 }
 # The schedules that sum dK and dV in another order than the default's (the query blocks
-# from the last down), so that only the 2x rule holds them.
-REORDERED_SCHEDULES = {"rows-first"}
+# from the last down, or a group's heads in CTAs of their own), so that only the 2x rule
+# holds them.
+REORDERED_SCHEDULES = {"rows-first", "one-head-a-cta", "rows-first-2-heads"}
 
 
 @pytest.mark.gpu
@@ -1490,12 +1497,21 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_
     pytest.param("rows-first", 64, jnp.float16,
                  dict(has_segments=True, window_left=100, window_right=20),
                  id="rows-first-segments-window-H64-float16"),
+    pytest.param("one-head-a-cta", 128, jnp.bfloat16, {}, id="one-head-a-cta-H128"),
 ])
 def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, monkeypatch):
   # The schedules test_hopper_backward_schedules_gpu runs, lowered on any machine.
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, **BACKWARD_SCHEDULES[schedule]))
   _lower_backward(H, H, dtype, options)
+
+
+def test_heads_per_cta_float32_grads_lower_for_cuda(monkeypatch):
+  # One query head a CTA with float32 gradients (context parallelism's partial sums):
+  # the group's partial dK and dV summed into (B, S, K, H).
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
+      mosaic_backward.BLOCKS, heads_per_cta=1))
+  _lower_backward(128, 128, jnp.bfloat16, dict(is_causal=True), grad_dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("tiles", [1, 2])
@@ -1589,11 +1605,23 @@ def test_rows_first_applies_on_banded_gqa():
   # rows_first: on GQA in the split-keys design with a causal mask or a window, not with
   # the ordered adds.
   rows = dataclasses.replace(mosaic_backward.BLOCKS, rows_first=True)
-  applies = dict(group=4, wide=False, banded=True, ordered=False)
+  applies = dict(heads=4, wide=False, banded=True, ordered=False)
   assert rows.walks_rows_first(**applies)
   assert not mosaic_backward.BLOCKS.walks_rows_first(**applies)
-  for change in (dict(group=1), dict(wide=True), dict(banded=False), dict(ordered=True)):
+  for change in (dict(heads=1), dict(wide=True), dict(banded=False), dict(ordered=True)):
     assert not rows.walks_rows_first(**{**applies, **change}), change
+
+
+def test_group_split_divides_the_group_in_the_atomic_design():
+  # heads_per_cta: group / heads_per_cta CTAs a group where it divides the group, in the
+  # atomic design without L2 sections; otherwise one.
+  split = lambda group, deterministic=False, **kw: dataclasses.replace(
+      mosaic_backward.BLOCKS, **kw).group_split(group, deterministic)
+  assert split(8, heads_per_cta=2) == 4 and split(8, heads_per_cta=1) == 8
+  assert split(8) == 1 and split(8, heads_per_cta=8) == 1
+  assert split(6, heads_per_cta=4) == 1  # does not divide the group
+  assert split(8, True, heads_per_cta=2) == 1  # deterministic
+  assert split(8, heads_per_cta=2, l2_sections=True) == 1
 
 
 def test_late_dq_applies_where_it_compiles_without_spills():

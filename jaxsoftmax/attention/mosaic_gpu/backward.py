@@ -200,6 +200,16 @@ class HopperBackwardBlockSizes:
       default's. Only on GQA in the split-keys design (`walks_rows_first`). Offline,
       ptxas spills less than in the default's walk (48 bytes against 56 at 2x8192
       32/4 causal, against 64 at 4x4096 32/8). Not yet timed, so False.
+    heads_per_cta: GQA: how many query heads of a K/V head's group each dK/dV CTA walks
+      (None: all of them). Fewer split each group over group / heads_per_cta CTAs,
+      which shortens the walks that drift apart by head (`rows_first`) and makes as
+      many CTAs as FlashAttention-3's one head a CTA at 1; each CTA's dK and dV are then
+      partial sums, stored in float32 from registers, summed over the group's CTAs
+      afterwards (by XLA, a pass over group / heads_per_cta float32 copies of dK and
+      dV; FlashAttention-3 adds them atomically in the kernel). Only in the atomic design
+      (`group_split`). Offline at 2x8192 32/4 causal, ptxas spills 4 bytes at one head a
+      CTA (as on MHA: the loop over heads is gone), 64 at two, 24 at two with
+      `rows_first`, against the default's 56. Not yet timed, so None.
   """
 
   block_q: int = 64
@@ -214,6 +224,7 @@ class HopperBackwardBlockSizes:
   l2_sections: bool = False
   late_dq: bool = True
   rows_first: bool = False
+  heads_per_cta: int | None = None
 
   def __post_init__(self):
     if self.dq_staging_tiles not in (1, 2):
@@ -252,13 +263,22 @@ class HopperBackwardBlockSizes:
             and not self.writes_dq_by_warp(head_dim, wide)
             and not self.fa3_order(head_dim, value_head_dim))
 
-  def walks_rows_first(self, group: int, wide: bool, banded: bool, ordered: bool) -> bool:
-    """Whether `rows_first` applies: on GQA (``group`` query heads a K/V head), whose
-    walks drift apart by head, in the split-keys design (in the wide one ptxas spilled
+  def group_split(self, group: int, deterministic: bool) -> int:
+    """The CTAs over which `heads_per_cta` splits each K/V head's group of ``group``
+    query heads: 1 where unset or not dividing the group, with ``deterministic`` (the
+    partial sums' order would vary) or `l2_sections` (whose sections count K/V heads)."""
+    heads = self.heads_per_cta
+    if heads is None or group % heads or deterministic or self.l2_sections:
+      return 1
+    return group // heads
+
+  def walks_rows_first(self, heads: int, wide: bool, banded: bool, ordered: bool) -> bool:
+    """Whether `rows_first` applies: on GQA, where a CTA walks ``heads`` > 1 query heads
+    and the walks drift apart by head, in the split-keys design (in the wide one ptxas spilled
     more: 228 bytes against 176 causal at head dim 256, offline), with a causal mask or
     a window (``banded``), where the key tiles' walks differ in length, and without the
     ordered adds, whose counts follow the head-by-head walk (`signal_previous_dq_adds`)."""
-    return self.rows_first and group > 1 and not wide and banded and not ordered
+    return self.rows_first and heads > 1 and not wide and banded and not ordered
 
   def keys_per_tile(self, wide: bool) -> int:
     """Keys per CTA: each consumer's own block_kv, or one block_kv shared by both in the
@@ -488,7 +508,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
                  dq_smem=None, ds_ready=None, ds_free=None, done=None,
                  dq_staged=None, dq_free=None,
                  dq_order_shape: tuple[int, int, int] | None = None,
-                 section: int | None = None, kv_heads: int | None = None):
+                 section: int | None = None, kv_heads: int | None = None,
+                 group_split: int = 1):
   """dK and dV of a key tile; with ``atomic_dq`` also its share of dQ, added into the
   float32 dQ ref (the last input). ``float32_grads``: dK and dV leave in float32, stored
   from registers (their arrays padded to whole key tiles), instead of through K and V's
@@ -501,7 +522,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   barrier per consumer: `dq_writer_warp`) the consumers stage their dQ chunks and a warp
   of the producer warpgroup adds them into dQ. ``section``: the K/V heads (of
   ``kv_heads``) of a launch section, where the CTAs take their tiles in
-  `l2_sections`' order (the grid's last axis then runs over batch rows and sections)."""
+  `l2_sections`' order (the grid's last axis then runs over batch rows and sections).
+  ``group_split`` (`heads_per_cta`): the CTAs of each K/V head's group, the grid's head
+  axis running over both; each stores its partial dK and dV in float32 from registers,
+  at its index of that axis (dk_ref and dv_ref hold K · group_split heads)."""
   aux_refs, refs = AuxArrays.split_refs(refs, aux_present)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   ordered = dq_order_shape is not None
@@ -528,6 +552,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     b = div32(b, per_batch)
   if ordered:  # the last key tile launches first: those waited on have started
     key_tile = key_tiles - 1 - key_tile
+  grad_head = kv_head  # where this CTA's dK and dV go
+  heads = group // group_split  # the query heads this CTA walks, from first_head
+  first_head = kv_head * group
+  if group_split > 1:
+    kv_head = div32(grad_head, group_split)
+    first_head = kv_head * group + rem32(grad_head, group_split) * heads
   k0 = key_tile * (key_blocks * bkv)
   q_length = None if q_len_ref is None else q_len_ref[b]
   kv_length = None if kv_len_ref is None else kv_len_ref[b]
@@ -536,22 +566,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   blocks_per_head = hi - lo
 
   banded = spec.is_causal or spec.window_left is not None or spec.window_right is not None
-  rows_first = blocks.walks_rows_first(group, ds_free is not None, banded, ordered)
+  rows_first = blocks.walks_rows_first(heads, ds_free is not None, banded, ordered)
+  from_registers = float32_grads or group_split > 1  # dK and dV leave in float32
 
   def walk_steps(step, masked_apart=True):
     """``step(i, n, step_index, s, masked=...)`` for every query block i of every query
-    head n of the group, the step_index-th of the CTA, in ring slot s: head by head, or
+    head n the CTA walks, the step_index-th of the CTA, in ring slot s: head by head, or
     with `rows_first` block by block from the last down. ``masked_apart=False`` (the
     producer's loads, which need no mask) walks each head's blocks in one loop, every
     step with masked=False."""
     if rows_first:
       def block(i, carry, *, masked: bool):
         def head(g, carry):
-          step_index = (hi - 1 - i) * group + g
-          n = kv_head * group + rem32(g + key_tile, group)
+          step_index = (hi - 1 - i) * heads + g
+          n = first_head + rem32(g + key_tile, heads)
           step(i, n, step_index, rem32(step_index, stages), masked=masked)
           return carry
-        return lax.fori_loop(0, group, head, carry)
+        return lax.fori_loop(0, heads, head, carry)
       if masked_apart:
         walk_block_ranges_down(ranges, block, 0)
       else:
@@ -561,12 +592,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     def walk_head(g, carry):
       def block(i, carry, *, masked: bool):
         step_index = g * blocks_per_head + i - lo
-        step(i, kv_head * group + g, step_index, rem32(step_index, stages), masked=masked)
+        step(i, first_head + g, step_index, rem32(step_index, stages), masked=masked)
         return carry
       if masked_apart:
         return walk_block_ranges(ranges, block, carry)
       return lax.fori_loop(lo, hi, functools.partial(block, masked=False), carry)
-    lax.fori_loop(0, group, walk_head, 0)
+    lax.fori_loop(0, heads, walk_head, 0)
 
   def add_dq_chunk(acc_fn, staging, i, n, c, wait=True):
     """Chunk c (64 head-dim columns) of dQ for query block i of head n, from the product
@@ -680,21 +711,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     pl.when(step_index > 0)(lambda: signal_dq_adds(*previous_step(i, n), step_index - 1))
 
   def last_step():
-    """(query block, head) of the CTA's last step: the last block of the group's last
-    head."""
-    return hi - 1, kv_head * group + group - 1
+    """(query block, head) of the CTA's last step: the last block of its last head."""
+    return hi - 1, first_head + heads - 1
 
   def signal_last_dq_adds():
     """`signal_dq_adds` of the CTA's last step, once the walk is done."""
-    steps = group * blocks_per_head
+    steps = heads * blocks_per_head
     pl.when(steps > 0)(lambda: signal_dq_adds(*last_step(), steps - 1))
 
   def leave(grad, tile, grad_ref, keys):
     """Sends a consumer's gradient of the CTA's ``keys`` out: from registers in float32,
     else through its input's tile in shared memory (``tile``, K's or V's, which every
     product has finished reading) in the inputs' dtype."""
-    rows = (b, keys, kv_head)
-    if float32_grads:
+    rows = (b, keys, grad_head)
+    if from_registers:
       grad_ref.at[rows][...] = grad
     else:
       tile[...] = grad.astype(tile.dtype)
@@ -729,7 +759,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
                             lse2_ring.at[s], logits, mask)
 
     def finish(grad, tile, grad_ref):
-      if not float32_grads:  # the other consumer is done reading this tile
+      if not from_registers:  # the other consumer is done reading this tile
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
       leave(grad, tile, grad_ref, keys)
@@ -915,7 +945,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
       def last_step_dq():
         """The dQ chunk of the walk's last step, which no next step computes."""
-        steps = group * blocks_per_head
+        steps = heads * blocks_per_head
 
         def product(acc):
           c = last_dq_product(steps, acc)
@@ -963,7 +993,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
     dk, dv = pl.run_scoped(compute, plgpu.ACC((bkv, head_dim), jnp.float32),
                            plgpu.ACC((bkv, value_dim), jnp.float32))
-    if atomic_dq and not float32_grads:  # both consumers are done reading each other's
+    if atomic_dq and not from_registers:  # both consumers are done reading each other's
       plgpu.barrier_arrive(done)  # K (the dQ products) before K and V take the
       plgpu.barrier_wait(done)  # gradients on their way out
     keys = pl.ds(key0, bkv)
@@ -1197,10 +1227,14 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     if blocks.writes_dq_by_warp(H_pad, wide):  # a chunk staged for the writer warp, and sent
       scratch.update(dq_staged=plgpu.Barrier(num_barriers=tiles),
                      dq_free=plgpu.Barrier(num_barriers=tiles))
-  # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
+  # float32 gradients are stored from registers, with no bounds: whole tiles of rows;
+  # split over the group's CTAs (`heads_per_cta`), a partial sum of each.
+  split = blocks.group_split(N // K, deterministic)
+
   def kv_type(width):
-    if float32_grads:
-      return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K, width), jnp.float32)
+    if float32_grads or split > 1:
+      return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K * split, width),
+                                  jnp.float32)
     return jax.ShapeDtypeStruct((B, S8, K, width), q.dtype)
 
   order_inputs = ()
@@ -1209,7 +1243,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     order_inputs = (last_key_tiles(spec, keys_per_tile, bq, n_kv_tiles, T_pad // bq,
                                    kv_len, q_len, B),)
   # The grid's first axis is the fastest in launch order.
-  grid = (("heads", K), ("kv_tiles", n_kv_tiles), ("batch", B))
+  grid = (("heads", K * split), ("kv_tiles", n_kv_tiles), ("batch", B))
   section = None
   if blocks.l2_sections:
     head_bytes = (N // K) * T_pad * ((H_pad + Hv_pad) * q.dtype.itemsize
@@ -1218,7 +1252,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     grid = (("heads", section), ("kv_tiles", n_kv_tiles), ("batch", B * (K // section)))
   dkdv_kernel = warp_specialized_kernel(
       functools.partial(_dkdv_kernel, atomic_dq=atomic_dq, section=section, kv_heads=K,
-                        **statics),
+                        group_split=split, **statics),
       out_type=(kv_type(H_pad), kv_type(Hv_pad)), consumers=_CONSUMERS,
       name="attention_backward_mosaic_gpu", softcap=softcap, scratch_types=scratch,
       grid=tuple(size for _, size in grid), grid_names=tuple(name for name, _ in grid))
@@ -1250,4 +1284,8 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     dk, dv = dkdv_kernel(*inputs, *order_inputs, dq32)
     dq = jax.freeze(dq32) * scale
     dq = dq if float32_grads else dq.astype(q.dtype)
+    if split > 1:  # the sums of the group's CTAs
+      dk, dv = (g.reshape(*g.shape[:2], K, split, g.shape[3]).sum(3) for g in (dk, dv))
+      if not float32_grads:
+        dk, dv = dk.astype(q.dtype), dv.astype(q.dtype)
   return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :Hv]
