@@ -184,9 +184,9 @@ class HopperBackwardBlockSizes:
       (`attention_backward_late_dq_h100.md`): 572 against 557 TFLOP/s at 4x4096, 595
       against 565 at 1x16384, 565 against 566 on GQA 32/8 (non-causal), so True.
     rows_first: with a causal mask or a window (and not `ordered_dq_adds`), each CTA
-      walks its query blocks from the last down, every query head of the K/V head's
-      group at each block (starting from head key_tile mod group), rather than every
-      block of one head after another. Causal, key tile k sees query blocks 2k..end, so
+      walks its query blocks from the last down, every query head it walks at each
+      block (starting from its key_tile mod heads-th), rather than every block of one
+      head after another. Causal, key tile k sees query blocks 2k..end, so
       in the head-by-head walk the CTAs resident together drift apart by head: tile 0
       takes twice as many steps a head as the middle tile, and the Q and dO they read
       spread over the group's heads (on GQA 32/8 an L2 hit rate of 82% against
