@@ -206,10 +206,11 @@ class HopperBackwardBlockSizes:
       many CTAs as FlashAttention-3's one head a CTA at 1; each CTA's dK and dV are then
       partial sums, stored in float32 from registers, summed over the group's CTAs
       afterwards (by XLA, a pass over group / heads_per_cta float32 copies of dK and
-      dV; FlashAttention-3 adds them atomically in the kernel). Only in the atomic design
-      (`group_split`). Offline at 2x8192 32/4 causal, ptxas spills 4 bytes at one head a
-      CTA (as on MHA: the loop over heads is gone), 64 at two, 24 at two with
-      `rows_first`, against the default's 56. Not yet timed, so None.
+      dV; FlashAttention-3 adds them by TMA reductions in its kernel, docs/kernels.md).
+      Only in the atomic design (`group_split`). Offline at 2x8192 32/4 causal, ptxas
+      spills 4 bytes at one head a CTA (as on MHA: the loop over heads is gone), 64 at
+      two, 24 at two with `rows_first`, against the default's 56. Not yet timed, so
+      None.
   """
 
   block_q: int = 64
