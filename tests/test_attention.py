@@ -1508,7 +1508,7 @@ def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, m
 
 def test_heads_per_cta_float32_grads_lower_for_cuda(monkeypatch):
   # One query head a CTA with float32 gradients (context parallelism's partial sums):
-  # the group's partial dK and dV summed into (B, S, K, H).
+  # the group's partial dK and dV added into (B, S, K, H).
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, heads_per_cta=1))
   _lower_backward(128, 128, jnp.bfloat16, dict(is_causal=True), grad_dtype=jnp.float32)
@@ -1614,14 +1614,18 @@ def test_rows_first_applies_on_banded_gqa():
 
 def test_group_split_divides_the_group_in_the_atomic_design():
   # heads_per_cta: group / heads_per_cta CTAs a group where it divides the group, in the
-  # atomic design without L2 sections; otherwise one.
-  split = lambda group, deterministic=False, **kw: dataclasses.replace(
-      mosaic_backward.BLOCKS, **kw).group_split(group, deterministic)
+  # atomic split-keys design without L2 sections or the writer warp; otherwise one.
+  def split(group, deterministic=False, wide=False, **kw):
+    blocks = dataclasses.replace(mosaic_backward.BLOCKS, **kw)
+    return blocks.group_split(group, deterministic, 128, wide)
+
   assert split(8, heads_per_cta=2) == 4 and split(8, heads_per_cta=1) == 8
   assert split(8) == 1 and split(8, heads_per_cta=8) == 1
   assert split(6, heads_per_cta=4) == 1  # does not divide the group
   assert split(8, True, heads_per_cta=2) == 1  # deterministic
   assert split(8, heads_per_cta=2, l2_sections=True) == 1
+  assert split(8, wide=True, heads_per_cta=2) == 1
+  assert split(8, heads_per_cta=2, dq_writer_warp=True) == 1
 
 
 def test_late_dq_applies_where_it_compiles_without_spills():

@@ -204,12 +204,13 @@ class HopperBackwardBlockSizes:
       (None: all of them). Fewer split each group over group / heads_per_cta CTAs,
       which shortens the walks that drift apart by head (`rows_first`) and makes as
       many CTAs as FlashAttention-3's one head a CTA at 1; each CTA's dK and dV are then
-      partial sums, stored in float32 from registers, summed over the group's CTAs
-      afterwards (by XLA, a pass over group / heads_per_cta float32 copies of dK and
-      dV; FlashAttention-3 adds them by TMA reductions in its kernel, docs/kernels.md).
-      Only in the atomic design (`group_split`). Offline at 2x8192 32/4 causal, ptxas
-      spills 4 bytes at one head a CTA (as on MHA: the loop over heads is gone), 64 at
-      two, 24 at two with `rows_first`, against the default's 56. Not yet timed, so
+      partial sums, which it adds into zeroed float32 arrays by TMA reductions, 64
+      columns at a time through its dQ staging tile, as dQ's chunks are (and as
+      FlashAttention-3's GQA backward adds its CTAs', docs/kernels.md). Only in the
+      atomic split-keys design without the writer warp (`group_split`). Offline at
+      2x8192 32/4 causal, ptxas spills 4 bytes at one head a CTA (as on MHA: the loop
+      over heads is gone), 68 at two, 64 at two with `rows_first` (reloaded once a
+      block of rows, not in every step), against the default's 56. Not yet timed, so
       None.
   """
 
@@ -264,12 +265,15 @@ class HopperBackwardBlockSizes:
             and not self.writes_dq_by_warp(head_dim, wide)
             and not self.fa3_order(head_dim, value_head_dim))
 
-  def group_split(self, group: int, deterministic: bool) -> int:
+  def group_split(self, group: int, deterministic: bool, head_dim: int, wide: bool) -> int:
     """The CTAs over which `heads_per_cta` splits each K/V head's group of ``group``
     query heads: 1 where unset or not dividing the group, with ``deterministic`` (the
-    partial sums' order would vary) or `l2_sections` (whose sections count K/V heads)."""
+    partial sums' order would vary), `l2_sections` (whose sections count K/V heads), in
+    the ``wide`` design or with the writer warp at this padded ``head_dim`` (where a
+    consumer has no staging tile of its own for the partial sums)."""
     heads = self.heads_per_cta
-    if heads is None or group % heads or deterministic or self.l2_sections:
+    if (heads is None or group % heads or deterministic or self.l2_sections or wide
+        or self.writes_dq_by_warp(head_dim, wide)):
       return 1
     return group // heads
 
@@ -525,8 +529,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   ``kv_heads``) of a launch section, where the CTAs take their tiles in
   `l2_sections`' order (the grid's last axis then runs over batch rows and sections).
   ``group_split`` (`heads_per_cta`): the CTAs of each K/V head's group, the grid's head
-  axis running over both; each stores its partial dK and dV in float32 from registers,
-  at its index of that axis (dk_ref and dv_ref hold K · group_split heads)."""
+  axis running over both; each adds its partial dK and dV into the zeroed float32 refs
+  dk_ref and dv_ref (the last inputs, after dQ's)."""
   aux_refs, refs = AuxArrays.split_refs(refs, aux_present)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   ordered = dq_order_shape is not None
@@ -553,12 +557,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     b = div32(b, per_batch)
   if ordered:  # the last key tile launches first: those waited on have started
     key_tile = key_tiles - 1 - key_tile
-  grad_head = kv_head  # where this CTA's dK and dV go
   heads = group // group_split  # the query heads this CTA walks, from first_head
   first_head = kv_head * group
   if group_split > 1:
-    kv_head = div32(grad_head, group_split)
-    first_head = kv_head * group + rem32(grad_head, group_split) * heads
+    share = rem32(kv_head, group_split)
+    kv_head = div32(kv_head, group_split)
+    first_head = kv_head * group + share * heads
   k0 = key_tile * (key_blocks * bkv)
   q_length = None if q_len_ref is None else q_len_ref[b]
   kv_length = None if kv_len_ref is None else kv_len_ref[b]
@@ -568,7 +572,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
   banded = spec.is_causal or spec.window_left is not None or spec.window_right is not None
   rows_first = blocks.walks_rows_first(heads, ds_free is not None, banded, ordered)
-  from_registers = float32_grads or group_split > 1  # dK and dV leave in float32
+  shared_grads = group_split > 1  # dK and dV added with the group's other CTAs
 
   def walk_steps(step, masked_apart=True):
     """``step(i, n, step_index, s, masked=...)`` for every query block i of every query
@@ -721,11 +725,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     pl.when(steps > 0)(lambda: signal_dq_adds(*last_step(), steps - 1))
 
   def leave(grad, tile, grad_ref, keys):
-    """Sends a consumer's gradient of the CTA's ``keys`` out: from registers in float32,
-    else through its input's tile in shared memory (``tile``, K's or V's, which every
-    product has finished reading) in the inputs' dtype."""
-    rows = (b, keys, grad_head)
-    if from_registers:
+    """Sends a consumer's gradient of the CTA's ``keys`` out: added in float32 with the
+    group's other CTAs' (``shared_grads``) through the consumer's dQ staging tile; from
+    registers in float32; else through its input's tile in shared memory (``tile``, K's
+    or V's, which every product has finished reading) in the inputs' dtype."""
+    rows = (b, keys, kv_head)
+    if shared_grads:
+      for c in range(grad.shape[1] // _CHUNK):
+        columns = pl.ds(c * _CHUNK, _CHUNK)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's last add has left
+        dq_smem.at[wg][...] = grad[:, c * _CHUNK:(c + 1) * _CHUNK]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dq_smem.at[wg], grad_ref.at[(*rows, columns)],
+                                reduction_op="add")
+    elif float32_grads:
       grad_ref.at[rows][...] = grad
     else:
       tile[...] = grad.astype(tile.dtype)
@@ -760,7 +773,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
                             lse2_ring.at[s], logits, mask)
 
     def finish(grad, tile, grad_ref):
-      if not from_registers:  # the other consumer is done reading this tile
+      if not float32_grads:  # the other consumer is done reading this tile
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
       leave(grad, tile, grad_ref, keys)
@@ -994,7 +1007,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
     dk, dv = pl.run_scoped(compute, plgpu.ACC((bkv, head_dim), jnp.float32),
                            plgpu.ACC((bkv, value_dim), jnp.float32))
-    if atomic_dq and not from_registers:  # both consumers are done reading each other's
+    if atomic_dq and not float32_grads:  # both consumers are done reading each other's
       plgpu.barrier_arrive(done)  # K (the dQ products) before K and V take the
       plgpu.barrier_wait(done)  # gradients on their way out
     keys = pl.ds(key0, bkv)
@@ -1228,15 +1241,15 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     if blocks.writes_dq_by_warp(H_pad, wide):  # a chunk staged for the writer warp, and sent
       scratch.update(dq_staged=plgpu.Barrier(num_barriers=tiles),
                      dq_free=plgpu.Barrier(num_barriers=tiles))
-  # float32 gradients are stored from registers, with no bounds: whole tiles of rows;
-  # split over the group's CTAs (`heads_per_cta`), a partial sum of each.
-  split = blocks.group_split(N // K, deterministic)
-
+  # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
   def kv_type(width):
-    if float32_grads or split > 1:
-      return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K * split, width),
-                                  jnp.float32)
+    if float32_grads:
+      return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K, width), jnp.float32)
     return jax.ShapeDtypeStruct((B, S8, K, width), q.dtype)
+
+  # Split over the group's CTAs (`heads_per_cta`), dK and dV are added into zeroed
+  # float32 arrays the kernel aliases, as dQ is.
+  split = blocks.group_split(N // K, deterministic, H_pad, wide)
 
   order_inputs = ()
   if ordered:
@@ -1254,7 +1267,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   dkdv_kernel = warp_specialized_kernel(
       functools.partial(_dkdv_kernel, atomic_dq=atomic_dq, section=section, kv_heads=K,
                         group_split=split, **statics),
-      out_type=(kv_type(H_pad), kv_type(Hv_pad)), consumers=_CONSUMERS,
+      out_type=() if split > 1 else (kv_type(H_pad), kv_type(Hv_pad)), consumers=_CONSUMERS,
       name="attention_backward_mosaic_gpu", softcap=softcap, scratch_types=scratch,
       grid=tuple(size for _, size in grid), grid_names=tuple(name for name, _ in grid))
   inputs = (q, k, v, do, lse2, delta, *aux_inputs)
@@ -1282,11 +1295,15 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   else:
     # dQ is summed in place by every key tile's CTA: a zeroed float32 array it aliases.
     dq32 = jax.new_ref(jnp.zeros((B, T8, N, H_pad), jnp.float32))
-    dk, dv = dkdv_kernel(*inputs, *order_inputs, dq32)
-    dq = jax.freeze(dq32) * scale
-    dq = dq if float32_grads else dq.astype(q.dtype)
-    if split > 1:  # the sums of the group's CTAs
-      dk, dv = (g.reshape(*g.shape[:2], K, split, g.shape[3]).sum(3) for g in (dk, dv))
+    if split > 1:
+      dk32, dv32 = (jax.new_ref(jnp.zeros((B, S8, K, width), jnp.float32))
+                    for width in (H_pad, Hv_pad))
+      dkdv_kernel(*inputs, *order_inputs, dq32, dk32, dv32)
+      dk, dv = jax.freeze(dk32), jax.freeze(dv32)
       if not float32_grads:
         dk, dv = dk.astype(q.dtype), dv.astype(q.dtype)
+    else:
+      dk, dv = dkdv_kernel(*inputs, *order_inputs, dq32)
+    dq = jax.freeze(dq32) * scale
+    dq = dq if float32_grads else dq.astype(q.dtype)
   return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :Hv]
