@@ -613,13 +613,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
                        plgpu.ACC((bq, _CHUNK), jnp.float32))
     send_dq_chunk(dq, staging, i, n, c, wait=ordered and wait)
 
+  def stage(staging, value):
+    """``value`` into the float32 tile ``staging``, once its last TMA add has read it,
+    made visible to the next TMA."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk has left
+    staging[...] = value
+    plgpu.commit_smem()
+
   def send_dq_chunk(dq, staging, i, n, c, wait=False):
     """Adds ``dq``, chunk c of query block i of head n's dQ, into the float32 dQ by TMA
     through ``staging``; with ``wait`` (the ordered adds), after every chunk of the
     later key tiles."""
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk has left
-    staging[...] = dq
-    plgpu.commit_smem()
+    stage(staging, dq)
     if wait:  # the tiles after this one that add into block i are done
       later_adds = jnp.maximum(last_ref[b, i] - key_tile, 0) * n_chunks
       plgpu.semaphore_wait(dq_order.at[b, n, i], later_adds, decrement=False,
@@ -732,11 +737,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     rows = (b, keys, kv_head)
     if shared_grads:
       for c in range(grad.shape[1] // _CHUNK):
-        columns = pl.ds(c * _CHUNK, _CHUNK)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the tile's last add has left
-        dq_smem.at[wg][...] = grad[:, c * _CHUNK:(c + 1) * _CHUNK]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_smem.at[wg], grad_ref.at[(*rows, columns)],
+        stage(dq_smem.at[wg], grad[:, c * _CHUNK:(c + 1) * _CHUNK])
+        plgpu.copy_smem_to_gmem(dq_smem.at[wg],
+                                grad_ref.at[(*rows, pl.ds(c * _CHUNK, _CHUNK))],
                                 reduction_op="add")
     elif float32_grads:
       grad_ref.at[rows][...] = grad
