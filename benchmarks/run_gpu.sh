@@ -30,7 +30,7 @@
 #   attn-bench-bwd          bench_attention_backward.py: the backwards alone (ATTN_ONLY;
 #                           HOPPER_BWD_SCHEDULES adds rows of the Hopper backward's
 #                           schedules, e.g. "stale,fa3,wide,stale+det"; BWD_ROWS keeps
-#                           only those of the other rows)
+#                           only those of the other rows; ATTN_TIMEOUT, default 400 s)
 #   attn-features           bench_attention_features.py: sinks, ALiBi, bias and mask
 #                           arrays against the plain kernels and cuDNN (ATTN_ONLY;
 #                           ATTN_MODES="fwd,fwd+bwd,jvp" adds forward mode; ATTN_FEATURES
@@ -207,7 +207,7 @@ for stage in $stages; do
         --modes "${ATTN_MODES:-fwd,fwd+bwd}" 2>&1 \
         | tee -a "$out/attn_bench.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     attn-bench-bwd)
-      timeout 400 $python benchmarks/bench_attention_backward.py --out "$out" \
+      timeout ${ATTN_TIMEOUT:-400} $python benchmarks/bench_attention_backward.py --out "$out" \
         ${ATTN_ONLY:+--only "$ATTN_ONLY"} 2>&1 \
         | tee -a "$out/attn_bench_bwd.log" | tail -n 2 | tee -a "$out/summary.log" ;;
     attn-features)
