@@ -46,7 +46,8 @@ from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 
 # (--only 13-19) GQA over group sizes 2-16, sequence lengths and head dims: the sweep
 # that sets how many query heads of a group a dK/dV CTA walks (`heads_per_cta`), with
-# --only 6, 11 and 12 (HOPPER_BWD_SCHEDULES=hpc1,hpc2,hpc4).
+# --only 6, 11 and 12 (HOPPER_BWD_SCHEDULES=hpc1,hpc2,hpc4: at most 1, 2, 4 heads a CTA; hpcall:
+# the whole group).
 GQA_SWEEP_SHAPES = [((4, 4096, 32, 16, 128, True), jnp.bfloat16),
                     ((2, 8192, 32, 8, 128, True), jnp.bfloat16),
                     ((4, 4096, 32, 4, 128, True), jnp.bfloat16),
@@ -75,7 +76,8 @@ SCHEDULE_FLAGS = {"stale": ("fresh_tile_addresses", False),
                   "stage2": ("dq_staging_tiles", 2), "l2": ("l2_sections", True),
                   "late": ("late_dq", True), "nolate": ("late_dq", False),
                   "rows": ("rows_first", True), "hpc1": ("heads_per_cta", 1),
-                  "hpc2": ("heads_per_cta", 2), "hpc4": ("heads_per_cta", 4)}
+                  "hpc2": ("heads_per_cta", 2), "hpc4": ("heads_per_cta", 4),
+                  "hpcall": ("heads_per_cta", None)}
 
 
 def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes, bool]:

@@ -1274,6 +1274,27 @@ def test_hopper_backward_schedules_gpu(key, monkeypatch, schedule, B, T, S, N, K
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B, T, S, N, K, H, dtype, options, heads_per_cta", [
+    pytest.param(2, 1000, 1000, 16, 2, 128, jnp.bfloat16, dict(is_causal=True), 4,
+                 id="causal-group8-H128"),
+    pytest.param(2, 1000, 1000, 16, 2, 128, jnp.bfloat16, dict(is_causal=True), None,
+                 id="causal-group8-H128-whole-group"),
+    pytest.param(2, 600, 777, 12, 2, 64, jnp.float16,
+                 dict(key_value_seq_lengths=jnp.array([777, 301])), 4,
+                 id="group6-lengths-T!=S-H64-float16"),
+])
+def test_group_split_gpu(key, monkeypatch, B, T, S, N, K, H, dtype, options,
+                         heads_per_cta):
+  # The default splits groups of more than 4 query heads over CTAs of at most 4
+  # (`heads_per_cta`; a group of 6 over 2 CTAs of 3), whose partial dK and dV are added
+  # in the kernel; None walks the whole group in one CTA. The 2x rule against float64.
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
+      mosaic_backward.BLOCKS, heads_per_cta=heads_per_cta))
+  _check(*_inputs(key, B, T, S, N, K, H, dtype), backend="mosaic_gpu", interpret=False,
+         **options)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("B, T, S, N, K, H, dtype, options", [
     pytest.param(2, 700, 1000, 8, 2, 128, jnp.bfloat16, dict(is_causal=True),
                  id="causal-gqa-T!=S-H128"),
@@ -1613,19 +1634,24 @@ def test_rows_first_applies_on_banded_gqa():
 
 
 def test_group_split_divides_the_group_in_the_atomic_design():
-  # heads_per_cta: group / heads_per_cta CTAs a group where it divides the group, in the
-  # atomic split-keys design without L2 sections or the writer warp; otherwise one.
+  # heads_per_cta: each group over the fewest CTAs that divide it into at most that many
+  # heads (4 by default), in the atomic split-keys design without L2 sections or the
+  # writer warp; otherwise one.
   def split(group, deterministic=False, wide=False, **kw):
     blocks = dataclasses.replace(mosaic_backward.BLOCKS, **kw)
     return blocks.group_split(group, deterministic, 128, wide)
 
+  assert [split(group) for group in (1, 2, 4, 8, 16)] == [1, 1, 1, 2, 4]
   assert split(8, heads_per_cta=2) == 4 and split(8, heads_per_cta=1) == 8
-  assert split(8) == 1 and split(8, heads_per_cta=8) == 1
-  assert split(6, heads_per_cta=4) == 1  # does not divide the group
-  assert split(8, True, heads_per_cta=2) == 1  # deterministic
-  assert split(8, heads_per_cta=2, l2_sections=True) == 1
-  assert split(8, wide=True, heads_per_cta=2) == 1
-  assert split(8, heads_per_cta=2, dq_writer_warp=True) == 1
+  assert split(8, heads_per_cta=None) == 1 and split(8, heads_per_cta=8) == 1
+  assert split(6) == 2 and split(12) == 3  # 3 and 4 heads a CTA
+  assert split(5) == 5 and split(7, heads_per_cta=4) == 7  # no divisor up to 4 heads
+  assert split(8, True) == 1  # deterministic
+  assert split(8, l2_sections=True) == 1
+  assert split(8, wide=True) == 1
+  assert split(8, dq_writer_warp=True) == 1
+  with pytest.raises(ValueError, match="heads_per_cta"):
+    dataclasses.replace(mosaic_backward.BLOCKS, heads_per_cta=0)
 
 
 def test_late_dq_applies_where_it_compiles_without_spills():

@@ -200,18 +200,23 @@ class HopperBackwardBlockSizes:
       default's. Only on GQA in the split-keys design (`walks_rows_first`). Offline,
       ptxas spills less than in the default's walk (48 bytes against 56 at 2x8192
       32/4 causal, against 64 at 4x4096 32/8). Not yet timed, so False.
-    heads_per_cta: GQA: how many query heads of a K/V head's group each dK/dV CTA walks
-      (None: all of them). Fewer split each group over group / heads_per_cta CTAs,
-      which shortens the walks that drift apart by head (`rows_first`) and makes as
-      many CTAs as FlashAttention-3's one head a CTA at 1; each CTA's dK and dV are then
+    heads_per_cta: GQA: at most how many query heads of a K/V head's group each dK/dV
+      CTA walks (None: all of them). Past it the group is split over the fewest CTAs
+      that bring each to at most this many heads (`group_split`), which shortens the
+      walks that drift apart by head (`rows_first`); each CTA's dK and dV are then
       partial sums, which it adds into zeroed float32 arrays by TMA reductions, 64
       columns at a time through its dQ staging tile, as dQ's chunks are (and as
-      FlashAttention-3's GQA backward adds its CTAs', docs/kernels.md). Only in the
-      atomic split-keys design without the writer warp (`group_split`). Offline at
-      2x8192 32/4 causal, ptxas spills 4 bytes at one head a CTA (as on MHA: the loop
-      over heads is gone), 68 at two, 64 at two with `rows_first` (reloaded once a
-      block of rows, not in every step), against the default's 56. Not yet timed, so
-      None.
+      FlashAttention-3's GQA backward adds its CTAs', one head a CTA; docs/kernels.md).
+      Only in the atomic split-keys design without the writer warp. Swept on an H100
+      (`benchmarks/results/tuning/attention_backward_gqa_sweep_h100.md`): causal with 8
+      or 16 heads a group, 4 heads a CTA ran 1.19-1.39x the whole group's walk (554
+      against 464 TFLOP/s at 2x8192 32/4, 490 against 389 at 4x4096 32/4, 530 against
+      382 at 2x8192 64/4), level with 1 and 2 heads (within 4%); at 4 or 2 heads a
+      group, splitting lost up to 10% (one head a CTA: 476 against 505 at 4x4096 32/8),
+      and without a mask and at head dim 64 (8x2048 32/4) 4 heads ran level with the
+      whole group. Offline, ptxas spills 4 bytes at one head a CTA (the loop over
+      heads is gone), 68 at two, against the whole group's 56 (2x8192 32/4 causal).
+      So 4.
   """
 
   block_q: int = 64
@@ -226,12 +231,15 @@ class HopperBackwardBlockSizes:
   l2_sections: bool = False
   late_dq: bool = True
   rows_first: bool = False
-  heads_per_cta: int | None = None
+  heads_per_cta: int | None = 4
 
   def __post_init__(self):
     if self.dq_staging_tiles not in (1, 2):
       raise ValueError("HopperBackwardBlockSizes.dq_staging_tiles must be 1 or 2, got "
                        f"{self.dq_staging_tiles!r}")
+    if self.heads_per_cta is not None and self.heads_per_cta < 1:
+      raise ValueError("HopperBackwardBlockSizes.heads_per_cta must be None or at least 1, "
+                       f"got {self.heads_per_cta!r}")
 
   def fa3_order(self, head_dim: int, value_head_dim: int) -> bool:
     """Whether the split-keys consumers take `fa3_step_order` at these padded head
@@ -266,16 +274,18 @@ class HopperBackwardBlockSizes:
             and not self.fa3_order(head_dim, value_head_dim))
 
   def group_split(self, group: int, deterministic: bool, head_dim: int, wide: bool) -> int:
-    """The CTAs over which `heads_per_cta` splits each K/V head's group of ``group``
-    query heads: 1 where unset or not dividing the group, with ``deterministic`` (the
-    partial sums' order would vary), `l2_sections` (whose sections count K/V heads), in
-    the ``wide`` design or with the writer warp at this padded ``head_dim`` (where a
-    consumer has no staging tile of its own for the partial sums)."""
+    """The CTAs over which each K/V head's group of ``group`` query heads is split: the
+    fewest that divide the group into at most `heads_per_cta` heads each; 1 where that
+    is unset, with ``deterministic`` (the partial sums' order would vary), `l2_sections`
+    (whose sections count K/V heads), in the ``wide`` design or with the writer warp at
+    this padded ``head_dim`` (where a consumer has no staging tile of its own for the
+    partial sums)."""
     heads = self.heads_per_cta
-    if (heads is None or group % heads or deterministic or self.l2_sections or wide
+    if (heads is None or deterministic or self.l2_sections or wide
         or self.writes_dq_by_warp(head_dim, wide)):
       return 1
-    return group // heads
+    return next(split for split in range(1, group + 1)
+                if group % split == 0 and group // split <= heads)
 
   def walks_rows_first(self, heads: int, wide: bool, banded: bool, ordered: bool) -> bool:
     """Whether `rows_first` applies: on GQA, where a CTA walks ``heads`` > 1 query heads
