@@ -25,8 +25,7 @@ from jaxsoftmax.attention import BlockSizes, HopperBlockSizes, api
 from jaxsoftmax.attention.triton import tangent, tiling
 from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.logits import score_grad_term_count
-from jaxsoftmax.attention.masks import (MaskSpec, walk_block_ranges,
-                                        walk_block_ranges_down)
+from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
 from jaxprs import array_shapes, pallas_calls
@@ -1232,9 +1231,8 @@ def test_hopper_block_sizes_gpu(key, blocks):
 # one staging tile per consumer, or two), the CTAs taking their tiles in sections of
 # heads that fit L2, each step's dQ chunk computed in that step rather than the next
 # (the default's `late_dq`, which only the cases without a causal mask or window take),
-# the query blocks walked from the last down (`rows_first`, which only the cases with a
-# causal mask or window take), and each group's query heads over CTAs of one head or
-# two (`heads_per_cta`).
+# and each group's query heads over CTAs of one head or two (`heads_per_cta`; the
+# default's 4 splits none of these cases' groups).
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
     "fa3-order": dict(fa3_step_order=True),
@@ -1242,14 +1240,13 @@ BACKWARD_SCHEDULES = {
     "dq-writer-2-tiles": dict(dq_writer_warp=True, dq_staging_tiles=2),
     "l2-sections": dict(l2_sections=True),
     "no-late-dq": dict(late_dq=False),
-    "rows-first": dict(rows_first=True),
     "one-head-a-cta": dict(heads_per_cta=1),
-    "rows-first-2-heads": dict(rows_first=True, heads_per_cta=2),
+    "2-heads-a-cta": dict(heads_per_cta=2),
 }
-# The schedules that sum dK and dV in another order than the default's (the query blocks
-# from the last down, or a group's heads in CTAs of their own), so that only the 2x rule
-# holds them.
-REORDERED_SCHEDULES = {"rows-first", "one-head-a-cta", "rows-first-2-heads"}
+# The schedules that sum dK and dV in another order than the default's (a group's heads
+# in CTAs of their own, whose partial sums are added in the order they finish), so that
+# only the 2x rule holds them.
+REORDERED_SCHEDULES = {"one-head-a-cta", "2-heads-a-cta"}
 
 
 @pytest.mark.gpu
@@ -1282,34 +1279,17 @@ def test_hopper_backward_schedules_gpu(key, monkeypatch, schedule, B, T, S, N, K
     pytest.param(2, 600, 777, 12, 2, 64, jnp.float16,
                  dict(key_value_seq_lengths=jnp.array([777, 301])), 4,
                  id="group6-lengths-T!=S-H64-float16"),
+    pytest.param(1, 700, 700, 8, 1, 192, jnp.bfloat16, dict(is_causal=True), 4,
+                 id="causal-group8-H192-Hv128"),
 ])
 def test_group_split_gpu(key, monkeypatch, B, T, S, N, K, H, dtype, options,
                          heads_per_cta):
   # The default splits groups of more than 4 query heads over CTAs of at most 4
   # (`heads_per_cta`; a group of 6 over 2 CTAs of 3), whose partial dK and dV are added
-  # in the kernel; None walks the whole group in one CTA. The 2x rule against float64.
+  # in the kernel (MLA's head dims too); None walks the whole group in one CTA. The 2x
+  # rule against float64.
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, heads_per_cta=heads_per_cta))
-  _check(*_inputs(key, B, T, S, N, K, H, dtype), backend="mosaic_gpu", interpret=False,
-         **options)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B, T, S, N, K, H, dtype, options", [
-    pytest.param(2, 700, 1000, 8, 2, 128, jnp.bfloat16, dict(is_causal=True),
-                 id="causal-gqa-T!=S-H128"),
-    pytest.param(2, 1000, 1000, 8, 2, 128, jnp.bfloat16,
-                 dict(is_causal=True, query_seq_lengths=jnp.array([1000, 611])),
-                 id="causal-gqa-lengths-H128"),
-    pytest.param(1, 700, 700, 4, 2, 192, jnp.bfloat16, dict(is_causal=True),
-                 id="causal-gqa-H192-Hv128"),
-])
-def test_rows_first_gpu(key, monkeypatch, B, T, S, N, K, H, dtype, options):
-  # rows_first on GQA (MLA's head dims too), with the rows of a batch ending early: the
-  # 2x rule against float64. dK and dV are summed in another order than the default's,
-  # so not compared bit for bit.
-  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
-      mosaic_backward.BLOCKS, rows_first=True))
   inputs = _inputs(key, B, T, S, N, K, H, dtype)
   if H == 192:  # MLA: the value head dim is 128
     q, k, v, do = inputs
@@ -1515,9 +1495,9 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_
     pytest.param("no-late-dq", 128, jnp.bfloat16, {}, id="no-late-dq-H128"),
     pytest.param("no-late-dq", 96, jnp.float16, dict(has_segments=True),
                  id="no-late-dq-segments-H96-float16"),
-    pytest.param("rows-first", 64, jnp.float16,
+    pytest.param("2-heads-a-cta", 64, jnp.float16,
                  dict(has_segments=True, window_left=100, window_right=20),
-                 id="rows-first-segments-window-H64-float16"),
+                 id="2-heads-a-cta-segments-window-H64-float16"),
     pytest.param("one-head-a-cta", 128, jnp.bfloat16, {}, id="one-head-a-cta-H128"),
 ])
 def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, monkeypatch):
@@ -1603,34 +1583,6 @@ def test_staged_dq_chunks_are_those_the_writer_waits_for(n_chunks):
       staged = {c for _, c in _staged_chunks(step, wg, n_chunks)}
       owned = {c for c in range(n_chunks) if int(mosaic_backward.dq_chunk_owner(step, c)) == wg}
       assert staged == owned, (step, wg)
-
-
-@pytest.mark.parametrize("ranges", [(2, 4, 7, 9), (0, 0, 5, 5), (3, 3, 3, 6), (1, 1, 1, 1)])
-def test_walk_block_ranges_down_reverses_the_walk(ranges):
-  # rows_first's walk: the blocks of walk_block_ranges, each with its mask flag, last
-  # first (traced with the bounds as run-time values, as the kernels take them).
-  def visits(walk):
-    def body(j, seen, *, masked):
-      count, out = seen
-      return count + 1, out.at[count].set(jnp.stack([j, jnp.int32(masked)]))
-    bounds = jnp.array(ranges, jnp.int32)
-    return jax.jit(lambda b: walk(tuple(b), body, (0, jnp.full((16, 2), -1))))(bounds)
-
-  count_up, up = visits(walk_block_ranges)
-  count_down, down = visits(walk_block_ranges_down)
-  assert int(count_up) == int(count_down) == ranges[3] - ranges[0]
-  np.testing.assert_array_equal(down[:int(count_down)], up[:int(count_up)][::-1])
-
-
-def test_rows_first_applies_on_banded_gqa():
-  # rows_first: on GQA in the split-keys design with a causal mask or a window, not with
-  # the ordered adds.
-  rows = dataclasses.replace(mosaic_backward.BLOCKS, rows_first=True)
-  applies = dict(heads=4, wide=False, banded=True, ordered=False)
-  assert rows.walks_rows_first(**applies)
-  assert not mosaic_backward.BLOCKS.walks_rows_first(**applies)
-  for change in (dict(heads=1), dict(wide=True), dict(banded=False), dict(ordered=True)):
-    assert not rows.walks_rows_first(**{**applies, **change}), change
 
 
 def test_group_split_divides_the_group_in_the_atomic_design():

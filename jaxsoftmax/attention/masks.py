@@ -184,16 +184,3 @@ def walk_block_ranges(ranges, body, carry):
   carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
   carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
   return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
-
-
-def walk_block_ranges_down(ranges, body, carry):
-  """`walk_block_ranges` from the last block down to the first."""
-  lo, full_lo, full_hi, hi = ranges
-
-  def down(start, stop, masked, carry):
-    return lax.fori_loop(0, stop - start, lambda j, carry: body(stop - 1 - j, carry,
-                                                                masked=masked), carry)
-
-  carry = down(full_hi, hi, True, carry)
-  carry = down(full_lo, full_hi, False, carry)
-  return down(lo, full_lo, True, carry)

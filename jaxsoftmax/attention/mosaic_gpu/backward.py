@@ -65,8 +65,7 @@ from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
-                                        query_block_ranges, walk_block_ranges,
-                                        walk_block_ranges_down)
+                                        query_block_ranges, walk_block_ranges)
 from jaxsoftmax.attention.mosaic_gpu.forward import wgmma_head_dim
 
 # One value per row, and per column, of a wgmma tile: the dK/dV kernel works on
@@ -183,30 +182,15 @@ class HopperBackwardBlockSizes:
       wgmma (docs/kernels.md). Timed on an H100 beside the default's order in one run
       (`attention_backward_late_dq_h100.md`): 572 against 557 TFLOP/s at 4x4096, 595
       against 565 at 1x16384, 565 against 566 on GQA 32/8 (non-causal), so True.
-    rows_first: with a causal mask or a window (and not `ordered_dq_adds`), each CTA
-      walks its query blocks from the last down, every query head it walks at each
-      block (starting from its key_tile mod heads-th), rather than every block of one
-      head after another. Causal, key tile k sees query blocks 2k..end, so
-      in the head-by-head walk the CTAs resident together drift apart by head: tile 0
-      takes twice as many steps a head as the middle tile, and the Q and dO they read
-      spread over the group's heads (on GQA 32/8 an L2 hit rate of 82% against
-      FlashAttention-3's 91%, `ncu_attention_backward_gqa_*_h100.log`; the gap widens
-      with the sequence: 0.87x FlashAttention-3 forward + backward at 2x8192 32/4
-      against 0.95x at 4x4096 32/8, `attention_issue30_h100.md`). Walking down from
-      the last block, every tile reads block i of head n in the same step of its walk
-      (all tiles of a causal batch row end their rows at the same block), and the head
-      rotation keeps the tiles of a step from adding into the same dQ block at once.
-      The sum of dK and dV then runs in another order: not bit-identical to the
-      default's. Only on GQA in the split-keys design (`walks_rows_first`). Offline,
-      ptxas spills less than in the default's walk (48 bytes against 56 at 2x8192
-      32/4 causal, against 64 at 4x4096 32/8). Not yet timed, so False.
     heads_per_cta: GQA: at most how many query heads of a K/V head's group each dK/dV
       CTA walks (None: all of them). Past it the group is split over the fewest CTAs
-      that bring each to at most this many heads (`group_split`), which shortens the
-      walks that drift apart by head (`rows_first`); each CTA's dK and dV are then
-      partial sums, which it adds into zeroed float32 arrays by TMA reductions, 64
-      columns at a time through its dQ staging tile, as dQ's chunks are (and as
-      FlashAttention-3's GQA backward adds its CTAs', one head a CTA; docs/kernels.md).
+      that bring each to at most this many heads (`group_split`). Causal, key tile k
+      sees query blocks 2k and after, so in a walk over many heads the CTAs resident
+      together drift apart by head and read Q and dO over more of the group than L2
+      holds (docs/kernels.md); fewer heads a CTA keep them closer. Each CTA's dK and
+      dV are then partial sums, which it adds into zeroed float32 arrays by TMA
+      reductions, 64 columns at a time through its dQ staging tile, as dQ's chunks are
+      (and as FlashAttention-3's GQA backward adds its CTAs', one head a CTA).
       Only in the atomic split-keys design without the writer warp. Swept on an H100
       (`benchmarks/results/tuning/attention_backward_gqa_sweep_h100.md`): causal with 8
       or 16 heads a group, 4 heads a CTA ran 1.19-1.39x the whole group's walk (554
@@ -216,7 +200,9 @@ class HopperBackwardBlockSizes:
       and without a mask and at head dim 64 (8x2048 32/4) 4 heads ran level with the
       whole group. Offline, ptxas spills 4 bytes at one head a CTA (the loop over
       heads is gone), 68 at two, against the whole group's 56 (2x8192 32/4 causal).
-      So 4.
+      So 4. (Walking the query blocks from the last down, every head at each block,
+      aimed at the same drift; it ran 0.90-0.93x the head-by-head walk and was
+      removed: docs/kernels.md.)
   """
 
   block_q: int = 64
@@ -230,7 +216,6 @@ class HopperBackwardBlockSizes:
   dq_staging_tiles: int = 1
   l2_sections: bool = False
   late_dq: bool = True
-  rows_first: bool = False
   heads_per_cta: int | None = 4
 
   def __post_init__(self):
@@ -286,14 +271,6 @@ class HopperBackwardBlockSizes:
       return 1
     return next(split for split in range(1, group + 1)
                 if group % split == 0 and group // split <= heads)
-
-  def walks_rows_first(self, heads: int, wide: bool, banded: bool, ordered: bool) -> bool:
-    """Whether `rows_first` applies: on GQA, where a CTA walks ``heads`` > 1 query heads
-    and the walks drift apart by head, in the split-keys design (in the wide one ptxas spilled
-    more: 228 bytes against 176 causal at head dim 256, offline), with a causal mask or
-    a window (``banded``), where the key tiles' walks differ in length, and without the
-    ordered adds, whose counts follow the head-by-head walk (`signal_previous_dq_adds`)."""
-    return self.rows_first and heads > 1 and not wide and banded and not ordered
 
   def keys_per_tile(self, wide: bool) -> int:
     """Keys per CTA: each consumer's own block_kv, or one block_kv shared by both in the
@@ -581,29 +558,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   blocks_per_head = hi - lo
 
   banded = spec.is_causal or spec.window_left is not None or spec.window_right is not None
-  rows_first = blocks.walks_rows_first(heads, ds_free is not None, banded, ordered)
   shared_grads = group_split > 1  # dK and dV added with the group's other CTAs
 
   def walk_steps(step, masked_apart=True):
     """``step(i, n, step_index, s, masked=...)`` for every query block i of every query
-    head n the CTA walks, the step_index-th of the CTA, in ring slot s: head by head, or
-    with `rows_first` block by block from the last down. ``masked_apart=False`` (the
-    producer's loads, which need no mask) walks each head's blocks in one loop, every
-    step with masked=False."""
-    if rows_first:
-      def block(i, carry, *, masked: bool):
-        def head(g, carry):
-          step_index = (hi - 1 - i) * heads + g
-          n = first_head + rem32(g + key_tile, heads)
-          step(i, n, step_index, rem32(step_index, stages), masked=masked)
-          return carry
-        return lax.fori_loop(0, heads, head, carry)
-      if masked_apart:
-        walk_block_ranges_down(ranges, block, 0)
-      else:
-        lax.fori_loop(0, hi - lo, lambda j, carry: block(hi - 1 - j, carry, masked=False), 0)
-      return
-
+    head n the CTA walks, head by head, the step_index-th step of the CTA, in ring slot
+    s. ``masked_apart=False`` (the producer's loads, which need no mask) walks each
+    head's blocks in one loop, every step with masked=False."""
     def walk_head(g, carry):
       def block(i, carry, *, masked: bool):
         step_index = g * blocks_per_head + i - lo
