@@ -75,6 +75,7 @@ SCHEDULE_FLAGS = {"stale": ("fresh_tile_addresses", False),
                   "writer": ("dq_writer_warp", True), "nowriter": ("dq_writer_warp", False),
                   "stage2": ("dq_staging_tiles", 2), "l2": ("l2_sections", True),
                   "late": ("late_dq", True), "nolate": ("late_dq", False),
+                  "lateband": ("late_dq_banded", True),
                   "hpc1": ("heads_per_cta", 1),
                   "hpc2": ("heads_per_cta", 2), "hpc4": ("heads_per_cta", 4),
                   "hpcall": ("heads_per_cta", None)}

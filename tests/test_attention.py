@@ -1230,8 +1230,8 @@ def test_hopper_block_sizes_gpu(key, blocks):
 # FlashAttention-3's step order at head dims up to 128, dQ sent by a writer warp (from
 # one staging tile per consumer, or two), the CTAs taking their tiles in sections of
 # heads that fit L2, each step's dQ chunk computed in that step rather than the next
-# (the default's `late_dq`, which only the cases without a causal mask or window take),
-# and each group's query heads over CTAs of one head or two (`heads_per_cta`; the
+# (the default's `late_dq`, which only the cases without a causal mask or window take;
+# with `late_dq_banded` the causal case's unmasked steps too), and each group's query heads over CTAs of one head or two (`heads_per_cta`; the
 # default's 4 splits none of these cases' groups).
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
@@ -1240,6 +1240,7 @@ BACKWARD_SCHEDULES = {
     "dq-writer-2-tiles": dict(dq_writer_warp=True, dq_staging_tiles=2),
     "l2-sections": dict(l2_sections=True),
     "no-late-dq": dict(late_dq=False),
+    "late-dq-banded": dict(late_dq_banded=True),
     "one-head-a-cta": dict(heads_per_cta=1),
     "2-heads-a-cta": dict(heads_per_cta=2),
 }
@@ -1311,6 +1312,30 @@ def test_late_dq_gpu(key, monkeypatch, B, T, S, N, K, H, dtype):
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, late_dq=False))
   *_, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False)
+  np.testing.assert_array_equal(dk, dk0)
+  np.testing.assert_array_equal(dv, dv0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, S, N, K, H, dtype, options", [
+    pytest.param(2, 1000, 1000, 2, 2, 128, jnp.bfloat16,
+                 dict(is_causal=True, query_seq_lengths=jnp.array([1000, 611])),
+                 id="causal-lengths-H128"),
+    pytest.param(1, 700, 1000, 4, 2, 128, jnp.float16,
+                 dict(local_window_size=(300, 100)), id="window-T!=S-H128-float16"),
+    pytest.param(1, 1000, 1000, 16, 2, 128, jnp.bfloat16, dict(is_causal=True),
+                 id="causal-group8-H128"),
+])
+def test_late_dq_banded_gpu(key, monkeypatch, B, T, S, N, K, H, dtype, options):
+  # late_dq_banded: with a causal mask or a window, each unmasked step's dQ a step late,
+  # each run of them flushed before the masked steps after it (the band's diagonal, a
+  # row's end, the next head's first blocks), against each step's dQ in that step: the
+  # 2x rule, and dK and dV identical (their products are the same, in the same order).
+  inputs = _inputs(key, B, T, S, N, K, H, dtype)
+  *_, dk0, dv0 = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
+      mosaic_backward.BLOCKS, late_dq_banded=True))
+  *_, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
   np.testing.assert_array_equal(dk, dk0)
   np.testing.assert_array_equal(dv, dv0)
 
@@ -1495,6 +1520,9 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_
     pytest.param("no-late-dq", 128, jnp.bfloat16, {}, id="no-late-dq-H128"),
     pytest.param("no-late-dq", 96, jnp.float16, dict(has_segments=True),
                  id="no-late-dq-segments-H96-float16"),
+    pytest.param("late-dq-banded", 128, jnp.float16,
+                 dict(has_segments=True, window_left=100, window_right=20),
+                 id="late-dq-banded-segments-window-H128-float16"),
     pytest.param("2-heads-a-cta", 64, jnp.float16,
                  dict(has_segments=True, window_left=100, window_right=20),
                  id="2-heads-a-cta-segments-window-H64-float16"),
@@ -1615,6 +1643,8 @@ def test_late_dq_applies_where_it_compiles_without_spills():
   assert not dataclasses.replace(late, late_dq=False).takes_late_dq(
       128, 128, False, False, False)
   assert not late.takes_late_dq(128, 128, False, False, True)  # causal or a window
+  assert dataclasses.replace(late, late_dq_banded=True).takes_late_dq(
+      128, 128, False, False, True)  # there in the unmasked steps only
   assert not late.takes_late_dq(128, 128, False, True, False)  # ordered adds
   assert not late.takes_late_dq(64, 64, False, False, False)  # one chunk a step
   assert not late.takes_late_dq(256, 256, True, False, False)  # the wide design

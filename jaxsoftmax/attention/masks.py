@@ -176,11 +176,14 @@ def element_mask(spec: MaskSpec, q_idx: jax.Array, k_idx: jax.Array, kv_length,
   return allowed
 
 
-def walk_block_ranges(ranges, body, carry):
+def walk_block_ranges(ranges, body, carry, after_interior=None):
   """Runs ``body(j, carry, masked=...)`` over the blocks j of the ranges (lo, full_lo,
   full_hi, hi): with element masks on [lo, full_lo) and [full_hi, hi), without on the
-  interior [full_lo, full_hi)."""
+  interior [full_lo, full_hi); then ``after_interior(carry)``, where given, between the
+  interior and the blocks after it."""
   lo, full_lo, full_hi, hi = ranges
   carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
   carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+  if after_interior is not None:
+    carry = after_interior(carry)
   return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)

@@ -182,6 +182,11 @@ class HopperBackwardBlockSizes:
       wgmma (docs/kernels.md). Timed on an H100 beside the default's order in one run
       (`attention_backward_late_dq_h100.md`): 572 against 557 TFLOP/s at 4x4096, 595
       against 565 at 1x16384, 565 against 566 on GQA 32/8 (non-causal), so True.
+    late_dq_banded: `late_dq` with a causal mask or a window too, in the steps without
+      element masks only: a masked step computes its own dQ in the step, and the last
+      step of each run of unmasked steps has its chunk computed right after the run, so
+      that no masked step holds a pending dQ product beside its mask. Not yet timed, so
+      False.
     heads_per_cta: GQA: at most how many query heads of a K/V head's group each dK/dV
       CTA walks (None: all of them). Past it the group is split over the fewest CTAs
       that bring each to at most this many heads (`group_split`). Causal, key tile k
@@ -216,6 +221,7 @@ class HopperBackwardBlockSizes:
   dq_staging_tiles: int = 1
   l2_sections: bool = False
   late_dq: bool = True
+  late_dq_banded: bool = False
   heads_per_cta: int | None = 4
 
   def __post_init__(self):
@@ -252,8 +258,10 @@ class HopperBackwardBlockSizes:
     ordered adds nor the writer warp), where each consumer takes one chunk of dQ a step
     (head dim 128), so that its chunk's columns are computed at run time with no
     branch around the product, and not ``banded`` (a causal mask or a window), where
-    ptxas spilled half of dK's or dV's accumulator in every step (offline)."""
-    return (self.late_dq and not wide and not ordered and not banded
+    ptxas spilled half of dK's or dV's accumulator in every step (offline), unless
+    `late_dq_banded` (then in the unmasked steps only)."""
+    return (self.late_dq and not wide and not ordered
+            and (not banded or self.late_dq_banded)
             and head_dim // _CHUNK == _CONSUMERS
             and not self.writes_dq_by_warp(head_dim, wide)
             and not self.fa3_order(head_dim, value_head_dim))
@@ -560,18 +568,25 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   banded = spec.is_causal or spec.window_left is not None or spec.window_right is not None
   shared_grads = group_split > 1  # dK and dV added with the group's other CTAs
 
-  def walk_steps(step, masked_apart=True):
+  def walk_steps(step, masked_apart=True, after_unmasked=None):
     """``step(i, n, step_index, s, masked=...)`` for every query block i of every query
     head n the CTA walks, head by head, the step_index-th step of the CTA, in ring slot
-    s. ``masked_apart=False`` (the producer's loads, which need no mask) walks each
-    head's blocks in one loop, every step with masked=False."""
+    s; ``after_unmasked(n, step_index)``, where given, after each head's unmasked steps,
+    with the last one's step_index. ``masked_apart=False`` (the producer's loads, which
+    need no mask) walks each head's blocks in one loop, every step with masked=False."""
     def walk_head(g, carry):
       def block(i, carry, *, masked: bool):
         step_index = g * blocks_per_head + i - lo
         step(i, first_head + g, step_index, rem32(step_index, stages), masked=masked)
         return carry
+
+      def after_interior(carry):
+        after_unmasked(first_head + g, g * blocks_per_head + ranges[2] - 1 - lo)
+        return carry
+
       if masked_apart:
-        return walk_block_ranges(ranges, block, carry)
+        return walk_block_ranges(ranges, block, carry,
+                                 None if after_unmasked is None else after_interior)
       return lax.fori_loop(lo, hi, functools.partial(block, masked=False), carry)
     lax.fori_loop(0, heads, walk_head, 0)
 
@@ -827,6 +842,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     k_seg = _key_segments(kv_seg_ref, b, key0, shape)
     fa3_order = blocks.fa3_order(head_dim, value_dim)
     late = atomic_dq and blocks.takes_late_dq(head_dim, value_dim, False, ordered, banded)
+    # With a mask band (`late_dq_banded`) only the unmasked steps take dQ a step late:
+    # each run of them starts at query block full_lo and ends with a flush of its last.
+    full_lo, full_hi = ranges[1], ranges[2]
     plgpu.barrier_wait(kv_loaded)
 
     def compute(dk_acc, dv_acc):
@@ -837,6 +855,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         k_own, v_own = k_smem.at[own], v_smem.at[own]
         mask = (_block_mask(spec, shape, i * bq, key0, kv_length, q_seg_ref, b, k_seg)
                 if masked else None)
+        late_here = late and not (banded and masked)
         if fa3_order:
           plgpu.barrier_wait(q_loaded.at[s])
           plgpu.barrier_wait(do_loaded.at[s])
@@ -855,7 +874,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           plgpu.wgmma(dv_acc, p16, do_tile)
         else:
           plgpu.barrier_wait(q_loaded.at[s])
-          if late:
+          if late_here:
             p, tanh = probabilities_beside_last_dq(i, n, step_index, s, k_own, mask)
           else:
             p, tanh = _probabilities(k_own, q_tile, lse2_ring.at[s], logits, mask)
@@ -870,7 +889,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
           ds_terms = _score_grad_operands(p, dp, tanh, delta_ring.at[s], q_tile.dtype)
         for term in ds_terms:
           plgpu.wgmma(dk_acc, term, q_tile)
-        if late:
+        if late_here:
           hand_over_ds(step_index, ds_terms)
         elif atomic_dq:
           query_grads(i, n, step_index, ds_terms, own)
@@ -888,14 +907,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         plgpu.barrier_arrive(ds_ready.at[buf])
         return buf
 
-      def last_dq_product(step_index, acc):
+      def last_dq_product(step_index, acc, has_previous):
         """Issues this consumer's chunk of the dQ of its step before step_index (`late_dq`)
         into ``acc``, once both halves of that step's dSᵀ are in shared memory, and
-        returns the chunk's index. In the first step there is no step before: the product
-        reads whatever the buffer holds, and nothing sends it."""
+        returns the chunk's index. Where ``has_previous`` is false there is no such step
+        to take: the product reads whatever the buffer holds, and nothing sends it."""
         # step_index + 1 has the parity of the step before and is never negative.
         buf = rem32(step_index + 1, 2)
-        pl.when(step_index > 0)(lambda: plgpu.barrier_wait(ds_ready.at[buf]))
+        pl.when(has_previous)(lambda: plgpu.barrier_wait(ds_ready.at[buf]))
         (c, _), = staged_dq_chunks(step_index + 1, wg, n_chunks)
         dq_product(acc, buf, key_halves(key_block(wg)), pl.ds(c * _CHUNK, _CHUNK))
         return c
@@ -915,14 +934,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       def probabilities_beside_last_dq(i, n, step_index, s, k_own, mask):
         """`_probabilities` of the step, with this consumer's chunk of the step before's
         dQ issued right after Sᵀ: the tensor cores run it while Pᵀ is computed, and it
-        leaves once Pᵀ is (`late_dq`)."""
+        leaves once Pᵀ is (`late_dq`). With a mask band the step before is taken only
+        within the run of unmasked steps (from query block full_lo)."""
+        if banded:
+          has_previous, previous = i > full_lo, (i - 1, n)
+        else:
+          has_previous, previous = step_index > 0, previous_step(i, n)
+
         def send(dq, c):
-          pl.when(step_index > 0)(
-              lambda: send_dq_chunk(dq, dq_smem.at[wg], *previous_step(i, n), c))
+          pl.when(has_previous)(lambda: send_dq_chunk(dq, dq_smem.at[wg], *previous, c))
 
         def products(s_acc, dq_acc):
           plgpu.wgmma(s_acc, k_own, q_ring.at[s].T)
-          c = last_dq_product(step_index, dq_acc)
+          c = last_dq_product(step_index, dq_acc, has_previous)
           qk = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # Sᵀ; the dQ chunk may run
           p, tanh = _scores_to_probabilities(qk, lse2_ring.at[s], logits, mask)
           send(plgpu.wgmma_accumulator_load(dq_acc, wait_n=0), c)
@@ -931,19 +955,25 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         return pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
                              plgpu.ACC((bq, _CHUNK), jnp.float32))
 
-      def last_step_dq():
-        """The dQ chunk of the walk's last step, which no next step computes."""
-        steps = heads * blocks_per_head
-
+      def flush_dq(i, n, step_index):
+        """The dQ chunk of the step_index-th step, query block i of head n, where no next
+        step computes it: the walk's last step, or with a mask band the last of a run of
+        unmasked steps."""
         def product(acc):
-          c = last_dq_product(steps, acc)
+          c = last_dq_product(step_index + 1, acc, True)
           return plgpu.wgmma_accumulator_load(acc, wait_n=0), c
 
-        def send():
-          dq, c = pl.run_scoped(product, plgpu.ACC((bq, _CHUNK), jnp.float32))
-          send_dq_chunk(dq, dq_smem.at[wg], *last_step(), c)
+        dq, c = pl.run_scoped(product, plgpu.ACC((bq, _CHUNK), jnp.float32))
+        send_dq_chunk(dq, dq_smem.at[wg], i, n, c)
 
-        pl.when(steps > 0)(send)
+      def last_step_dq():
+        """`flush_dq` of the walk's last step."""
+        steps = heads * blocks_per_head
+        pl.when(steps > 0)(lambda: flush_dq(*last_step(), steps - 1))
+
+      def flush_unmasked_run(n, step_index):
+        """`flush_dq` of the last of head n's unmasked steps, where it has any."""
+        pl.when(full_hi > full_lo)(lambda: flush_dq(full_hi - 1, n, step_index))
 
       def query_grads(i, n, step_index, ds_terms, own):
         """This consumer's chunks of dQ for query block i of head n: dSᵀ goes to shared
@@ -972,10 +1002,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
             pl.when(owns_chunk(step_index, c))(lambda c=c: add_dq_chunk(
                 chunk, dq_smem.at[wg], i, n, c, wait=c < _CONSUMERS))
 
-      walk_steps(step)
+      walk_steps(step, after_unmasked=flush_unmasked_run if late and banded else None)
       if ordered and not writer:
         signal_last_dq_adds()
-      if late:
+      if late and not banded:
         last_step_dq()
       return dk_acc[...], dv_acc[...]
 
