@@ -78,7 +78,8 @@ SCHEDULE_FLAGS = {"stale": ("fresh_tile_addresses", False),
                   "lateband": ("late_dq_banded", True),
                   "hpc1": ("heads_per_cta", 1),
                   "hpc2": ("heads_per_cta", 2), "hpc4": ("heads_per_cta", 4),
-                  "hpcall": ("heads_per_cta", None)}
+                  "hpcall": ("heads_per_cta", None),
+                  "warp1": ("one_producer_warp", True)}
 
 
 def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes, bool]:

@@ -5,7 +5,8 @@
 
 bfloat16, forward alone. The impl column names the tiles: "q64 kv128 s2" (block_q per
 consumer warpgroup, block_kv, num_stages), "persistent" when one CTA per SM walks the
-work items; cuDNN's row is the yardstick. Each tiling changes the head dim's default
+work items, "one producer warp" when the producer's first warp alone issues the loads;
+cuDNN's row is the yardstick. Each tiling changes the head dim's default
 (`HopperBlockSizes.default`); those that do not fit shared memory at a head dim are rows
 that say so.
 """
@@ -23,7 +24,8 @@ from jaxsoftmax.attention import HopperBlockSizes
 
 SHAPES = TARGET_SHAPES
 SMOKE_SHAPES = [((1, 64, 2, 2, 64, True), jnp.bfloat16)]
-TILINGS = [dict(persistent=False), dict(persistent=True), dict(num_stages=3, persistent=True)]
+TILINGS = [dict(persistent=False), dict(persistent=True), dict(num_stages=3, persistent=True),
+           dict(one_producer_warp=True)]
 
 
 def bench_shape(report: harness.Report, case, dtype):
@@ -34,7 +36,8 @@ def bench_shape(report: harness.Report, case, dtype):
     fn = lambda q, k, v, blocks=blocks: js.dot_product_attention(
         q, k, v, is_causal=causal, block_sizes=blocks, implementation="mosaic_gpu")
     impl = f"q{blocks.block_q} kv{blocks.block_kv} s{blocks.num_stages}"
-    report.measure(mode="fwd", impl=impl + " persistent" * blocks.persistent, fn=fn,
+    impl += " persistent" * blocks.persistent + " one producer warp" * blocks.one_producer_warp
+    report.measure(mode="fwd", impl=impl, fn=fn,
                    arg_sets=[(q, k, v)], flops=flops, **common)
   # cuDNN in the same run, as the yardstick (bench_attention.py measures every peer).
   cudnn, _ = implementations(*case[2:6])["cudnn"]

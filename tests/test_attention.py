@@ -1070,8 +1070,11 @@ HOPPER_BACKWARD_CASES = [
 
 
 # The deterministic backward's two designs (`HopperBackwardBlockSizes.ordered_dq_adds`),
+# the dQ kernel's with both kernels' loads from one producer warp (`one_producer_warp`),
 # the ordered adds also sent by the writer warp (`dq_writer_warp`).
 DETERMINISTIC_DESIGNS = {"dq-kernel": dict(ordered_dq_adds=False),
+                         "dq-kernel-one-producer-warp": dict(ordered_dq_adds=False,
+                                                             one_producer_warp=True),
                          "ordered-adds": dict(ordered_dq_adds=True),
                          "ordered-writer": dict(ordered_dq_adds=True, dq_writer_warp=True),
                          "ordered-writer-2-tiles": dict(ordered_dq_adds=True,
@@ -1090,6 +1093,7 @@ WIDE_BACKWARD_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("design", [
     "dq-kernel",
+    "dq-kernel-one-producer-warp",
     # A wait that never ends hangs the GPU's process (as every case did while the
     # counters were each CTA's own): where pytest-timeout is installed, as on the GPU
     # machine, the test fails after 4 minutes and the stage goes on.
@@ -1213,12 +1217,17 @@ def test_hopper_check_grads_gpu(key):
                                     HopperBlockSizes(64, 128, 3),
                                     HopperBlockSizes(64, 128, 2, persistent=False),
                                     HopperBlockSizes(64, 128, 2, persistent=True),
-                                    HopperBlockSizes(64, 128, 3, persistent=True)],
+                                    HopperBlockSizes(64, 128, 3, persistent=True),
+                                    HopperBlockSizes(64, 128, 2, one_producer_warp=True),
+                                    HopperBlockSizes(64, 128, 3, persistent=True,
+                                                     one_producer_warp=True)],
                          ids=["kv64", "kv64-4stages", "kv128-3stages", "grid", "persistent",
-                              "persistent-3stages"])
+                              "persistent-3stages", "one-producer-warp",
+                              "persistent-one-producer-warp"])
 def test_hopper_block_sizes_gpu(key, blocks):
   # Tiles other than the defaults: a causal diagonal across two key blocks, deeper rings;
-  # both launch schemes (3 stages leave no room for the persistent kernel's output tiles).
+  # both launch schemes (3 stages leave no room for the persistent kernel's output tiles);
+  # the loads from one producer warp.
   _check(*_inputs(key, 2, 1000, 1000, 4, 2, 128, jnp.bfloat16), backend="mosaic_gpu",
          blocks=blocks, interpret=False, is_causal=True,
          key_value_seq_lengths=jnp.array([1000, 613]))
@@ -1231,8 +1240,9 @@ def test_hopper_block_sizes_gpu(key, blocks):
 # one staging tile per consumer, or two), the CTAs taking their tiles in sections of
 # heads that fit L2, each step's dQ chunk computed in that step rather than the next
 # (the default's `late_dq`, which only the cases without a causal mask or window take;
-# with `late_dq_banded` the causal case's unmasked steps too), and each group's query heads over CTAs of one head or two (`heads_per_cta`; the
-# default's 4 splits none of these cases' groups).
+# with `late_dq_banded` the causal case's unmasked steps too), each group's query heads
+# over CTAs of one head or two (`heads_per_cta`; the default's 4 splits none of these
+# cases' groups), and the loads from one producer warp.
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
     "fa3-order": dict(fa3_step_order=True),
@@ -1243,6 +1253,7 @@ BACKWARD_SCHEDULES = {
     "late-dq-banded": dict(late_dq_banded=True),
     "one-head-a-cta": dict(heads_per_cta=1),
     "2-heads-a-cta": dict(heads_per_cta=2),
+    "one-producer-warp": dict(one_producer_warp=True),
 }
 # The schedules that sum dK and dV in another order than the default's (a group's heads
 # in CTAs of their own, whose partial sums are added in the order they finish), so that
@@ -1452,7 +1463,8 @@ def test_triton_kernels_lower_for_cuda(as_if_on_an_h200, dtype, H, Hv, N, K, opt
                    "attention_tangent"}
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+@pytest.mark.parametrize("persistent, one_warp", [(False, False), (True, False), (True, True)],
+                         ids=["grid", "persistent", "persistent-one-producer-warp"])
 @pytest.mark.parametrize("H, Hv, options", [
     (128, 128, dict(is_causal=True)),
     (64, 64, dict(has_segments=True)),
@@ -1461,13 +1473,13 @@ def test_triton_kernels_lower_for_cuda(as_if_on_an_h200, dtype, H, Hv, N, K, opt
     (192, 128, dict(is_causal=True)),  # MLA's head dims: output tiles of their own
     (64, 128, {}),
 ])
-def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent):
+def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent, one_warp):
   # The Hopper kernel cannot run off a GPU (see README), but it lowers for CUDA anywhere:
   # this catches Mosaic GPU API drift in the newest JAX on every CI run.
   B, T, S, N, K = 2, 1000, 777, 4, 2
   spec = MaskSpec(T, S, **options)
   blocks = dataclasses.replace(HopperBlockSizes.default(H, spec.is_causal),
-                               persistent=persistent)
+                               persistent=persistent, one_producer_warp=one_warp)
   i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
   aux = ((None, None, i32((B, T)), i32((B, S))) if spec.has_segments
          else (i32((B,)), i32((B,)), None, None))
@@ -1935,6 +1947,8 @@ def test_bad_input_names_the_argument():
     HopperBlockSizes(block_kv=96)
   with pytest.raises(ValueError, match="persistent must be a bool"):
     HopperBlockSizes(persistent=1)
+  with pytest.raises(ValueError, match="one_producer_warp must be a bool"):
+    HopperBlockSizes(one_producer_warp=1)
   with pytest.raises(TypeError, match="block_sizes must be a BlockSizes or a HopperBlock"):
     attention(q, kv, kv, block_sizes=(64, 64))
 

@@ -94,6 +94,17 @@ def warp_specialized_kernel(body, *, out_type, consumers: int, name: str, softca
                     interpret=plgpu.InterpretGPUParams() if interpret else None, **options)
 
 
+def on_warps(*tasks):
+  """Runs ``tasks[w]`` on warp w of the calling warpgroup (a producer's), each as a
+  single warp; the warpgroup's other warps skip to the kernel's end rather than run
+  through the loads and their waits beside the consumers, as FlashAttention-3's idle
+  producer warps leave."""
+  @plgpu.warp_map
+  def _(warp):
+    for w, task in enumerate(tasks):
+      pl.when(warp == w)(task)
+
+
 @functools.cache
 def _default_device():
   return jax.devices()[0]

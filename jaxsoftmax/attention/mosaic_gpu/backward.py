@@ -59,8 +59,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, per_row, pl, plgpu,
-                                        rem32, warp_specialized_kernel, wgmma_iota)
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, on_warps, pad_to, per_row, pl,
+                                        plgpu, rem32, warp_specialized_kernel,
+                                        wgmma_iota)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
@@ -182,6 +183,14 @@ class HopperBackwardBlockSizes:
       wgmma (docs/kernels.md). Timed on an H100 beside the default's order in one run
       (`attention_backward_late_dq_h100.md`): 572 against 557 TFLOP/s at 4x4096, 595
       against 565 at 1x16384, 565 against 566 on GQA 32/8 (non-causal), so True.
+    one_producer_warp: the producer's loads (of both kernels) issued by its first warp
+      alone (`on_warps`), the other three skipping to the kernel's end, rather than by
+      the whole warpgroup, whose four warps then each run the loads' loop and poll its
+      barriers: on an H100 our kernel kept 11.7 warps an SM active against
+      FlashAttention-3's 9.8, whose idle producer warps leave, and ran about 28 M
+      warp-instructions in the producer of its 325 M, causal at 4x4096
+      (`ncu_attention_backward_causal_*_h100.log`). With the writer warp the loads
+      always take one warp. Not yet timed, so False.
     late_dq_banded: `late_dq` with a causal mask or a window too, in the steps without
       element masks only: a masked step computes its own dQ in the step, and the last
       step of each run of unmasked steps has its chunk computed right after the run, so
@@ -222,6 +231,7 @@ class HopperBackwardBlockSizes:
   l2_sections: bool = False
   late_dq: bool = True
   late_dq_banded: bool = False
+  one_producer_warp: bool = False
   heads_per_cta: int | None = 4
 
   def __post_init__(self):
@@ -1042,14 +1052,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   @pl.when(wg == _CONSUMERS)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-    if not writer:
+    if writer:
+      on_warps(loads, dq_writer)
+    elif blocks.one_producer_warp:
+      on_warps(loads)
+    else:
       loads()
-      return
-
-    @plgpu.warp_map
-    def _(warp):
-      pl.when(warp == 0)(loads)
-      pl.when(warp == 1)(dq_writer)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
@@ -1135,9 +1143,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
     plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[b, rows, n])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == _CONSUMERS)
-  def _producer():
-    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+  def loads():
     for c in range(_CONSUMERS):
       rows = (b, pl.ds(q0 + c * bq, bq), n)
       plgpu.copy_gmem_to_smem(q_ref.at[rows], q_tiles.at[c], q_loaded.at[c])
@@ -1152,6 +1158,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_ring.at[s], k_loaded.at[s])
       pl.when(j - lo >= stages)(lambda: plgpu.barrier_wait(v_free.at[s]))
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_ring.at[s], v_loaded.at[s])
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    if blocks.one_producer_warp:
+      on_warps(loads)
+    else:
+      loads()
 
 
 def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: float,

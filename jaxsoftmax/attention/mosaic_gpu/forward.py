@@ -44,8 +44,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax._core import pallas
-from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, per_row, pl, plgpu,
-                                        rem32, warp_specialized_kernel, wgmma_iota)
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, on_warps, pad_to, per_row, pl,
+                                        plgpu, rem32, warp_specialized_kernel,
+                                        wgmma_iota)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, join_sink
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
@@ -71,12 +72,17 @@ class HopperBlockSizes:
     persistent: one CTA per SM, each walking the (batch row, head, query tile) items
       i, i + SMs, i + 2 · SMs, ... with its K/V ring running on from one item into the
       next, instead of one CTA per item.
+    one_producer_warp: the producer's loads issued by its first warp alone
+      (`on_warps`), the other three skipping to the kernel's end, rather than by all
+      four, each running the loads' loop and polling its barriers beside the consumers
+      (FlashAttention-3's idle producer warps leave). Not yet timed, so False.
   """
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
   persistent: bool = False
+  one_producer_warp: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv"):
@@ -87,9 +93,10 @@ class HopperBlockSizes:
     if not (isinstance(self.num_stages, int) and self.num_stages >= 2):
       raise ValueError(f"HopperBlockSizes.num_stages must be an int >= 2, got "
                        f"{self.num_stages!r}")
-    if not isinstance(self.persistent, bool):
-      raise ValueError(f"HopperBlockSizes.persistent must be a bool, got "
-                       f"{self.persistent!r}")
+    for name in ("persistent", "one_producer_warp"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"HopperBlockSizes.{name} must be a bool, got "
+                         f"{getattr(self, name)!r}")
 
   @classmethod
   def default(cls, head_dim: int, is_causal: bool = False) -> "HopperBlockSizes":
@@ -399,7 +406,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
       pl.loop(lo + 1, hi)(load_kv)
       return issued + (hi - lo)
 
-    work.for_each(item_body, jnp.int32(0))
+    def loads():
+      work.for_each(item_body, jnp.int32(0))
+
+    if blocks.one_producer_warp:
+      on_warps(loads)
+    else:
+      loads()
 
 
 def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, scale: float,
