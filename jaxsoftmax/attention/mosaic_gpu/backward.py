@@ -183,6 +183,13 @@ class HopperBackwardBlockSizes:
       wgmma (docs/kernels.md). Timed on an H100 beside the default's order in one run
       (`attention_backward_late_dq_h100.md`): 572 against 557 TFLOP/s at 4x4096, 595
       against 565 at 1x16384, 565 against 566 on GQA 32/8 (non-causal), so True.
+    late_dq_banded: `late_dq` with a causal mask or a window too, in the steps without
+      element masks only: a masked step computes its own dQ in the step, and the last
+      step of each run of unmasked steps has its chunk computed right after the run, so
+      that no masked step holds a pending dQ product beside its mask. Offline, causal,
+      ptxas spills 4 bytes at 4x4096 (as the default) and 56 on GQA 32/8 and 32/4
+      (against 64 and 68), and serializes no wgmma (docs/kernels.md). Not yet timed,
+      so False.
     one_producer_warp: the producer's loads (of both kernels) issued by its first warp
       alone (`on_warps`), the other three skipping to the kernel's end, rather than by
       the whole warpgroup, whose four warps then each run the loads' loop and poll its
@@ -191,11 +198,6 @@ class HopperBackwardBlockSizes:
       warp-instructions in the producer of its 325 M, causal at 4x4096
       (`ncu_attention_backward_causal_*_h100.log`). With the writer warp the loads
       always take one warp. Not yet timed, so False.
-    late_dq_banded: `late_dq` with a causal mask or a window too, in the steps without
-      element masks only: a masked step computes its own dQ in the step, and the last
-      step of each run of unmasked steps has its chunk computed right after the run, so
-      that no masked step holds a pending dQ product beside its mask. Not yet timed, so
-      False.
     heads_per_cta: GQA: at most how many query heads of a K/V head's group each dK/dV
       CTA walks (None: all of them). Past it the group is split over the fewest CTAs
       that bring each to at most this many heads (`group_split`). Causal, key tile k
