@@ -72,14 +72,15 @@ SCHEDULE_FLAGS = {"stale": ("fresh_tile_addresses", False),
                   "fa3": ("fa3_step_order", True), "nofa3": ("fa3_step_order", False),
                   "wide": ("split_keys_width", 2 * mosaic_backward.SPLIT_KEYS_HEAD_DIM),
                   "ordered": ("ordered_dq_adds", True),
+                  "dqkernel": ("ordered_dq_adds", False),
                   "writer": ("dq_writer_warp", True), "nowriter": ("dq_writer_warp", False),
                   "stage2": ("dq_staging_tiles", 2), "l2": ("l2_sections", True),
                   "late": ("late_dq", True), "nolate": ("late_dq", False),
-                  "lateband": ("late_dq_banded", True),
+                  "nolateband": ("late_dq_banded", False),
                   "hpc1": ("heads_per_cta", 1),
                   "hpc2": ("heads_per_cta", 2), "hpc4": ("heads_per_cta", 4),
                   "hpcall": ("heads_per_cta", None),
-                  "warp1": ("one_producer_warp", True)}
+                  "warpgroup": ("one_producer_warp", False)}
 
 
 def parse_schedule(spec: str) -> tuple[mosaic_backward.HopperBackwardBlockSizes, bool]:
@@ -108,7 +109,8 @@ def our_backward(name: str, q, k, v, causal: bool) -> str:
                                      deterministic=deterministic)
   if backward != "mosaic_gpu":
     return {"triton": "Triton backward"}.get(backward, f"{backward} backward")
-  if deterministic and not mosaic_backward.BLOCKS.ordered_dq_adds:
+  pads = [mosaic_backward.wgmma_head_dim(x.shape[-1]) for x in (q, v)]
+  if deterministic and not mosaic_backward.BLOCKS.orders_dq_adds(*pads):
     return "Hopper backward, dQ kernel"
   return "Hopper backward, dQ by atomic adds" + (" in a fixed order" if deterministic else "")
 

@@ -1069,18 +1069,21 @@ HOPPER_BACKWARD_CASES = [
 ]
 
 
-# The deterministic backward's two designs (`HopperBackwardBlockSizes.ordered_dq_adds`),
-# the dQ kernel's with both kernels' loads from one producer warp (`one_producer_warp`),
-# the ordered adds also sent by the writer warp (`dq_writer_warp`).
-DETERMINISTIC_DESIGNS = {"dq-kernel": dict(ordered_dq_adds=False),
-                         "dq-kernel-one-producer-warp": dict(ordered_dq_adds=False,
-                                                             one_producer_warp=True),
+# The deterministic backward's two designs (`HopperBackwardBlockSizes.ordered_dq_adds`;
+# the default's takes the dQ kernel up to head dim 128, the ordered adds above), the dQ
+# kernel's with both kernels' loads from the whole producer warpgroup (the default
+# before `one_producer_warp`), the ordered adds also sent by the writer warp
+# (`dq_writer_warp`).
+DETERMINISTIC_DESIGNS = {"default": {},
+                         "dq-kernel-loads-by-warpgroup": dict(ordered_dq_adds=False,
+                                                              one_producer_warp=False),
                          "ordered-adds": dict(ordered_dq_adds=True),
                          "ordered-writer": dict(ordered_dq_adds=True, dq_writer_warp=True),
                          "ordered-writer-2-tiles": dict(ordered_dq_adds=True,
                                                         dq_writer_warp=True,
                                                         dq_staging_tiles=2)}
-# Head dims above 128, which only the ordered adds' design takes deterministically.
+# Head dims above 128, which only the ordered adds' design takes deterministically (the
+# default's design there: `orders_dq_adds`).
 WIDE_BACKWARD_CASES = [
     pytest.param(2, 1000, 1000, 8, 2, 256, jnp.bfloat16, dict(is_causal=True),
                  id="causal-gqa-H256"),
@@ -1092,8 +1095,8 @@ WIDE_BACKWARD_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("design", [
-    "dq-kernel",
-    "dq-kernel-one-producer-warp",
+    "default",
+    "dq-kernel-loads-by-warpgroup",
     # A wait that never ends hangs the GPU's process (as every case did while the
     # counters were each CTA's own): where pytest-timeout is installed, as on the GPU
     # machine, the test fails after 4 minutes and the stage goes on.
@@ -1109,12 +1112,12 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N,
   # float64 by the 2x rule and identical in two runs; the ordered adds' dK and dV are
   # the default's (the same products in the same order, the key tiles only launched in
   # reverse).
-  ordered = DETERMINISTIC_DESIGNS[design]["ordered_dq_adds"]
+  blocks = dataclasses.replace(mosaic_backward.BLOCKS, **DETERMINISTIC_DESIGNS[design])
+  ordered = blocks.orders_dq_adds(H, H)  # H is 64, 96 (padded to 128), 128, 192 or 256
   if H > 128 and not ordered:
     pytest.skip("the dQ kernel takes head dims up to 128")
   inputs = _inputs(key, B, T, S, N, K, H, dtype)
-  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
-      mosaic_backward.BLOCKS, **DETERMINISTIC_DESIGNS[design]))
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", blocks)
   first = _check(*inputs, backend="mosaic_gpu", interpret=False, deterministic=True,
                  **options)
   second = _check(*inputs, backend="mosaic_gpu", interpret=False, deterministic=True,
@@ -1239,10 +1242,10 @@ def test_hopper_block_sizes_gpu(key, blocks):
 # FlashAttention-3's step order at head dims up to 128, dQ sent by a writer warp (from
 # one staging tile per consumer, or two), the CTAs taking their tiles in sections of
 # heads that fit L2, each step's dQ chunk computed in that step rather than the next
-# (the default's `late_dq`, which only the cases without a causal mask or window take;
-# with `late_dq_banded` the causal case's unmasked steps too), each group's query heads
-# over CTAs of one head or two (`heads_per_cta`; the default's 4 splits none of these
-# cases' groups), and the loads from one producer warp.
+# (the default's `late_dq` at head dim 128; without `late_dq_banded`, in the unmasked
+# steps of a causal mask or window only), each group's query heads over CTAs of one
+# head or two (`heads_per_cta`; the default's 4 splits none of these cases' groups),
+# and the loads from the whole producer warpgroup rather than one warp.
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
     "fa3-order": dict(fa3_step_order=True),
@@ -1250,10 +1253,10 @@ BACKWARD_SCHEDULES = {
     "dq-writer-2-tiles": dict(dq_writer_warp=True, dq_staging_tiles=2),
     "l2-sections": dict(l2_sections=True),
     "no-late-dq": dict(late_dq=False),
-    "late-dq-banded": dict(late_dq_banded=True),
+    "no-late-dq-banded": dict(late_dq_banded=False),
     "one-head-a-cta": dict(heads_per_cta=1),
     "2-heads-a-cta": dict(heads_per_cta=2),
-    "one-producer-warp": dict(one_producer_warp=True),
+    "loads-by-warpgroup": dict(one_producer_warp=False),
 }
 # The schedules that sum dK and dV in another order than the default's (a group's heads
 # in CTAs of their own, whose partial sums are added in the order they finish), so that
@@ -1338,14 +1341,15 @@ def test_late_dq_gpu(key, monkeypatch, B, T, S, N, K, H, dtype):
                  id="causal-group8-H128"),
 ])
 def test_late_dq_banded_gpu(key, monkeypatch, B, T, S, N, K, H, dtype, options):
-  # late_dq_banded: with a causal mask or a window, each unmasked step's dQ a step late,
-  # each run of them flushed before the masked steps after it (the band's diagonal, a
-  # row's end, the next head's first blocks), against each step's dQ in that step: the
-  # 2x rule, and dK and dV identical (their products are the same, in the same order).
+  # The default's late_dq_banded: with a causal mask or a window, each unmasked step's
+  # dQ a step late, each run of them flushed before the masked steps after it (the
+  # band's diagonal, a row's end, the next head's first blocks), against each step's dQ
+  # in that step: the 2x rule, and dK and dV identical (their products are the same, in
+  # the same order).
   inputs = _inputs(key, B, T, S, N, K, H, dtype)
   *_, dk0, dv0 = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
-      mosaic_backward.BLOCKS, late_dq_banded=True))
+      mosaic_backward.BLOCKS, late_dq_banded=False))
   *_, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
   np.testing.assert_array_equal(dk, dk0)
   np.testing.assert_array_equal(dv, dv0)
@@ -1499,8 +1503,10 @@ def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent, one_warp):
 
 
 @pytest.mark.parametrize("deterministic, grad_dtype, ordered", [
-    (False, None, False), (True, None, False), (True, None, True), (False, jnp.float32, False),
-], ids=["atomic", "deterministic", "deterministic-ordered", "float32-grads"])
+    (False, None, None), (True, None, None), (True, None, False), (True, None, True),
+    (False, jnp.float32, None),
+], ids=["atomic", "deterministic", "deterministic-dq-kernel", "deterministic-ordered",
+        "float32-grads"])
 @pytest.mark.parametrize("H, dtype, options", [
     (128, jnp.bfloat16, dict(is_causal=True)),
     (64, jnp.float16, dict(has_segments=True)),
@@ -1513,10 +1519,11 @@ def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent, one_warp):
 def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_dtype,
                                          ordered, monkeypatch):
   # As the forward above: the Hopper backward lowers for CUDA on any machine (above head
-  # dim 128 its wide design; deterministic calls there take the Triton backward, save
-  # with the ordered adds). H may be a pair (query and key, value head dims).
+  # dim 128 its wide design; deterministic calls by default in the dQ kernel up to head
+  # dim 128 and by the ordered adds above). H may be a pair (query and key, value head
+  # dims).
   H, Hv = H if isinstance(H, tuple) else (H, H)
-  if deterministic and not ordered and max(H, Hv) > 128:
+  if deterministic and ordered is False and max(H, Hv) > 128:
     pytest.skip("the deterministic Hopper backward's dQ kernel takes head dims up to 128")
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, ordered_dq_adds=ordered))
@@ -1532,9 +1539,9 @@ def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_
     pytest.param("no-late-dq", 128, jnp.bfloat16, {}, id="no-late-dq-H128"),
     pytest.param("no-late-dq", 96, jnp.float16, dict(has_segments=True),
                  id="no-late-dq-segments-H96-float16"),
-    pytest.param("late-dq-banded", 128, jnp.float16,
+    pytest.param("no-late-dq-banded", 128, jnp.float16,
                  dict(has_segments=True, window_left=100, window_right=20),
-                 id="late-dq-banded-segments-window-H128-float16"),
+                 id="no-late-dq-banded-segments-window-H128-float16"),
     pytest.param("2-heads-a-cta", 64, jnp.float16,
                  dict(has_segments=True, window_left=100, window_right=20),
                  id="2-heads-a-cta-segments-window-H64-float16"),
@@ -1654,9 +1661,9 @@ def test_late_dq_applies_where_it_compiles_without_spills():
   assert late.takes_late_dq(128, 128, False, False, False)
   assert not dataclasses.replace(late, late_dq=False).takes_late_dq(
       128, 128, False, False, False)
-  assert not late.takes_late_dq(128, 128, False, False, True)  # causal or a window
-  assert dataclasses.replace(late, late_dq_banded=True).takes_late_dq(
-      128, 128, False, False, True)  # there in the unmasked steps only
+  assert late.takes_late_dq(128, 128, False, False, True)  # causal or a window:
+  assert not dataclasses.replace(late, late_dq_banded=False).takes_late_dq(
+      128, 128, False, False, True)  # there in the unmasked steps only, by late_dq_banded
   assert not late.takes_late_dq(128, 128, False, True, False)  # ordered adds
   assert not late.takes_late_dq(64, 64, False, False, False)  # one chunk a step
   assert not late.takes_late_dq(256, 256, True, False, False)  # the wide design
@@ -1986,7 +1993,7 @@ def test_backend_declarations(monkeypatch):
   assert "no interpret mode" in mosaic.unsupported(_call(interpret=True))
   assert "head dims up to 256" in mosaic.unsupported(_call(H=320))
   # A value head dim of its own: the Hopper forward and backward, the deterministic one
-  # up to head dim 128.
+  # too (its dQ kernel up to head dim 128, the ordered adds above).
   asymmetric = dataclasses.replace(_call(H=192), Hv=128)
   assert mosaic.unsupported(asymmetric) is None and triton.unsupported(asymmetric) is None
   assert api.select_backend(None, asymmetric) is mosaic
@@ -1994,8 +2001,7 @@ def test_backend_declarations(monkeypatch):
   narrow = dataclasses.replace(_call(H=64), Hv=128, deterministic=True)
   assert mosaic.backward_unsupported(narrow) is None
   assert api.select_backward(narrow, "mosaic_gpu") is mosaic
-  assert "up to 128 (its dQ kernel's K/V ring), got 192" in mosaic.backward_unsupported(
-      dataclasses.replace(asymmetric, deterministic=True))
+  assert mosaic.backward_unsupported(dataclasses.replace(asymmetric, deterministic=True)) is None
   assert "256, got 128 (query, key) and 320 (value)" in mosaic.unsupported(
       dataclasses.replace(_call(), Hv=320))
   assert "256, got 128 (query, key), 320 (value)" in triton.unsupported(
@@ -2007,17 +2013,22 @@ def test_backend_declarations(monkeypatch):
   assert api.select_backend(None, hopper_tiles) is mosaic
   assert "take jaxsoftmax.BlockSizes" in triton.unsupported(hopper_tiles)
   assert api.select_backend(None, _call(block_sizes=SMALL_BLOCKS)) is triton
-  # The Hopper forward's own backward at every head dim it runs, deterministic up to
-  # head dim 128; the Triton backward differentiates deterministic calls above.
+  # The Hopper forward's own backward at every head dim it runs, deterministic calls too
+  # (above head dim 128 by the ordered adds); the dQ kernel alone takes up to 128.
   for H in (64, 80, 128, 192, 256):
     for dtype in ("bfloat16", "float16"):
       assert api.select_backward(_call(H=H, dtype=dtype), "mosaic_gpu") is mosaic, (H, dtype)
   deterministic = dataclasses.replace(_call(), deterministic=True)
   assert api.select_backward(deterministic, "mosaic_gpu") is mosaic
   wide_deterministic = dataclasses.replace(_call(H=192), deterministic=True)
+  assert mosaic.backward_unsupported(wide_deterministic) is None
+  assert api.select_backward(wide_deterministic, "mosaic_gpu") is mosaic
+  dq_kernel = dataclasses.replace(mosaic_backward.BLOCKS, ordered_dq_adds=False)
   assert "deterministic Hopper backward takes head dims up to 128" in (
-      mosaic.backward_unsupported(wide_deterministic))
-  assert api.select_backward(wide_deterministic, "mosaic_gpu") is triton
+      mosaic_backward.unsupported(192, "bfloat16", True, blocks=dq_kernel))
+  assert mosaic_backward.BLOCKS.orders_dq_adds(256, 256)
+  assert not mosaic_backward.BLOCKS.orders_dq_adds(128, 128)
+  assert mosaic_backward.BLOCKS.orders_dq_adds(192, 128)
   assert api.select_backward(_call(), "triton") is triton
 
 

@@ -4,8 +4,8 @@ Pallas Mosaic GPU, for compute capability 9.x (H100, H200).
 The forward and the backward take bfloat16 and float16 inputs and head dims up to 256
 (padded to a multiple of 64), and a value head dim other than the queries'. The backward
 sums dQ with atomic adds, or, with ``deterministic=True``, takes it from a kernel of its
-own (head dims up to 128). Its residuals are the Triton forward's, so the Triton backward
-differentiates what this one does not (deterministic calls above head dim 128). It has
+own (head dims up to 128) or orders the adds (above). Its residuals are the Triton
+forward's, so the Triton backward could differentiate what this one does not. It has
 no interpret mode (see `jaxsoftmax._core.mosaic_gpu`).
 """
 
@@ -84,7 +84,8 @@ def backward_unsupported(call: Call) -> str | None:
 def bwd(q, k, v, o, m, log2_l, do, aux_arrays, call: Call, *, grad_dtype=None,
         delta=None):
   """(dq, dk, dv) from this forward's residuals; see `mosaic_gpu.backward`
-  (``call.deterministic``: dQ from a kernel of its own instead of atomic adds)."""
+  (``call.deterministic``: dQ from a kernel of its own, or atomic adds in a fixed
+  order, instead of atomic adds)."""
   return _backward.backward(q, k, v, o, m, log2_l, do, aux_arrays, spec=call.spec,
                             scale=call.scale, softcap=call.softcap,
                             deterministic=call.deterministic, grad_dtype=grad_dtype,

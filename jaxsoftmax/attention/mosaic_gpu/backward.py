@@ -35,13 +35,13 @@ computed twice, so a block pair costs 6 tile products, three a consumer. On the 
 (`benchmarks/results/attention_backward.md`).
 
 The order of the adds into dQ varies from run to run: results agree to float32 rounding,
-not bit for bit. ``deterministic=True`` (head dims up to 128) runs the same kernel
+not bit for bit. ``deterministic=True`` at head dims up to 128 runs the same kernel
 without dQ and then a dQ kernel of its own (one CTA per query tile, laid out as the
 forward, recomputing S and dP: 7 tile products per block pair). On the H200 it
 measured 0.80x-0.88x the atomic design's speed on the causal and GQA shapes
 (`benchmarks/results/tuning/attention_backward_schedules.md`), so the atomic design is
-the default and this one serves deterministic calls. A second deterministic design, not
-yet run on a GPU, keeps the atomic kernel and orders each query block's adds
+the default and this one serves deterministic calls. Above head dim 128 deterministic
+calls keep the atomic kernel and order each query block's adds
 (`HopperBackwardBlockSizes.ordered_dq_adds`, docs/kernels.md).
 
 Masks as in the forward: element masks only on the boundary query blocks, and on every
@@ -126,16 +126,20 @@ class HopperBackwardBlockSizes:
       gradients a thread (its spills: docs/kernels.md): 395 and 437 TFLOP/s causal and
       not, against the wide design's 290 and 302.
     ordered_dq_adds: the design of ``deterministic=True``. False: dK/dV without dQ, then
-      a dQ kernel of its own (7 tile products a block pair). True: the atomic design's
-      one kernel, each query block's dQ adds put in a fixed order (FlashAttention-3's
-      deterministic backward): key tiles add their chunk of a query block from the last
-      key tile down, each waiting on a counter in global memory until the tiles after
-      it have added theirs (`last_key_tiles`). The CTAs launch in that order (the last
-      key tile first), so every tile waited on has started; causal, the later key tiles
-      reach a query block first. Any head dim the atomic design takes. It passes its
-      GPU tests, but on an H100 it ran at 0.58x the atomic default where the dQ kernel
-      runs at 0.86x (`benchmarks/results/tuning/attention_backward_ordered_h100.md`),
-      so False stays the default.
+      a dQ kernel of its own (7 tile products a block pair; head dims up to
+      `SPLIT_KEYS_HEAD_DIM`, its K/V ring). True: the atomic design's one kernel, each
+      query block's dQ adds put in a fixed order (FlashAttention-3's deterministic
+      backward): key tiles add their chunk of a query block from the last key tile
+      down, each waiting on a counter in global memory until the tiles after it have
+      added theirs (`last_key_tiles`). The CTAs launch in that order (the last key tile
+      first), so every tile waited on has started; causal, the later key tiles reach a
+      query block first. Any head dim the atomic design takes. None (`orders_dq_adds`):
+      the dQ kernel where it takes the head dims, the ordered adds above. On an H100 at
+      head dim 128 the ordered adds ran at 0.58x the atomic default where the dQ kernel
+      runs at 0.86x (`benchmarks/results/tuning/attention_backward_ordered_h100.md`); at
+      2x8192x16x256 they ran at 273 TFLOP/s against the Triton backward's 179, which
+      took those calls before, and the atomic default's 369
+      (`attention_backward_deterministic_h256_h100.md`).
     dq_writer_warp: in the split-keys design with dQ added in the kernel (the atomic
       default and ``ordered_dq_adds``), a consumer stages its dQ chunk in shared memory
       and signals a barrier, and one warp of the producer warpgroup sends the chunks out
@@ -187,9 +191,9 @@ class HopperBackwardBlockSizes:
       element masks only: a masked step computes its own dQ in the step, and the last
       step of each run of unmasked steps has its chunk computed right after the run, so
       that no masked step holds a pending dQ product beside its mask. Offline, causal,
-      ptxas spills 4 bytes at 4x4096 (as the default) and 56 on GQA 32/8 and 32/4
-      (against 64 and 68), and serializes no wgmma (docs/kernels.md). Not yet timed,
-      so False.
+      ptxas spills 4 bytes at 4x4096 (as each step's own dQ) and 56 on GQA 32/8 and
+      32/4 (against 64 and 68), and serializes no wgmma (docs/kernels.md). Timed with
+      `one_producer_warp` below.
     one_producer_warp: the producer's loads (of both kernels) issued by its first warp
       alone (`on_warps`), the other three skipping to the kernel's end, rather than by
       the whole warpgroup, whose four warps then each run the loads' loop and poll its
@@ -197,7 +201,12 @@ class HopperBackwardBlockSizes:
       FlashAttention-3's 9.8, whose idle producer warps leave, and ran about 28 M
       warp-instructions in the producer of its 325 M, causal at 4x4096
       (`ncu_attention_backward_causal_*_h100.log`). With the writer warp the loads
-      always take one warp. Not yet timed, so False.
+      always take one warp. Timed on an H100 in two runs beside each other
+      (`benchmarks/results/tuning/attention_backward_lateband_warp1_h100.md`), with
+      `late_dq_banded`, causal: 526 and 527 TFLOP/s against 502 and 503 at 4x4096,
+      640 and 624 against 606 and 585 at 1x16384, 524 against 512 at 4x4096 32/32,
+      level (within 2%) on GQA 32/8 and 32/4 and at head dim 64; either alone gained
+      less or lost. So both True.
     heads_per_cta: GQA: at most how many query heads of a K/V head's group each dK/dV
       CTA walks (None: all of them). Past it the group is split over the fewest CTAs
       that bring each to at most this many heads (`group_split`). Causal, key tile k
@@ -227,13 +236,13 @@ class HopperBackwardBlockSizes:
   fresh_tile_addresses: bool = True
   fa3_step_order: bool | None = None
   split_keys_width: int = 192 + 128  # MLA's head dims
-  ordered_dq_adds: bool = False
+  ordered_dq_adds: bool | None = None
   dq_writer_warp: bool = False
   dq_staging_tiles: int = 1
   l2_sections: bool = False
   late_dq: bool = True
-  late_dq_banded: bool = False
-  one_producer_warp: bool = False
+  late_dq_banded: bool = True
+  one_producer_warp: bool = True
   heads_per_cta: int | None = 4
 
   def __post_init__(self):
@@ -250,6 +259,13 @@ class HopperBackwardBlockSizes:
     if self.fa3_step_order is not None:
       return self.fa3_step_order
     return head_dim + value_head_dim > 2 * SPLIT_KEYS_HEAD_DIM
+
+  def orders_dq_adds(self, head_dim: int, value_head_dim: int) -> bool:
+    """Whether deterministic calls take `ordered_dq_adds` at these padded head dims: as
+    set, or by default where the dQ kernel cannot, past `SPLIT_KEYS_HEAD_DIM`."""
+    if self.ordered_dq_adds is not None:
+      return self.ordered_dq_adds
+    return max(head_dim, value_head_dim) > SPLIT_KEYS_HEAD_DIM
 
   def writes_dq_by_warp(self, head_dim: int, wide: bool) -> bool:
     """Whether `dq_writer_warp` applies at this padded head dim: in the split-keys design,
@@ -411,7 +427,8 @@ def unsupported(head_dim: int, dtype, deterministic: bool = False,
   widest = max(head_dim, value_head_dim)
   if wgmma_head_dim(widest) > MAX_HEAD_DIM:
     return f"the Hopper backward takes head dims up to {MAX_HEAD_DIM}, got {widest}"
-  if (deterministic and not blocks.ordered_dq_adds
+  if (deterministic
+      and not blocks.orders_dq_adds(wgmma_head_dim(head_dim), wgmma_head_dim(value_head_dim))
       and wgmma_head_dim(widest) > SPLIT_KEYS_HEAD_DIM):
     return (f"the deterministic Hopper backward takes head dims up to "
             f"{SPLIT_KEYS_HEAD_DIM} (its dQ kernel's K/V ring), got {widest}")
@@ -1176,7 +1193,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   """(dq, dk, dv) in the inputs' dtype, from the forward's inputs (bfloat16 or float16),
   its output o (float32 where the forward wrote one) and row statistics m and log2_l
   (B, N, T); ``aux_arrays`` as the forward takes them. ``deterministic``: dQ the same
-  from run to run, by ``blocks.ordered_dq_adds``' design: from a kernel of its own (7
+  from run to run, by ``blocks.orders_dq_adds``' design: from a kernel of its own (7
   tile products per block pair instead of 5), or by atomic adds in a fixed order.
   ``grad_dtype=jnp.float32``: the gradients in float32 (partial gradients that are
   summed afterwards, as context parallelism's); ``delta``: rowsum(dO ∘ O) (B, N, T)
@@ -1194,7 +1211,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   if why is not None:
     raise ValueError(why)
   terms = score_grad_term_count(q.dtype)
-  ordered = deterministic and blocks.ordered_dq_adds
+  ordered = deterministic and blocks.orders_dq_adds(H_pad, Hv_pad)
   atomic_dq = ordered or not deterministic
   wide = blocks.wide(H_pad, Hv_pad, q.dtype.itemsize, terms)
   if wide and blocks.num_stages != 2:
