@@ -645,7 +645,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       only the Triton backend has one.
     deterministic: gradients bit-identical from run to run. The Hopper backward sums
       dQ with atomic adds, whose order varies (results agree to float32 rounding);
-      True takes dQ from a separate kernel instead. None: True when XLA_FLAGS holds
+      True takes dQ from a separate kernel instead (above head dim 128, the same adds
+      in a fixed order). None: True when XLA_FLAGS holds
       ``--xla_gpu_deterministic_ops=true`` (or ``..._exclude_nondeterministic_ops``).
     sinks: optional attention sinks, (N,) floating: one logit per query head that joins
       each of its rows' softmax without a value (gpt-oss), in the logits' units (after

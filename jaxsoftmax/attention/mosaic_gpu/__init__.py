@@ -4,9 +4,9 @@ Pallas Mosaic GPU, for compute capability 9.x (H100, H200).
 The forward and the backward take bfloat16 and float16 inputs and head dims up to 256
 (padded to a multiple of 64), and a value head dim other than the queries'. The backward
 sums dQ with atomic adds, or, with ``deterministic=True``, takes it from a kernel of its
-own (head dims up to 128) or orders the adds (above). Its residuals are the Triton
-forward's, so the Triton backward could differentiate what this one does not. It has
-no interpret mode (see `jaxsoftmax._core.mosaic_gpu`).
+own (head dims up to 128) or puts the adds in a fixed order (above). Its residuals are
+the Triton forward's, so that the Triton backward can take its calls too. It has no
+interpret mode (see `jaxsoftmax._core.mosaic_gpu`).
 """
 
 from __future__ import annotations

@@ -75,7 +75,10 @@ class HopperBlockSizes:
     one_producer_warp: the producer's loads issued by its first warp alone
       (`on_warps`), the other three skipping to the kernel's end, rather than by all
       four, each running the loads' loop and polling its barriers beside the consumers
-      (FlashAttention-3's idle producer warps leave). Not yet timed, so False.
+      (FlashAttention-3's idle producer warps leave). On an H100 it ran level with the
+      warpgroup's loads (647 against 647 TFLOP/s at 4x4096, 680 against 692 at head dim
+      256: `benchmarks/results/tuning/tune_attention_hopper_one_producer_warp_h100.md`),
+      so False. (The backward's, where it gains, is on: `HopperBackwardBlockSizes`.)
   """
 
   block_q: int = 64
