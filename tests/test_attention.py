@@ -1136,6 +1136,23 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N,
     np.testing.assert_array_equal(first[4], dv)
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(240, method="thread")
+def test_hopper_deterministic_mla_gpu(key):
+  # MLA's 192 / 128 in bfloat16, deterministic: the split-keys design with the ordered
+  # adds (`orders_dq_adds` above head dim 128), three dQ chunks a step between two
+  # consumers (one of them counting two). The 2x rule against float64, identical in
+  # two runs.
+  q, k, v, do = _inputs(key, 2, 700, 700, 8, 2, 192, jnp.bfloat16)
+  inputs = (q, k, v[..., :128], do[..., :128])
+  first = _check(*inputs, backend="mosaic_gpu", interpret=False, deterministic=True,
+                 is_causal=True)
+  second = _check(*inputs, backend="mosaic_gpu", interpret=False, deterministic=True,
+                  is_causal=True)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("T, S, options", [
     (1000, 1000, dict(is_causal=True)),
     (513, 700, dict(window_left=100, window_right=20)),
