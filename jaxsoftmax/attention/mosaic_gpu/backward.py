@@ -206,7 +206,7 @@ class HopperBackwardBlockSizes:
       `late_dq_banded`, causal: 526 and 527 TFLOP/s against 502 and 503 at 4x4096,
       640 and 624 against 606 and 585 at 1x16384, 524 against 512 at 4x4096 32/32;
       level on GQA 32/8 and at head dim 64, 0.99x and 1.06x on GQA 32/4 at 2x8192 (the
-      two runs' spread); either alone gained less or lost. So both True.
+      two runs' spread); on causal MHA either alone gained less or lost. So both True.
     heads_per_cta: GQA: at most how many query heads of a K/V head's group each dK/dV
       CTA walks (None: all of them). Past it the group is split over the fewest CTAs
       that bring each to at most this many heads (`group_split`). Causal, key tile k
