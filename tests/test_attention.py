@@ -1763,6 +1763,8 @@ def _lower_backward(H, Hv, dtype, options, **kwargs):
           *(a for a in aux if a is not None))
   traced = jax.jit(backward).trace(*args)
   assert [o.shape for o in traced.out_info] == [(B, T, N, H), (B, S, K, H), (B, S, K, Hv)]
+  grad_dtype = kwargs.get("grad_dtype") or dtype
+  assert all(o.dtype == grad_dtype for o in traced.out_info)
   assert "attention_backward_mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 

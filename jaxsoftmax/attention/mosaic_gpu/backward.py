@@ -1350,8 +1350,6 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     dk, dv = dkdv_kernel(*inputs)
     if stored_parts:
       dk, dv = (sum_group_parts(x, K) for x in (dk, dv))
-      if not float32_grads:
-        dk, dv = dk.astype(q.dtype), dv.astype(q.dtype)
     dq = warp_specialized_kernel(
         functools.partial(_dq_kernel, **statics),
         consumers=_CONSUMERS, name="attention_backward_dq_mosaic_gpu", softcap=softcap,
@@ -1379,10 +1377,10 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
                     for width in (H_pad, Hv_pad))
       dkdv_kernel(*inputs, *order_inputs, dq32, dk32, dv32)
       dk, dv = jax.freeze(dk32), jax.freeze(dv32)
-      if not float32_grads:
-        dk, dv = dk.astype(q.dtype), dv.astype(q.dtype)
     else:
       dk, dv = dkdv_kernel(*inputs, *order_inputs, dq32)
     dq = jax.freeze(dq32) * scale
     dq = dq if float32_grads else dq.astype(q.dtype)
+  if split > 1 and not float32_grads:  # the group's float32 sums, in the inputs' dtype
+    dk, dv = dk.astype(q.dtype), dv.astype(q.dtype)
   return dq[:, :T, :, :H], dk[:, :S, :, :H], dv[:, :S, :, :Hv]
