@@ -80,7 +80,6 @@ SCHEDULE_FLAGS = {"stale": ("fresh_tile_addresses", False),
                   "hpc1": ("heads_per_cta", 1),
                   "hpc2": ("heads_per_cta", 2), "hpc4": ("heads_per_cta", 4),
                   "hpcall": ("heads_per_cta", None),
-                  "detsplit": ("deterministic_group_split", True),
                   "warpgroup": ("one_producer_warp", False)}
 
 

@@ -1077,11 +1077,6 @@ HOPPER_BACKWARD_CASES = [
 DETERMINISTIC_DESIGNS = {"default": {},
                          "dq-kernel-loads-by-warpgroup": dict(ordered_dq_adds=False,
                                                               one_producer_warp=False),
-                         # A group of 2 or 4 split over CTAs of one head, their partial
-                         # dK and dV summed by XLA (`deterministic_group_split`).
-                         "dq-kernel-group-split": dict(ordered_dq_adds=False,
-                                                       deterministic_group_split=True,
-                                                       heads_per_cta=1),
                          "ordered-adds": dict(ordered_dq_adds=True),
                          "ordered-writer": dict(ordered_dq_adds=True, dq_writer_warp=True),
                          "ordered-writer-2-tiles": dict(ordered_dq_adds=True,
@@ -1102,7 +1097,6 @@ WIDE_BACKWARD_CASES = [
 @pytest.mark.parametrize("design", [
     "default",
     "dq-kernel-loads-by-warpgroup",
-    "dq-kernel-group-split",
     # A wait that never ends hangs the GPU's process (as every case did while the
     # counters were each CTA's own): where pytest-timeout is installed, as on the GPU
     # machine, the test fails after 4 minutes and the stage goes on.
@@ -1577,27 +1571,6 @@ def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, m
   _lower_backward(H, H, dtype, options)
 
 
-@pytest.mark.parametrize("grad_dtype", [None, jnp.float32])
-def test_deterministic_group_split_lowers_for_cuda(grad_dtype, monkeypatch):
-  # deterministic_group_split: the dQ-kernel design's dK/dV kernel over `_lower_backward`'s
-  # group of 2 split into CTAs of one head, each storing its partial sums in a slot of
-  # its own; in the inputs' dtype and in float32 (context parallelism's).
-  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
-      mosaic_backward.BLOCKS, deterministic_group_split=True, heads_per_cta=1,
-      ordered_dq_adds=False))
-  _lower_backward(128, 128, jnp.bfloat16, dict(is_causal=True), deterministic=True,
-                  grad_dtype=grad_dtype)
-
-
-def test_sum_group_parts_adds_each_kv_heads_slots():
-  # (B, S, K · split, W) -> (B, S, K, W): slot j of K/V head h is h · split + j, the
-  # CTA order of the dK/dV grid's head axis.
-  parts = jnp.arange(2 * 3 * 6 * 4, dtype=jnp.float32).reshape(2, 3, 6, 4)
-  summed = mosaic_backward.sum_group_parts(parts, kv_heads=2)
-  expected = parts.reshape(2, 3, 2, 3, 4).sum(axis=3)
-  np.testing.assert_array_equal(summed, expected)
-
-
 def test_heads_per_cta_float32_grads_lower_for_cuda(monkeypatch):
   # One query head a CTA with float32 gradients (context parallelism's partial sums):
   # the group's partial dK and dV added into (B, S, K, H).
@@ -1680,9 +1653,9 @@ def test_group_split_divides_the_group_in_the_atomic_design():
   # heads_per_cta: each group over the fewest CTAs that divide it into at most that many
   # heads (4 by default), in the atomic split-keys design without L2 sections or the
   # writer warp; otherwise one.
-  def split(group, deterministic=False, wide=False, ordered=False, **kw):
+  def split(group, deterministic=False, wide=False, **kw):
     blocks = dataclasses.replace(mosaic_backward.BLOCKS, **kw)
-    return blocks.group_split(group, deterministic, 128, wide, ordered)
+    return blocks.group_split(group, deterministic, 128, wide)
 
   assert [split(group) for group in (1, 2, 4, 8, 16)] == [1, 1, 1, 2, 4]
   assert split(8, heads_per_cta=2) == 4 and split(8, heads_per_cta=1) == 8
@@ -1690,8 +1663,6 @@ def test_group_split_divides_the_group_in_the_atomic_design():
   assert split(6) == 2 and split(12) == 3  # 3 and 4 heads a CTA
   assert split(5) == 5 and split(7, heads_per_cta=4) == 7  # no divisor up to 4 heads
   assert split(8, True) == 1  # deterministic
-  assert split(8, True, deterministic_group_split=True) == 2  # partial sums stored apart
-  assert split(8, True, deterministic_group_split=True, ordered=True) == 1  # not ordered
   assert split(8, l2_sections=True) == 1
   assert split(8, wide=True) == 1
   assert split(8, dq_writer_warp=True) == 1

@@ -228,16 +228,6 @@ class HopperBackwardBlockSizes:
       So 4. (Walking the query blocks from the last down, every head at each block,
       aimed at the same drift; it ran 0.90-0.93x the head-by-head walk and was
       removed: docs/kernels.md.)
-    deterministic_group_split: `heads_per_cta` in the deterministic dQ-kernel design
-      too, whose dK/dV kernel otherwise walks the whole group in one CTA (TMA
-      reductions would add the partial sums in a varying order): each CTA stores its
-      partial dK and dV in float32 from registers, into arrays with a slot per CTA of
-      the group (B, S, K · split, H), and XLA adds a K/V head's slots in a fixed order
-      (`sum_group_parts`). Causal on GQA 32/4 at 2x8192 on an H100, the deterministic
-      mode ran at 0.82x the default, whose split group walk ran 1.19x the whole
-      group's (`heads_per_cta`). Costs 4 · split bytes a gradient element in HBM
-      instead of none beyond the output. Offline, ptxas spills 16 bytes at 4 heads a
-      CTA and none at one (docs/kernels.md). Not yet run on a GPU, so False.
   """
 
   block_q: int = 64
@@ -254,7 +244,6 @@ class HopperBackwardBlockSizes:
   late_dq_banded: bool = True
   one_producer_warp: bool = True
   heads_per_cta: int | None = 4
-  deterministic_group_split: bool = False
 
   def __post_init__(self):
     if self.dq_staging_tiles not in (1, 2):
@@ -305,21 +294,16 @@ class HopperBackwardBlockSizes:
             and not self.writes_dq_by_warp(head_dim, wide)
             and not self.fa3_order(head_dim, value_head_dim))
 
-  def group_split(self, group: int, deterministic: bool, head_dim: int, wide: bool,
-                  ordered: bool = False) -> int:
+  def group_split(self, group: int, deterministic: bool, head_dim: int, wide: bool) -> int:
     """The CTAs over which each K/V head's group of ``group`` query heads is split: the
     fewest that divide the group into at most `heads_per_cta` heads each; 1 where that
-    is unset, with `l2_sections` (whose sections count K/V heads), in the ``wide``
-    design; with dQ added in the kernel, where the writer warp takes this padded
-    ``head_dim`` (a consumer then has no staging tile of its own for the partial sums);
-    ``deterministic``, with the ``ordered`` adds (the partial sums' adds would come in
-    a varying order) or without `deterministic_group_split`."""
+    is unset, with ``deterministic`` (the partial sums' order would vary), `l2_sections`
+    (whose sections count K/V heads), in the ``wide`` design or with the writer warp at
+    this padded ``head_dim`` (where a consumer has no staging tile of its own for the
+    partial sums)."""
     heads = self.heads_per_cta
-    if heads is None or self.l2_sections or wide:
-      return 1
-    if deterministic and (ordered or not self.deterministic_group_split):
-      return 1
-    if not deterministic and self.writes_dq_by_warp(head_dim, wide):
+    if (heads is None or deterministic or self.l2_sections or wide
+        or self.writes_dq_by_warp(head_dim, wide)):
       return 1
     return next(split for split in range(1, group + 1)
                 if group % split == 0 and group // split <= heads)
@@ -423,17 +407,6 @@ def dq_staging_tile(step_index, j: int, n_chunks: int, tiles: int):
   sequence = step_index * per_step + j if per_step else lax.shift_right_logical(
       step_index, 1)
   return lax.bitwise_and(sequence, tiles - 1)
-
-
-def sum_group_parts(parts, kv_heads: int):
-  """(B, S, K, W) from the partial sums (B, S, K · split, W) of `deterministic_group_split`,
-  each K/V head's split slots added one after the other: in the same order every run."""
-  B, S, slots, W = parts.shape
-  parts = parts.reshape(B, S, kv_heads, slots // kv_heads, W)
-  total = parts[:, :, :, 0]
-  for i in range(1, slots // kv_heads):
-    total = total + parts[:, :, :, i]
-  return total
 
 
 def ds_buffers(wide: bool, terms: int) -> int:
@@ -580,10 +553,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   ``kv_heads``) of a launch section, where the CTAs take their tiles in
   `l2_sections`' order (the grid's last axis then runs over batch rows and sections).
   ``group_split`` (`heads_per_cta`): the CTAs of each K/V head's group, the grid's head
-  axis running over both; with ``atomic_dq`` each adds its partial dK and dV into the
-  zeroed float32 refs dk_ref and dv_ref (the last inputs, after dQ's), else
-  (`deterministic_group_split`) stores them in float32 into its own slot of the
-  outputs' head axis (K · group_split), which the caller sums."""
+  axis running over both; each adds its partial dK and dV into the zeroed float32 refs
+  dk_ref and dv_ref (the last inputs, after dQ's)."""
   aux_refs, refs = AuxArrays.split_refs(refs, aux_present)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   ordered = dq_order_shape is not None
@@ -612,7 +583,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     key_tile = key_tiles - 1 - key_tile
   heads = group // group_split  # the query heads this CTA walks, from first_head
   first_head = kv_head * group
-  part = kv_head  # the CTA's slot in the partial sums' head axis, where it stores them
   if group_split > 1:
     share = rem32(kv_head, group_split)
     kv_head = div32(kv_head, group_split)
@@ -625,8 +595,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   blocks_per_head = hi - lo
 
   banded = spec.is_causal or spec.window_left is not None or spec.window_right is not None
-  shared_grads = group_split > 1 and atomic_dq  # dK and dV added with the group's other CTAs
-  stored_parts = group_split > 1 and not atomic_dq  # stored apart, summed by the caller
+  shared_grads = group_split > 1  # dK and dV added with the group's other CTAs
 
   def walk_steps(step, masked_apart=True, after_unmasked=None):
     """``step(i, n, step_index, s, masked=...)`` for every query block i of every query
@@ -778,13 +747,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   def leave(grad, tile, grad_ref, keys):
     """Sends a consumer's gradient of the CTA's ``keys`` out: added in float32 with the
     group's other CTAs' (``shared_grads``) through the consumer's dQ staging tile; from
-    registers in float32 (into the CTA's own slot with ``stored_parts``); else through
-    its input's tile in shared memory (``tile``, K's or V's, which every product has
-    finished reading) in the inputs' dtype."""
+    registers in float32; else through its input's tile in shared memory (``tile``, K's
+    or V's, which every product has finished reading) in the inputs' dtype."""
     rows = (b, keys, kv_head)
-    if stored_parts:
-      grad_ref.at[(b, keys, part)][...] = grad
-    elif shared_grads:
+    if shared_grads:
       for c in range(grad.shape[1] // _CHUNK):
         stage(dq_smem.at[wg], grad[:, c * _CHUNK:(c + 1) * _CHUNK])
         plgpu.copy_smem_to_gmem(dq_smem.at[wg],
@@ -1312,18 +1278,15 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     if blocks.writes_dq_by_warp(H_pad, wide):  # a chunk staged for the writer warp, and sent
       scratch.update(dq_staged=plgpu.Barrier(num_barriers=tiles),
                      dq_free=plgpu.Barrier(num_barriers=tiles))
-  # Split over the group's CTAs (`heads_per_cta`), dK and dV are added into zeroed
-  # float32 arrays the kernel aliases, as dQ is; deterministic, each CTA stores its
-  # partial sums in a slot of its own (`deterministic_group_split`).
-  split = blocks.group_split(N // K, deterministic, H_pad, wide, ordered)
-  stored_parts = split > 1 and not atomic_dq
-
   # float32 gradients are stored from registers, with no bounds: whole tiles of rows.
   def kv_type(width):
-    if float32_grads or stored_parts:
-      return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K * split, width),
-                                  jnp.float32)
+    if float32_grads:
+      return jax.ShapeDtypeStruct((B, n_kv_tiles * keys_per_tile, K, width), jnp.float32)
     return jax.ShapeDtypeStruct((B, S8, K, width), q.dtype)
+
+  # Split over the group's CTAs (`heads_per_cta`), dK and dV are added into zeroed
+  # float32 arrays the kernel aliases, as dQ is.
+  split = blocks.group_split(N // K, deterministic, H_pad, wide)
 
   order_inputs = ()
   if ordered:
@@ -1341,15 +1304,12 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   dkdv_kernel = warp_specialized_kernel(
       functools.partial(_dkdv_kernel, atomic_dq=atomic_dq, section=section, kv_heads=K,
                         group_split=split, **statics),
-      out_type=() if split > 1 and atomic_dq else (kv_type(H_pad), kv_type(Hv_pad)),
-      consumers=_CONSUMERS,
+      out_type=() if split > 1 else (kv_type(H_pad), kv_type(Hv_pad)), consumers=_CONSUMERS,
       name="attention_backward_mosaic_gpu", softcap=softcap, scratch_types=scratch,
       grid=tuple(size for _, size in grid), grid_names=tuple(name for name, _ in grid))
   inputs = (q, k, v, do, lse2, delta, *aux_inputs)
   if not atomic_dq:
     dk, dv = dkdv_kernel(*inputs)
-    if stored_parts:
-      dk, dv = (sum_group_parts(x, K) for x in (dk, dv))
     dq = warp_specialized_kernel(
         functools.partial(_dq_kernel, **statics),
         consumers=_CONSUMERS, name="attention_backward_dq_mosaic_gpu", softcap=softcap,
