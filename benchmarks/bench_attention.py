@@ -24,7 +24,9 @@ XLA's own attention (`implementation="xla"`, O(T·S) memory) is left out of this
 fit the device's time.
 
 A peer that is absent (FA3 and tokamax travel as wheels in .peers, see run_gpu.sh) or fails on
-a shape gets a row saying so, never a crash. The table ends with each shape's ratio of
+a shape gets a row saying so, never a crash. FA3 also runs through its varlen entry
+points, with and without its deterministic backward (`fa3 varlen`, `fa3 varlen
+deterministic`), beside our `deterministic=True`. The table ends with each shape's ratio of
 ours to the fastest peer whose errors are finite (`vs_best_peer`). ATTN_ROWS
 (comma-separated row names, e.g. "jaxsoftmax mosaic_gpu,cudnn,fa3") keeps only those rows,
 in both dtypes, so that every target row fits one command on the GPU machine.
@@ -108,6 +110,12 @@ def implementations(N: int, K: int, H: int, causal: bool):
     import flash_attn3_jax
     impls["fa3"] = (functools.partial(flash_attn3_jax.flash_mha, softmax_scale=scale,
                                       is_causal=causal), None)
+    # FA3's deterministic backward is reached through its varlen entry points only
+    # (flash_mha fixes deterministic=False): the batch as B sequences of T, timed beside
+    # the same path without it, so that the pair reads the cost of determinism alone.
+    for deterministic in (False, True):
+      impls["fa3 varlen" + (" deterministic" if deterministic else "")] = (
+          _fa3_varlen(scale, causal, deterministic), None)
   except ImportError as e:
     impls["fa3"] = (None, f"wheel absent: {e}")
   try:
@@ -118,6 +126,43 @@ def implementations(N: int, K: int, H: int, causal: bool):
   except ImportError as e:
     impls["tokamax mosaic"] = (None, f"wheel absent: {e}")
   return impls
+
+
+def _fa3_varlen(scale: float, causal: bool, deterministic: bool):
+  """(q, k, v) -> FA3's attention through `flash_mha_varlen_fwd` / `_bwd` (B, T, N, H
+  flattened to B · T rows of B sequences), its backward ``deterministic`` or not."""
+  from flash_attn3_jax.varlen_bwd import flash_mha_varlen_bwd
+  from flash_attn3_jax.varlen_fwd import flash_mha_varlen_fwd
+
+  def lengths(q, k):
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    starts = lambda n: jnp.arange(B + 1, dtype=jnp.int32) * n
+    return dict(cu_seqlens_q=starts(T), cu_seqlens_k=starts(S)), dict(
+        max_seqlen_q=T, max_seqlen_k=S, softmax_scale=scale, is_causal=causal)
+
+  def rows(a):
+    return a.reshape(-1, *a.shape[2:])
+
+  @jax.custom_vjp
+  def attention(q, k, v):
+    return forward(q, k, v)[0]
+
+  def forward(q, k, v):
+    cu, config = lengths(q, k)
+    out, lse = flash_mha_varlen_fwd(rows(q), rows(k), rows(v), cu["cu_seqlens_q"],
+                                    cu["cu_seqlens_k"], **config)
+    return out.reshape(*q.shape[:3], v.shape[-1]), (q, k, v, out, lse)
+
+  def backward(residuals, do):
+    q, k, v, out, lse = residuals
+    cu, config = lengths(q, k)
+    dq, dk, dv = flash_mha_varlen_bwd(rows(do), rows(q), rows(k), rows(v), out, lse,
+                                      cu["cu_seqlens_q"], cu["cu_seqlens_k"], **config,
+                                      deterministic=deterministic)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+  attention.defvjp(forward, backward)
+  return attention
 
 
 def float16_implementations(N: int, K: int, H: int, causal: bool, Hv: int):
