@@ -134,11 +134,12 @@ def _fa3_varlen(scale: float, causal: bool, deterministic: bool):
   from flash_attn3_jax.varlen_bwd import flash_mha_varlen_bwd
   from flash_attn3_jax.varlen_fwd import flash_mha_varlen_fwd
 
-  def lengths(q, k):
+  def sequences(q, k):
+    """The B sequences' starts in the rows of q and of k (cu_seqlens), then the config."""
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
     starts = lambda n: jnp.arange(B + 1, dtype=jnp.int32) * n
-    return dict(cu_seqlens_q=starts(T), cu_seqlens_k=starts(S)), dict(
-        max_seqlen_q=T, max_seqlen_k=S, softmax_scale=scale, is_causal=causal)
+    return starts(T), starts(S), dict(max_seqlen_q=T, max_seqlen_k=S,
+                                      softmax_scale=scale, is_causal=causal)
 
   def rows(a):
     return a.reshape(-1, *a.shape[2:])
@@ -148,17 +149,15 @@ def _fa3_varlen(scale: float, causal: bool, deterministic: bool):
     return forward(q, k, v)[0]
 
   def forward(q, k, v):
-    cu, config = lengths(q, k)
-    out, lse = flash_mha_varlen_fwd(rows(q), rows(k), rows(v), cu["cu_seqlens_q"],
-                                    cu["cu_seqlens_k"], **config)
+    cu_q, cu_k, config = sequences(q, k)
+    out, lse = flash_mha_varlen_fwd(rows(q), rows(k), rows(v), cu_q, cu_k, **config)
     return out.reshape(*q.shape[:3], v.shape[-1]), (q, k, v, out, lse)
 
   def backward(residuals, do):
     q, k, v, out, lse = residuals
-    cu, config = lengths(q, k)
-    dq, dk, dv = flash_mha_varlen_bwd(rows(do), rows(q), rows(k), rows(v), out, lse,
-                                      cu["cu_seqlens_q"], cu["cu_seqlens_k"], **config,
-                                      deterministic=deterministic)
+    cu_q, cu_k, config = sequences(q, k)
+    dq, dk, dv = flash_mha_varlen_bwd(rows(do), rows(q), rows(k), rows(v), out, lse, cu_q,
+                                      cu_k, **config, deterministic=deterministic)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
   attention.defvjp(forward, backward)
