@@ -105,6 +105,15 @@ def on_warps(*tasks):
       pl.when(warp == w)(task)
 
 
+def producer_loads(loads, one_warp: bool):
+  """Runs a producer warpgroup's ``loads``: by its first warp alone (`on_warps`) where
+  ``one_warp``, else by all four warps."""
+  if one_warp:
+    on_warps(loads)
+  else:
+    loads()
+
+
 @functools.cache
 def _default_device():
   return jax.devices()[0]

@@ -60,8 +60,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, on_warps, pad_to, per_row, pl,
-                                        plgpu, rem32, warp_specialized_kernel,
-                                        wgmma_iota)
+                                        plgpu, producer_loads, rem32,
+                                        warp_specialized_kernel, wgmma_iota)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
@@ -1073,10 +1073,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
     if writer:
       on_warps(loads, dq_writer)
-    elif blocks.one_producer_warp:
-      on_warps(loads)
     else:
-      loads()
+      producer_loads(loads, blocks.one_producer_warp)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
@@ -1181,10 +1179,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pres
   @pl.when(wg == _CONSUMERS)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-    if blocks.one_producer_warp:
-      on_warps(loads)
-    else:
-      loads()
+    producer_loads(loads, blocks.one_producer_warp)
 
 
 def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: float,

@@ -44,8 +44,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax._core import pallas
-from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, on_warps, pad_to, per_row, pl,
-                                        plgpu, rem32, warp_specialized_kernel,
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, per_row, pl, plgpu,
+                                        producer_loads, rem32, warp_specialized_kernel,
                                         wgmma_iota)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, join_sink
@@ -409,13 +409,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
       pl.loop(lo + 1, hi)(load_kv)
       return issued + (hi - lo)
 
-    def loads():
+    def loads():  # returns nothing, as a warp's branch must
       work.for_each(item_body, jnp.int32(0))
 
-    if blocks.one_producer_warp:
-      on_warps(loads)
-    else:
-      loads()
+    producer_loads(loads, blocks.one_producer_warp)
 
 
 def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, scale: float,
