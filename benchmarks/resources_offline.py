@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import functools
 import glob
 import os
@@ -33,6 +34,7 @@ from jax.experimental.mosaic.gpu import core as mosaic_core
 import jaxsoftmax as js
 from jaxsoftmax._core import mosaic_gpu as mosaic_device
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
+from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
 from bench_attention_backward import parse_schedule
 
 
@@ -75,6 +77,9 @@ def main():
   parser.add_argument("shapes", nargs="+", help="B,T,N,K,H,causal[,Hv]")
   parser.add_argument("--schedule", default="",
                       help="the Hopper backward's schedule (bench_attention_backward.py)")
+  parser.add_argument("--forward", default="",
+                      help="the forward's HopperBlockSizes switches to turn on, e.g. "
+                           "overlap_softmax,persistent")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
   parser.add_argument("--lengths", action="store_true",
                       help="query and key lengths per batch row, known at run time")
@@ -82,6 +87,11 @@ def main():
   deterministic = False
   if args.schedule:
     mosaic_backward.BLOCKS, deterministic = parse_schedule(args.schedule)
+  if args.forward:
+    switches = dict.fromkeys(args.forward.split(","), True)
+    default = mosaic_forward.HopperBlockSizes.default
+    mosaic_forward.HopperBlockSizes.default = staticmethod(
+        lambda *a, **k: dataclasses.replace(default(*a, **k), **switches))
   # Dispatch as on an H200: the kernels are lowered here, never run.
   mosaic_device.hopper_device = lambda: True
   dump = tempfile.mkdtemp(prefix="ptxas")
@@ -97,9 +107,13 @@ def main():
         stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
                                   text).groups()
         kernel = re.sub(r"_\d+$", "", os.path.basename(path).split(".")[0])
-        print(f"{shape} {args.dtype}{' lengths' * args.lengths} {args.schedule or 'default'} "
+        # ptxas' C7513: it found registers a wgmma reads written while wgmmas were in
+        # flight, and made every wgmma of the kernel wait for the one before.
+        serialized = ", wgmma serialized (ptxas C7513)" * ("C7513" in text)
+        print(f"{shape} {args.dtype}{' lengths' * args.lengths} {args.schedule or 'default'}"
+              f"{' forward ' + args.forward if args.forward else ''} "
               f"{kernel}: {registers} registers, "
-              f"spills {stores} bytes stored, {loads} loaded", flush=True)
+              f"spills {stores} bytes stored, {loads} loaded{serialized}", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@
 #                           seconds in attn_test_times.log (lce-tests, pytest: likewise)
 #   attn-tune               tune_attention.py (TUNE_ONLY="4,5" picks shapes)
 #   attn-tune-hopper        tune_attention_hopper.py: the Mosaic GPU forward's tiles
-#                           (TUNE_ONLY picks shapes)
+#                           (TUNE_ONLY picks shapes, TUNE_TILINGS="0,4" its tilings)
 #   attn-bench              bench_attention.py (ATTN_ONLY="0,1" picks shapes, ATTN_NAME
 #                           names the results, ATTN_MODES="fwd" measures the forward alone,
 #                           ATTN_ROWS="jaxsoftmax mosaic_gpu,cudnn" keeps only those rows;

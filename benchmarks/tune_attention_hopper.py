@@ -5,7 +5,8 @@
 
 bfloat16, forward alone. The impl column names the tiles: "q64 kv128 s2" (block_q per
 consumer warpgroup, block_kv, num_stages), "persistent" when one CTA per SM walks the
-work items, "one producer warp" when the producer's first warp alone issues the loads;
+work items, "one producer warp" when the producer's first warp alone issues the loads,
+"overlap softmax" when each block's softmax runs under the previous block's P V;
 cuDNN's row is the yardstick. Each tiling changes the head dim's default
 (`HopperBlockSizes.default`); those that do not fit shared memory at a head dim are rows
 that say so.
@@ -14,6 +15,7 @@ that say so.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 
@@ -25,7 +27,11 @@ from jaxsoftmax.attention import HopperBlockSizes
 SHAPES = TARGET_SHAPES
 SMOKE_SHAPES = [((1, 64, 2, 2, 64, True), jnp.bfloat16)]
 TILINGS = [dict(persistent=False), dict(persistent=True), dict(num_stages=3, persistent=True),
-           dict(one_producer_warp=True)]
+           dict(one_producer_warp=True), dict(overlap_softmax=True),
+           dict(overlap_softmax=True, persistent=True)]
+# TUNE_TILINGS="0,4" keeps only those of TILINGS (by index), to fit a device call.
+if os.environ.get("TUNE_TILINGS"):
+  TILINGS = [TILINGS[int(i)] for i in os.environ["TUNE_TILINGS"].split(",")]
 
 
 def bench_shape(report: harness.Report, case, dtype):
@@ -37,6 +43,7 @@ def bench_shape(report: harness.Report, case, dtype):
         q, k, v, is_causal=causal, block_sizes=blocks, implementation="mosaic_gpu")
     impl = f"q{blocks.block_q} kv{blocks.block_kv} s{blocks.num_stages}"
     impl += " persistent" * blocks.persistent + " one producer warp" * blocks.one_producer_warp
+    impl += " overlap softmax" * blocks.overlap_softmax
     report.measure(mode="fwd", impl=impl, fn=fn,
                    arg_sets=[(q, k, v)], flops=flops, **common)
   # cuDNN in the same run, as the yardstick (bench_attention.py measures every peer).

@@ -1009,6 +1009,19 @@ def test_matches_truth_gpu(key, backend, B, T, S, N, K, H, options, dtype):
          **options)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, S, N, K, H, options", GPU_CASES)
+def test_hopper_overlap_softmax_gpu(key, B, T, S, N, K, H, options):
+  # The forward with each block's softmax under the previous block's P V
+  # (HopperBlockSizes.overlap_softmax; the persistent launch at head dim 64 without a
+  # mask, as the default tiles there), on the GPU cases: masks, ragged lengths, soft
+  # cap, head dims 64-256, one query row.
+  blocks = dataclasses.replace(
+      HopperBlockSizes.default(H, options.get("is_causal", False)), overlap_softmax=True)
+  _check(*_inputs(key, B, T, S, N, K, H, jnp.bfloat16), backend="mosaic_gpu",
+         blocks=blocks, interpret=False, **options)
+
+
 def _train_step(backend, deterministic=None, is_causal=True):
   """A jitted step: output and gradients of (causal) attention under ``backend``."""
   @jax.jit
@@ -1240,10 +1253,14 @@ def test_hopper_check_grads_gpu(key):
                                     HopperBlockSizes(64, 128, 3, persistent=True),
                                     HopperBlockSizes(64, 128, 2, one_producer_warp=True),
                                     HopperBlockSizes(64, 128, 3, persistent=True,
-                                                     one_producer_warp=True)],
+                                                     one_producer_warp=True),
+                                    HopperBlockSizes(64, 64, 2, overlap_softmax=True),
+                                    HopperBlockSizes(64, 128, 2, persistent=True,
+                                                     overlap_softmax=True)],
                          ids=["kv64", "kv64-4stages", "kv128-3stages", "grid", "persistent",
                               "persistent-3stages", "one-producer-warp",
-                              "persistent-one-producer-warp"])
+                              "persistent-one-producer-warp", "kv64-overlap-softmax",
+                              "persistent-overlap-softmax"])
 def test_hopper_block_sizes_gpu(key, blocks):
   # Tiles other than the defaults: a causal diagonal across two key blocks, deeper rings;
   # both launch schemes (3 stages leave no room for the persistent kernel's output tiles);
@@ -1484,8 +1501,10 @@ def test_triton_kernels_lower_for_cuda(as_if_on_an_h200, dtype, H, Hv, N, K, opt
                    "attention_tangent"}
 
 
-@pytest.mark.parametrize("persistent, one_warp", [(False, False), (True, False), (True, True)],
-                         ids=["grid", "persistent", "persistent-one-producer-warp"])
+@pytest.mark.parametrize("persistent, one_warp, overlap", [
+    (False, False, False), (True, False, False), (True, True, False), (False, False, True),
+    (True, False, True)], ids=["grid", "persistent", "persistent-one-producer-warp",
+                               "overlap-softmax", "persistent-overlap-softmax"])
 @pytest.mark.parametrize("H, Hv, options", [
     (128, 128, dict(is_causal=True)),
     (64, 64, dict(has_segments=True)),
@@ -1494,13 +1513,14 @@ def test_triton_kernels_lower_for_cuda(as_if_on_an_h200, dtype, H, Hv, N, K, opt
     (192, 128, dict(is_causal=True)),  # MLA's head dims: output tiles of their own
     (64, 128, {}),
 ])
-def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent, one_warp):
+def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent, one_warp, overlap):
   # The Hopper kernel cannot run off a GPU (see README), but it lowers for CUDA anywhere:
   # this catches Mosaic GPU API drift in the newest JAX on every CI run.
   B, T, S, N, K = 2, 1000, 777, 4, 2
   spec = MaskSpec(T, S, **options)
   blocks = dataclasses.replace(HopperBlockSizes.default(H, spec.is_causal),
-                               persistent=persistent, one_producer_warp=one_warp)
+                               persistent=persistent, one_producer_warp=one_warp,
+                               overlap_softmax=overlap)
   i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
   aux = ((None, None, i32((B, T)), i32((B, S))) if spec.has_segments
          else (i32((B,)), i32((B,)), None, None))

@@ -79,6 +79,11 @@ class HopperBlockSizes:
       warpgroup's loads (647 against 647 TFLOP/s at 4x4096, 680 against 692 at head dim
       256: `benchmarks/results/tuning/tune_attention_hopper_one_producer_warp_h100.md`),
       so False. (The backward's, where it gains, is on: `HopperBackwardBlockSizes`.)
+    overlap_softmax: each consumer issues block j's scores Q Kⱼᵀ and block j - 1's
+      P V together, and runs block j's softmax while the P V product is still on the
+      tensor cores (FlashAttention-3, section 3.2: intra-warpgroup overlapping of GEMMs
+      and softmax), the two consumers still taking turns to issue (ping-pong); else each
+      consumer waits for its P V before the next scores.
   """
 
   block_q: int = 64
@@ -86,6 +91,7 @@ class HopperBlockSizes:
   num_stages: int = 2
   persistent: bool = False
   one_producer_warp: bool = False
+  overlap_softmax: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_kv"):
@@ -96,7 +102,7 @@ class HopperBlockSizes:
     if not (isinstance(self.num_stages, int) and self.num_stages >= 2):
       raise ValueError(f"HopperBlockSizes.num_stages must be an int >= 2, got "
                        f"{self.num_stages!r}")
-    for name in ("persistent", "one_producer_warp"):
+    for name in ("persistent", "one_producer_warp", "overlap_softmax"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"HopperBlockSizes.{name} must be a bool, got "
                          f"{getattr(self, name)!r}")
@@ -213,7 +219,11 @@ class _Scratch(NamedTuple):
   v_loaded: Any  # V slot loaded
   k_free: Any  # K slot free
   v_free: Any  # V slot free
-  schedule: Any  # the consumers' turns on the tensor cores
+  # The consumers' turns on the tensor cores: one barrier both arrive on twice a block
+  # (schedule), or with overlap_softmax one a consumer (turns), which the other
+  # completes once a block when it has issued its products.
+  schedule: Any = None
+  turns: Any = None
   o_smem: Any = None  # the consumers' output tiles, where a persistent CTA has room
 
 
@@ -230,8 +240,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
                                        scratch.stat_smem)
   q_loaded, q_free, k_loaded, v_loaded = (scratch.q_loaded, scratch.q_free,
                                           scratch.k_loaded, scratch.v_loaded)
-  k_free, v_free, schedule, o_smem = (scratch.k_free, scratch.v_free, scratch.schedule,
-                                      scratch.o_smem)
+  k_free, v_free, schedule, turns, o_smem = (scratch.k_free, scratch.v_free,
+                                             scratch.schedule, scratch.turns, scratch.o_smem)
 
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
   wg = lax.axis_index("wg")
@@ -285,26 +295,20 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
                                k_seg)
         return jnp.where(allowed, x, -jnp.inf)
 
-      def softmax(x, m, l, masked: bool):
-        """The online-softmax update by the block's logits x: (m', l', p, alpha)."""
+      def softmax(x, m, l, masked: bool, p_dtype=v_smem.dtype):
+        """The online-softmax update by the block's logits x: (m', l', p, alpha), p in
+        ``p_dtype``."""
         m_new = jnp.maximum(m, x.max(axis=1))
         # A row with no allowed key so far keeps m = -inf; shifting it by 0 keeps its p
         # and alpha at exp2(-inf) = 0 instead of NaN. Unmasked blocks always hold one.
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(logits.exponent(m, shift))
         p = jnp.exp2(logits.exponent(x, shift, functools.partial(per_row, shape=x.shape)))
-        return m_new, l * alpha + p.sum(axis=1), p.astype(v_smem.dtype), alpha
+        return m_new, l * alpha + p.sum(axis=1), p.astype(p_dtype), alpha
 
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), _ROW)
       l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _ROW)
       acc = plgpu.layout_cast(jnp.zeros((bq, value_dim), jnp.float32), plgpu.Layout.WGMMA)
-
-      @pl.when(hi > lo)
-      def _():
-        plgpu.barrier_wait(k_loaded.at[slot(lo)])
-
-      # Consumer 0 takes the tensor cores first; consumer 1 waits for its first turn.
-      pl.when(wg == 1)(schedule_turn)
 
       def step(j, carry, *, masked: bool):
         acc, m, l = carry
@@ -340,10 +344,95 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
         plgpu.barrier_arrive(v_free.at[s])
         return acc, m_new, l
 
-      acc, m, l = walk_block_ranges((lo, full_lo, full_hi, hi), step, (acc, m, l))
-      pl.when(wg == 0)(schedule_turn)  # consumer 1's last turn
-      if o_smem is not None:  # no product read the query tile
-        pl.when(hi <= lo)(lambda: plgpu.barrier_arrive(q_free.at[wg]))
+      def my_turn():  # wait until the other consumer has issued its products
+        plgpu.barrier_wait(turns.at[wg])
+
+      def pass_turn():
+        plgpu.barrier_arrive(turns.at[1 - wg])
+
+      def first_scores(carry):
+        """Block lo's scores and softmax, with no P V yet to overlap."""
+        acc, m, l = carry
+        s = slot(lo)
+        my_turn()
+        plgpu.barrier_wait(k_loaded.at[s])
+
+        def scores(x_ref):
+          plgpu.wgmma(x_ref, q_tile, k_smem.at[s].T)
+          pass_turn()
+          return x_ref[...]
+
+        x = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+        plgpu.barrier_arrive(k_free.at[s])
+        # Masked whether or not lo needs it: one block's element mask, kept out of a
+        # second copy of this code.
+        m, l, p16, _ = softmax(masked_logits(x, lo, True), m, l, True)
+        return acc, m, l, p16
+
+      def overlapped_step(j, carry, *, masked: bool):
+        """Block j's scores and block j - 1's P V issued in one turn; block j's softmax
+        while P V runs. acc holds blocks < j - 1, scaled to m of block j - 1."""
+        acc, m, l, p16 = carry
+        s, s_prev = slot(j), slot(j - 1)
+        my_turn()
+        plgpu.barrier_wait(k_loaded.at[s])
+        plgpu.barrier_wait(v_loaded.at[s_prev])
+
+        def products(x_ref, o_ref):
+          o_ref[...] = acc
+          plgpu.wgmma(x_ref, q_tile, k_smem.at[s].T)
+          plgpu.wgmma(o_ref, p16, v_smem.at[s_prev])
+          pass_turn()
+          x = plgpu.wgmma_accumulator_load(x_ref, wait_n=1)  # the scores; P V in flight
+          plgpu.barrier_arrive(k_free.at[s])
+          # p stays float32 until P V is done: ptxas serializes every wgmma of the
+          # kernel if registers that one reads (the next P) are written while another
+          # is in flight (its warning C7513), as FlashAttention-3 converts P after the
+          # wait too. The softmax is done before that wait, not sunk past it.
+          out = lax.optimization_barrier(
+              softmax(masked_logits(x, j, masked), m, l, masked, jnp.float32))
+          return o_ref[...], *out
+
+        acc, m, l, p, alpha = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
+                                            plgpu.ACC(acc.shape, jnp.float32))
+        plgpu.barrier_arrive(v_free.at[s_prev])
+        return acc * per_row(alpha, acc.shape), m, l, p.astype(v_smem.dtype)
+
+      def last_values(carry):
+        """Block hi - 1's P V, in a turn of its own."""
+        acc, m, l, p16 = carry
+        s = slot(hi - 1)
+        my_turn()
+        plgpu.barrier_wait(v_loaded.at[s])
+
+        def values(o_ref):
+          plgpu.wgmma(o_ref, p16, v_smem.at[s])
+          pass_turn()
+
+        acc = pl.run_state(values)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[s])
+        return acc, m, l
+
+      def overlapped_walk(carry):
+        carry = first_scores(carry)
+        after = lambda x: jnp.maximum(x, lo + 1)  # the blocks after lo
+        carry = walk_block_ranges((lo + 1, after(full_lo), after(full_hi), hi),
+                                  overlapped_step, carry)
+        return last_values(carry)
+
+      if blocks.overlap_softmax:
+        acc, m, l = lax.cond(hi > lo, overlapped_walk, lambda c: c, (acc, m, l))
+      else:
+        pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_loaded.at[slot(lo)]))
+        # Consumer 0 takes the tensor cores first; consumer 1 waits for its first turn.
+        pl.when(wg == 1)(schedule_turn)
+        acc, m, l = walk_block_ranges((lo, full_lo, full_hi, hi), step, (acc, m, l))
+        pl.when(wg == 0)(schedule_turn)  # consumer 1's last turn
+      if o_smem is not None:
+        if blocks.overlap_softmax:  # the last scores are done (or there were none)
+          plgpu.barrier_arrive(q_free.at[wg])
+        else:  # no product read the query tile
+          pl.when(hi <= lo)(lambda: plgpu.barrier_arrive(q_free.at[wg]))
 
       # Rows with no allowed key (l = 0), and rows past the query length, give 0; a NaN
       # input's NaN l stays NaN (NaN != 0).
@@ -378,6 +467,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
         plgpu.barrier_arrive(q_free.at[wg])
       return consumed + (hi - lo)
 
+    if blocks.overlap_softmax:  # consumer 0 takes the tensor cores first
+      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turns.at[0]))
     work.for_each(item_body, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
 
@@ -464,7 +555,8 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
       v_loaded=plgpu.Barrier(num_barriers=stages),
       k_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
       v_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
-      schedule=plgpu.Barrier(num_arrivals=_CONSUMERS),
+      **(dict(turns=plgpu.Barrier(num_barriers=_CONSUMERS)) if blocks.overlap_softmax
+         else dict(schedule=plgpu.Barrier(num_arrivals=_CONSUMERS))),
   )
   stat = jax.ShapeDtypeStruct((B, N, T_pad), jnp.float32)
   out_type = [jax.ShapeDtypeStruct((B, T8, N, Hv_pad), q.dtype), stat, stat]
