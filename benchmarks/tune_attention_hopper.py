@@ -7,9 +7,9 @@ bfloat16, forward alone. The impl column names the tiles: "q64 kv128 s2" (block_
 consumer warpgroup, block_kv, num_stages), "persistent" when one CTA per SM walks the
 work items, "one producer warp" when the producer's first warp alone issues the loads,
 "overlap softmax" when each block's softmax runs under the previous block's P V;
-cuDNN's row is the yardstick. Each tiling changes the head dim's default
-(`HopperBlockSizes.default`); those that do not fit shared memory at a head dim are rows
-that say so.
+the peers' rows (cuDNN, FlashAttention-3, tokamax, where installed) are the yardsticks.
+Each tiling changes the head dim's default (`HopperBlockSizes.default`); those that do
+not fit shared memory at a head dim are rows that say so.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ SMOKE_SHAPES = [((1, 64, 2, 2, 64, True), jnp.bfloat16)]
 TILINGS = [dict(persistent=False), dict(persistent=True), dict(num_stages=3, persistent=True),
            dict(one_producer_warp=True), dict(overlap_softmax=True),
            dict(overlap_softmax=True, persistent=True)]
+PEERS = ("cudnn", "fa3", "tokamax mosaic")
 # TUNE_TILINGS="0,4" keeps only those of TILINGS (by index), to fit a device call.
 if os.environ.get("TUNE_TILINGS"):
   TILINGS = [TILINGS[int(i)] for i in os.environ["TUNE_TILINGS"].split(",")]
@@ -46,12 +47,17 @@ def bench_shape(report: harness.Report, case, dtype):
     impl += " overlap softmax" * blocks.overlap_softmax
     report.measure(mode="fwd", impl=impl, fn=fn,
                    arg_sets=[(q, k, v)], flops=flops, **common)
-  # cuDNN in the same run, as the yardstick (bench_attention.py measures every peer).
-  cudnn, _ = implementations(*case[2:6])["cudnn"]
-  report.measure(mode="fwd", impl="cudnn", fn=cudnn, arg_sets=[(q, k, v)], flops=flops,
-                 **common)
+  # The peers' forwards in the same run, as the yardsticks (those whose wheels are
+  # installed: benchmarks/run_gpu.sh installs them from .peers).
+  impls = implementations(*case[2:6])
+  for peer in PEERS:
+    fn, absent = impls[peer]
+    if fn is None:
+      print(f"{peer}: {absent}")
+      continue
+    report.measure(mode="fwd", impl=peer, fn=fn, arg_sets=[(q, k, v)], flops=flops, **common)
 
 
 if __name__ == "__main__":
   harness.run("tune_attention_hopper", __doc__, SHAPES, SMOKE_SHAPES, bench_shape,
-              lambda case, dtype, modes: len(TILINGS) + 1, unit="TFLOP/s")
+              lambda case, dtype, modes: len(TILINGS) + len(PEERS), unit="TFLOP/s")
