@@ -78,8 +78,8 @@ def main():
   parser.add_argument("--schedule", default="",
                       help="the Hopper backward's schedule (bench_attention_backward.py)")
   parser.add_argument("--forward", default="",
-                      help="the forward's HopperBlockSizes switches to turn on, e.g. "
-                           "overlap_softmax,persistent")
+                      help="the forward's HopperBlockSizes fields to set: switches to turn "
+                           "on and sizes, e.g. overlap_softmax,block_kv=192")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
   parser.add_argument("--lengths", action="store_true",
                       help="query and key lengths per batch row, known at run time")
@@ -88,7 +88,8 @@ def main():
   if args.schedule:
     mosaic_backward.BLOCKS, deterministic = parse_schedule(args.schedule)
   if args.forward:
-    switches = dict.fromkeys(args.forward.split(","), True)
+    switches = {name: int(value[0]) if value else True
+                for name, *value in (item.split("=") for item in args.forward.split(","))}
     default = mosaic_forward.HopperBlockSizes.default
     mosaic_forward.HopperBlockSizes.default = staticmethod(
         lambda *a, **k: dataclasses.replace(default(*a, **k), **switches))
