@@ -1010,16 +1010,23 @@ def test_matches_truth_gpu(key, backend, B, T, S, N, K, H, options, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B, T, S, N, K, H, options", GPU_CASES)
-def test_hopper_overlap_softmax_gpu(key, B, T, S, N, K, H, options):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("B, T, S, N, K, H, options", [
+    *GPU_CASES,
+    pytest.param(2, 700, 700, 4, 2, 64, dict(is_causal=True, segments=True),
+                 id="causal-segments-H64")])
+def test_hopper_overlap_softmax_gpu(key, B, T, S, N, K, H, options, dtype):
   # The forward with each block's softmax under the previous block's P V
   # (HopperBlockSizes.overlap_softmax; the persistent launch at head dim 64 without a
   # mask, as the default tiles there), on the GPU cases: masks, ragged lengths, soft
-  # cap, head dims 64-256, one query row.
+  # cap, head dims 64-256, one query row; and segment ids.
+  options = dict(options)
+  if options.pop("segments", False):
+    options["segments"] = _segments(key, B, T, S)
   blocks = dataclasses.replace(
       HopperBlockSizes.default(H, options.get("is_causal", False)), overlap_softmax=True)
-  _check(*_inputs(key, B, T, S, N, K, H, jnp.bfloat16), backend="mosaic_gpu",
-         blocks=blocks, interpret=False, **options)
+  _check(*_inputs(key, B, T, S, N, K, H, dtype), backend="mosaic_gpu", blocks=blocks,
+         interpret=False, **options)
 
 
 def _train_step(backend, deterministic=None, is_causal=True):
