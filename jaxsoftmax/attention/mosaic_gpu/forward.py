@@ -84,8 +84,8 @@ class HopperBlockSizes:
       tensor cores (FlashAttention-3, section 3.2: intra-warpgroup overlapping of GEMMs
       and softmax), the two consumers still taking turns to issue (ping-pong); else each
       consumer waits for its P V before the next scores. On an H100 it ran the forward
-      3-9% faster on every bfloat16 row at head dims 128 and 256 (673 against 641 TFLOP/s at 4x4096,
-      745 against 685 at head dim 256:
+      3-9% faster on every bfloat16 row at head dims 128 and 256 (673 against 641
+      TFLOP/s at 4x4096, 745 against 685 at head dim 256:
       `benchmarks/results/tuning/tune_attention_hopper_overlap_softmax_h100.md`); False
       until its GPU tests have all run (docs/kernels.md says which did).
   """
