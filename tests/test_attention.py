@@ -1015,16 +1015,17 @@ def test_matches_truth_gpu(key, backend, B, T, S, N, K, H, options, dtype):
     *GPU_CASES,
     pytest.param(2, 700, 700, 4, 2, 64, dict(is_causal=True, segments=True),
                  id="causal-segments-H64")])
-def test_hopper_overlap_softmax_gpu(key, B, T, S, N, K, H, options, dtype):
-  # The forward with each block's softmax under the previous block's P V
-  # (HopperBlockSizes.overlap_softmax; the persistent launch at head dim 64 without a
-  # mask, as the default tiles there), on the GPU cases: masks, ragged lengths, soft
-  # cap, head dims 64-256, one query row; and segment ids.
+def test_hopper_softmax_schedule_gpu(key, B, T, S, N, K, H, options, dtype):
+  # Each case under the softmax schedule its default tiles do not take
+  # (HopperBlockSizes.overlap_softmax, on by default above head dim 64): the softmax
+  # under the previous block's P V at head dim 64 (on the persistent launch there
+  # without a mask), after it above; on the GPU cases (masks, ragged lengths, soft cap,
+  # head dims 64-256, one query row) and segment ids.
   options = dict(options)
   if options.pop("segments", False):
     options["segments"] = _segments(key, B, T, S)
-  blocks = dataclasses.replace(
-      HopperBlockSizes.default(H, options.get("is_causal", False)), overlap_softmax=True)
+  default = HopperBlockSizes.default(H, options.get("is_causal", False))
+  blocks = dataclasses.replace(default, overlap_softmax=not default.overlap_softmax)
   _check(*_inputs(key, B, T, S, N, K, H, dtype), backend="mosaic_gpu", blocks=blocks,
          interpret=False, **options)
 

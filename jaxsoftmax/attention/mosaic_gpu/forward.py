@@ -86,8 +86,9 @@ class HopperBlockSizes:
       consumer waits for its P V before the next scores. On an H100 it ran the forward
       3-9% faster on every bfloat16 row at head dims 128 and 256 (673 against 641
       TFLOP/s at 4x4096, 745 against 685 at head dim 256:
-      `benchmarks/results/tuning/tune_attention_hopper_overlap_softmax_h100.md`); False
-      until its GPU tests have all run (docs/kernels.md says which did).
+      `benchmarks/results/tuning/tune_attention_hopper_overlap_softmax_h100.md`), so
+      `default` turns it on above head dim 64 (at head dim 64 it has not yet run beside
+      the persistent launch, the default there without a mask).
   """
 
   block_q: int = 64
@@ -122,10 +123,13 @@ class HopperBlockSizes:
     without a causal mask (444 against 404 TFLOP/s, with 3 stages): elsewhere it loses
     1-7% to the hardware's own CTA scheduling (our reading, not yet counted: that one
     balances uneven items and absorbs the SMs' differing speeds, a static assignment
-    cannot)."""
+    cannot). Above head dim 64 the softmax runs under the previous block's P V
+    (overlap_softmax: 3-9% on an H100); at head dim 64 it has not yet been measured beside
+    these tiles."""
     if head_dim <= 64 and not is_causal:
       return cls(block_q=64, block_kv=128, num_stages=3, persistent=True)
-    return cls(block_q=64, block_kv=128 if head_dim <= 128 else 64, num_stages=2)
+    return cls(block_q=64, block_kv=128 if head_dim <= 128 else 64, num_stages=2,
+               overlap_softmax=head_dim > 64)
 
   def smem_bytes(self, head_dim: int, itemsize: int, *, output_tiles: bool = False,
                  value_head_dim: int | None = None) -> int:
