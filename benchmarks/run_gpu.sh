@@ -18,7 +18,9 @@
 #                           ROWS_MODES, default "fwd,fwd+bwd")
 #   attn-tests              pytest -m gpu tests/test_attention.py (TEST_K picks tests,
 #                           TEST_WORKERS workers, default 12; TEST_TIMEOUT); each test's
-#                           seconds in attn_test_times.log (lce-tests, pytest: likewise)
+#                           seconds in attn_test_times.log (lce-tests, pytest: likewise);
+#                           JAXSOFTMAX_TESTS_DONE=that log leaves out, in the next call,
+#                           the tests it records as passed or skipped (tests/conftest.py)
 #   attn-tune               tune_attention.py (TUNE_ONLY="4,5" picks shapes)
 #   attn-tune-hopper        tune_attention_hopper.py: the Mosaic GPU forward's tiles
 #                           (TUNE_ONLY picks shapes, TUNE_TILINGS="0,4" its tilings)

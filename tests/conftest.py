@@ -45,7 +45,34 @@ if not ON_GPU:  # the kernels, interpreted (tests of the XLA path unset it)
   os.environ.setdefault("JAXSOFTMAX_INTERPRET", "1")
 
 
+def tests_done(paths: str) -> set[str]:
+  """The ids of the tests that passed or were skipped in the logs ``paths``
+  (comma-separated): `pytest -v` output or JAXSOFTMAX_TEST_TIMES files. A line that says
+  failed or error anywhere (a failure's message may say "passed") counts for nothing,
+  nor does a passed setup, which says nothing of the call."""
+  done = set()
+  for path in filter(None, paths.split(",")):
+    with open(path) as f:
+      for line in f:
+        words = line.split()
+        ids = [w for w in words if "::" in w]
+        outcomes = {w.lower() for w in words}
+        if (not ids or outcomes & {"failed", "error"}
+            or not outcomes & {"passed", "skipped"}
+            or ("setup" in words and "skipped" not in outcomes)):
+          continue
+        done.add(ids[0])
+  return done
+
+
 def pytest_collection_modifyitems(config, items):
+  # JAXSOFTMAX_TESTS_DONE=LOG[,LOG]: leaves out the tests those logs record as passed or
+  # skipped, so that a GPU run its time limit cut goes on where it stopped in the next
+  # device call (benchmarks/run_gpu.sh, docs/testing.md).
+  done = tests_done(os.environ.get("JAXSOFTMAX_TESTS_DONE", ""))
+  if done:
+    config.hook.pytest_deselected(items=[i for i in items if i.nodeid in done])
+    items[:] = [i for i in items if i.nodeid not in done]
   if ON_GPU:
     return
   skip = pytest.mark.skip(reason="needs a GPU (compiled Pallas kernels)")

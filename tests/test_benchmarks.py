@@ -372,3 +372,23 @@ def test_run_gpu_lists_and_checks_its_stages(tmp_path):
   assert handled == known
   # --help names every stage (as itself, not inside a longer stage's name).
   assert not [s for s in known if not re.search(rf"(?<![\w-]){re.escape(s)}(?![\w-])", shown)]
+
+
+def test_tests_done_reads_pytest_and_times_logs(tmp_path):
+  # JAXSOFTMAX_TESTS_DONE (conftest.py): what a cut GPU run finished is left out of the
+  # next; a failure, or a setup that passed before its call failed, is not.
+  from conftest import tests_done
+  verbose, times = tmp_path / "verbose.log", tmp_path / "times.log"
+  verbose.write_text("[gw0] [ 10%] PASSED tests/t.py::a[x-1]\n"
+                     "tests/t.py::b SKIPPED (needs a GPU)\n"
+                     "[gw1] [ 20%] FAILED tests/t.py::c\n"
+                     "FAILED tests/t.py::g - AssertionError: 3 passed, 1 off\n"
+                     "collected 7 items\n")
+  times.write_text("     3.0 s setup passed  tests/t.py::d\n"
+                   "     9.0 s call  failed  tests/t.py::d\n"
+                   "     0.1 s setup passed  tests/t.py::e\n"
+                   "     5.0 s call  passed  tests/t.py::e\n"
+                   "     0.0 s setup skipped tests/t.py::f\n")
+  assert tests_done(f"{verbose},{times}") == {"tests/t.py::a[x-1]", "tests/t.py::b",
+                                              "tests/t.py::e", "tests/t.py::f"}
+  assert tests_done("") == set()
