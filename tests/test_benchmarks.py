@@ -223,6 +223,18 @@ def test_profile_linear_cross_entropy_smoke(tmp_path):
   assert "## jaxsoftmax fused, 37x40x301" in report and "## x @ w + optax" in report
 
 
+def test_profile_attention_kernels_smoke(tmp_path):
+  _run("benchmarks/profile_attention_kernels.py", "--smoke", "--impls",
+       "jaxsoftmax triton,no such impl", "--out", str(tmp_path))
+  report = (tmp_path / "profile_attention_kernels.md").read_text()
+  # Each implementation and mode once; one that cannot run says why (kernels appear
+  # only on a GPU).
+  for mode in ("fwd", "fwd+bwd"):
+    assert report.count(f"## attention causal {mode}, jaxsoftmax triton, 1x64x2x1x32") == 1
+  assert report.count("Span per call") == 2
+  assert report.count("Not measured: no such implementation") == 2
+
+
 def test_profile_rows_smoke(tmp_path):
   _run("benchmarks/profile_rows.py", "--smoke", "--ops", "softmax,logsumexp", "--out",
        str(tmp_path))
