@@ -1691,7 +1691,7 @@ def test_group_split_divides_the_group_in_the_atomic_design():
   assert split(6) == 2 and split(12) == 3  # 3 and 4 heads a CTA
   assert split(5) == 5 and split(7, heads_per_cta=4) == 7  # no divisor up to 4 heads
   assert split(8, True) == 1  # deterministic
-  assert split(8, l2_sections=True) == 1
+  assert split(8, l2_sections=True) == 2  # its sections count the grid's heads
   assert split(8, wide=True) == 1
   assert split(8, dq_writer_warp=True) == 1
   with pytest.raises(ValueError, match="heads_per_cta"):
@@ -1718,15 +1718,15 @@ def test_late_dq_applies_where_it_compiles_without_spills():
       128, 128, False, False, False)
 
 
-def test_l2_section_fits_the_budget():
-  # K/V heads of 4 MB each (Q and dO in bfloat16, dQ in float32, 4096 x 128): 8 of them
-  # fit 40 MB; a section divides the heads, and holds one at least.
-  head = 4096 * (128 * 2 * 2 + 128 * 4)
-  assert mosaic_backward.l2_section(head, 16) == 8
-  assert mosaic_backward.l2_section(head, 4) == 4
-  assert mosaic_backward.l2_section(head, 12) == 4
-  assert mosaic_backward.l2_section(head, 5) == 1
-  assert mosaic_backward.l2_section(100 * 10**6, 64) == 1
+def test_l2_section_makes_a_wave():
+  # The fewest heads of the grid, a divisor, whose CTAs make 0.9 of a wave of 132 SMs:
+  # 32 key tiles a head take 4 heads (128 CTAs), 64 take 2, 128 one; 5 heads have no
+  # divisor below 5 that makes it, and 2 heads of 32 tiles are all there is.
+  section = mosaic_backward.l2_section
+  assert section(16, 32, 132) == 4 and section(8, 32, 132) == 4
+  assert section(8, 64, 132) == 2 and section(16, 128, 132) == 1
+  assert section(12, 20, 132) == 6  # 120 CTAs
+  assert section(5, 32, 132) == 5 and section(2, 32, 132) == 2
 
 
 def test_dq_writer_takes_even_chunk_counts():

@@ -337,6 +337,18 @@ def test_launch_order_schedules_the_backward_ctas():
   # K/V head the fastest axis.
   assert launch_order.cta_steps(1, 512, 2, 2) == [8, 8, 6, 6, 4, 4, 2, 2]
   assert launch_order.cta_steps(1, 512, 4, 2)[:2] == [16, 16]  # two query heads a CTA
+  # With l2_sections on 2 SMs a section is one head (4 CTAs make 0.9 of the wave): its
+  # key tiles first, then the next head's.
+  import dataclasses
+  blocks = dataclasses.replace(launch_order.mosaic_backward.BLOCKS, l2_sections=True)
+  order = launch_order.ctas(1, 512, 2, 2, blocks=blocks, sms=2)
+  assert [(c.heads, c.lo) for c in order[:5]] == [((0,), 0), ((0,), 2), ((0,), 4),
+                                                   ((0,), 6), ((1,), 0)]
+  # L2: with room for everything each block is missed once, its first time; with none,
+  # always. Head 0's 20 steps (8 + 6 + 4 + 2) read its 8 query blocks: 8 misses.
+  one_head = order[:4]
+  assert launch_order.l2_hits(one_head, 2, 2**30, 64) == 1 - 8 / 20
+  assert launch_order.l2_hits(one_head, 2, 0, 64) == 0
 
 
 def test_tune_linear_cross_entropy_smoke(tmp_path):

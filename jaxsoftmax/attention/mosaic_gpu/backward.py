@@ -62,6 +62,7 @@ from jax import lax
 from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, on_warps, pad_to, per_row, pl,
                                         plgpu, producer_loads, rem32,
                                         warp_specialized_kernel, wgmma_iota)
+from jaxsoftmax._core.pallas import num_cores
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
                                          score_grad_term_count, score_grad_terms)
@@ -80,10 +81,10 @@ _CONSUMER_REGISTERS = 240
 _PRODUCER_REGISTERS = 24
 # dQ leaves in chunks of this many head-dim columns (one 128-byte swizzle of 16-bit K).
 _CHUNK = 64
-# With `l2_sections`, the K/V heads of one launch section read at most this much Q,
-# dO and float32 dQ: FlashAttention-3's backward sizes its sections of heads
-# to 40 MB of L2 (docs/kernels.md, on the order of the CTAs).
-L2_SECTION_BYTES = 40 * 10**6
+# With `l2_sections`, a launch section holds at least this share of a wave of CTAs (one
+# an SM): fewer, and the sections after it start their longest causal key tiles late
+# (`l2_section`).
+L2_SECTION_WAVE = 0.9
 # Up to this head dim each consumer holds dK and dV of its own keys; above it the wide
 # design splits them: one consumer holds dV (and takes dQ), the other dK.
 SPLIT_KEYS_HEAD_DIM = 128
@@ -159,19 +160,24 @@ class HopperBackwardBlockSizes:
       adds on the H200, two ran level with the dQ kernel causal and at 0.77x on GQA
       (`attention_backward_writer_h200.md`); without them, on an H100, level with one
       tile (`attention_backward_writer_h100.md`).
-    l2_sections: the order in which the dK/dV kernel's CTAs take their (batch, K/V
-      head, key tile): in sections of K/V heads whose Q, dO and float32 dQ fit
-      `L2_SECTION_BYTES` (`l2_section`), the head fastest within a section, then the
-      key tile, then the section and the batch row (FlashAttention-3's order, whose
-      sections may also span batch rows), so that the CTAs resident together share
-      what they read. Otherwise the K/V head fastest, then the key tile, then the batch:
-      at 4x4096x16x128 every key tile's CTAs then span all 16 heads of a batch row,
-      64 MB of Q, dO and dQ against the 50 MB of L2. On GQA 32/8 (an earlier kernel) Nsight
-      Compute read an L2 hit rate of 82% against FlashAttention-3's 91%, and 2.7x its
-      DRAM bytes (`benchmarks/results/tuning/ncu_attention_backward_gqa_*.log`). Timed
-      with the writer warp on the H200: 1.00x causal and 0.97x on GQA 32/8
-      (`attention_backward_writer_h200.md`); without it on an H100, 1.00x and 0.92x
-      (`attention_backward_writer_h100.md`), so False.
+    l2_sections: the order in which the dK/dV kernel's CTAs take their (batch, head
+      of the grid, key tile), the grid's heads being the K/V heads times the group's
+      split (`group_split`): in sections of the fewest heads whose CTAs make about a
+      wave (`l2_section`), the head fastest within a section, then the key tile, then
+      the section and the batch row, so that the CTAs resident together read the Q, dO
+      and dQ of few query heads. Otherwise the head fastest, then the key tile, then the
+      batch: on causal GQA 32/8 each CTA walks its group's 4 query heads, its time on
+      each shorter the later its keys, so the CTAs resident together drift over all 32
+      heads of a batch row, 128 MB of Q, dO and float32 dQ against the 50 MB of L2; Nsight
+      Compute read an L2 hit rate of 81% against FlashAttention-3's 91%
+      (`benchmarks/results/tuning/ncu_attention_backward_gqa32x8_defaults_h100.log`).
+      `benchmarks/launch_order.py` models both orders (LRU over the blocks of Q, dO and
+      dQ, every CTA's steps, one CTA an SM): 79% against 94% hits there, with today's
+      order finishing at the bound and a wave-sized section too. Sections sized instead
+      to 40 MB (FlashAttention-3's rule; two K/V heads on GQA 32/8) finish 1.11x the
+      bound in the model, the longest key tiles of the last sections starting late, and
+      timed 0.92x on an H100 (`attention_backward_writer_h100.md`); wave-sized sections
+      are not yet timed, so False.
     late_dq: in the split-keys design with the consumers' own dQ reductions, at head dim
       128 (one chunk each a step), without a causal mask or a window
       (`takes_late_dq`), each consumer computes its chunk of a step's dQ in the next
@@ -297,13 +303,12 @@ class HopperBackwardBlockSizes:
   def group_split(self, group: int, deterministic: bool, head_dim: int, wide: bool) -> int:
     """The CTAs over which each K/V head's group of ``group`` query heads is split: the
     fewest that divide the group into at most `heads_per_cta` heads each; 1 where that
-    is unset, with ``deterministic`` (the partial sums' order would vary), `l2_sections`
-    (whose sections count K/V heads), in the ``wide`` design or with the writer warp at
+    is unset, with ``deterministic`` (the partial sums' order would vary), in the
+    ``wide`` design or with the writer warp at
     this padded ``head_dim`` (where a consumer has no staging tile of its own for the
     partial sums)."""
     heads = self.heads_per_cta
-    if (heads is None or deterministic or self.l2_sections or wide
-        or self.writes_dq_by_warp(head_dim, wide)):
+    if (heads is None or deterministic or wide or self.writes_dq_by_warp(head_dim, wide)):
       return 1
     return next(split for split in range(1, group + 1)
                 if group % split == 0 and group // split <= heads)
@@ -365,14 +370,15 @@ class HopperBackwardBlockSizes:
 BLOCKS = HopperBackwardBlockSizes()
 
 
-def l2_section(head_bytes: int, kv_heads: int) -> int:
-  """K/V heads per launch section of `l2_sections`: the largest power of two that
-  divides ``kv_heads`` and whose heads' ``head_bytes`` each (Q, dO and dQ of one K/V
-  head of one batch row) fit `L2_SECTION_BYTES` together; at least 1."""
-  section = 1
-  while kv_heads % (2 * section) == 0 and 2 * section * head_bytes <= L2_SECTION_BYTES:
-    section *= 2
-  return section
+def l2_section(heads: int, key_tiles: int, sm_count: int) -> int:
+  """Heads of the grid (of ``heads``, each with ``key_tiles`` CTAs) per launch section of
+  `l2_sections`: the fewest that divide ``heads`` and whose CTAs make `L2_SECTION_WAVE`
+  of a wave of ``sm_count``; all where none does. A section of a wave starts its longest
+  causal key tiles together, and the CTAs of the next ones fill in as the short ones
+  finish: the order of longest first holds across sections, and the resident CTAs read
+  few heads (`benchmarks/launch_order.py` models it)."""
+  return next(section for section in range(1, heads + 1) if heads % section == 0
+              and (section * key_tiles >= L2_SECTION_WAVE * sm_count or section == heads))
 
 
 def dq_chunk_owner(step_index, c):
@@ -537,7 +543,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
                  dq_smem=None, ds_ready=None, ds_free=None, done=None,
                  dq_staged=None, dq_free=None,
                  dq_order_shape: tuple[int, int, int] | None = None,
-                 section: int | None = None, kv_heads: int | None = None,
+                 section: int | None = None, grid_heads: int | None = None,
                  group_split: int = 1):
   """dK and dV of a key tile; with ``atomic_dq`` also its share of dQ, added into the
   float32 dQ ref (the last input). ``float32_grads``: dK and dV leave in float32, stored
@@ -549,9 +555,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   `last_key_tiles`' table; ``key_tiles`` CTAs along the keys) the key tiles add into each
   query block in a fixed order, the last first. With ``dq_staged`` and ``dq_free`` (a
   barrier per consumer: `dq_writer_warp`) the consumers stage their dQ chunks and a warp
-  of the producer warpgroup adds them into dQ. ``section``: the K/V heads (of
-  ``kv_heads``) of a launch section, where the CTAs take their tiles in
-  `l2_sections`' order (the grid's last axis then runs over batch rows and sections).
+  of the producer warpgroup adds them into dQ. ``section``: the heads of the
+  grid (of ``grid_heads``: the K/V heads times ``group_split``) of a launch section,
+  where the CTAs take their tiles in `l2_sections`' order (the grid's last axis then
+  runs over batch rows and sections).
   ``group_split`` (`heads_per_cta`): the CTAs of each K/V head's group, the grid's head
   axis running over both; each adds its partial dK and dV into the zeroed float32 refs
   dk_ref and dv_ref (the last inputs, after dQ's)."""
@@ -576,7 +583,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   b, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
   key_tile = lax.axis_index("kv_tiles")
   if section is not None:  # the grid's axes: a section's heads, key tiles, sections
-    per_batch = kv_heads // section
+    per_batch = grid_heads // section
     kv_head = rem32(b, per_batch) * section + kv_head
     b = div32(b, per_batch)
   if ordered:  # the last key tile launches first: those waited on have started
@@ -1292,12 +1299,11 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   grid = (("heads", K * split), ("kv_tiles", n_kv_tiles), ("batch", B))
   section = None
   if blocks.l2_sections:
-    head_bytes = (N // K) * T_pad * ((H_pad + Hv_pad) * q.dtype.itemsize
-                                     + (4 * H_pad if atomic_dq else 0))
-    section = l2_section(head_bytes, K)
-    grid = (("heads", section), ("kv_tiles", n_kv_tiles), ("batch", B * (K // section)))
+    section = l2_section(K * split, n_kv_tiles, num_cores())
+    grid = (("heads", section), ("kv_tiles", n_kv_tiles),
+            ("batch", B * (K * split // section)))
   dkdv_kernel = warp_specialized_kernel(
-      functools.partial(_dkdv_kernel, atomic_dq=atomic_dq, section=section, kv_heads=K,
+      functools.partial(_dkdv_kernel, atomic_dq=atomic_dq, section=section, grid_heads=K * split,
                         group_split=split, **statics),
       out_type=() if split > 1 else (kv_type(H_pad), kv_type(Hv_pad)), consumers=_CONSUMERS,
       name="attention_backward_mosaic_gpu", softcap=softcap, scratch_types=scratch,
