@@ -1283,17 +1283,20 @@ def test_hopper_block_sizes_gpu(key, blocks):
 # the tile addresses as LLVM hoists them (the default before the sweep),
 # FlashAttention-3's step order at head dims up to 128, dQ sent by a writer warp (from
 # one staging tile per consumer, or two), the CTAs taking their tiles in sections of
-# heads that fit L2, each step's dQ chunk computed in that step rather than the next
-# (the default's `late_dq` at head dim 128; without `late_dq_banded`, in the unmasked
-# steps of a causal mask or window only), each group's query heads over CTAs of one
-# head or two (`heads_per_cta`; the default's 4 splits none of these cases' groups),
-# and the loads from the whole producer warpgroup rather than one warp.
+# the grid's heads about a wave in size (alone, and with each group over CTAs of two
+# heads; `_small_waves` makes the sections smaller than the grid), each step's dQ chunk
+# computed in that step rather than the next (the default's `late_dq` at head dim 128;
+# without `late_dq_banded`, in the unmasked steps of a causal mask or window only), each
+# group's query heads over CTAs of one head or two (`heads_per_cta`; the default's 4
+# splits none of these cases' groups), and the loads from the whole producer warpgroup
+# rather than one warp.
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
     "fa3-order": dict(fa3_step_order=True),
     "dq-writer": dict(dq_writer_warp=True),
     "dq-writer-2-tiles": dict(dq_writer_warp=True, dq_staging_tiles=2),
     "l2-sections": dict(l2_sections=True),
+    "l2-sections-2-heads-a-cta": dict(l2_sections=True, heads_per_cta=2),
     "no-late-dq": dict(late_dq=False),
     "no-late-dq-banded": dict(late_dq_banded=False),
     "one-head-a-cta": dict(heads_per_cta=1),
@@ -1303,7 +1306,15 @@ BACKWARD_SCHEDULES = {
 # The schedules that sum dK and dV in another order than the default's (a group's heads
 # in CTAs of their own, whose partial sums are added in the order they finish), so that
 # only the 2x rule holds them.
-REORDERED_SCHEDULES = {"one-head-a-cta", "2-heads-a-cta"}
+REORDERED_SCHEDULES = {"one-head-a-cta", "2-heads-a-cta", "l2-sections-2-heads-a-cta"}
+
+
+def _small_waves(monkeypatch, schedule):
+  """With `l2_sections`, a wave of 2 SMs, so that on these small shapes a section is one
+  head of the grid and the kernel's decoding of sections runs (132 SMs would take every
+  head into one section: today's order)."""
+  if "l2-sections" in schedule:
+    monkeypatch.setattr(mosaic_backward, "num_cores", lambda: 2)
 
 
 @pytest.mark.gpu
@@ -1321,6 +1332,7 @@ def test_hopper_backward_schedules_gpu(key, monkeypatch, schedule, B, T, S, N, K
   *_, dk0, dv0 = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, **BACKWARD_SCHEDULES[schedule]))
+  _small_waves(monkeypatch, schedule)
   *_, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
   if schedule not in REORDERED_SCHEDULES:
     np.testing.assert_array_equal(dk, dk0)
@@ -1596,6 +1608,7 @@ def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, m
   # The schedules test_hopper_backward_schedules_gpu runs, lowered on any machine.
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, **BACKWARD_SCHEDULES[schedule]))
+  _small_waves(monkeypatch, schedule)
   _lower_backward(H, H, dtype, options)
 
 
