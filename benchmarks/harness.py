@@ -146,6 +146,17 @@ def span_and_gaps(kernels, calls: int) -> tuple[float, list[float]]:
   return (end - kernels[0][1]) / calls, sorted(gaps, reverse=True)
 
 
+def kernel_section(title: str, kernels, calls: int) -> list[str]:
+  """The Markdown lines of one traced call (`device_kernels` of ``calls`` calls): the
+  device's span per call, its kernels' sum and largest idle gaps, and `kernel_table`."""
+  span, gaps = span_and_gaps(kernels, calls)
+  groups = kernel_groups(kernels, calls)
+  busy = sum(us for _, _, us in groups)
+  return ([title, "", f"Span per call {span:.1f} us, kernels {busy:.1f} us; largest gaps "
+           "(us): " + ", ".join(f"{g:.1f}" for g in gaps[:4]), ""]
+          + kernel_table(groups, busy, "call") + [""])
+
+
 def _pipelined_wall_us(jitted, arg_sets) -> float:
   """Wall-clock time per call of ITERATIONS calls issued back to back (us)."""
   start = time.perf_counter()

@@ -54,13 +54,7 @@ def profile(case, dtype, impls, modes) -> list[str]:
       except Exception as error:  # noqa: BLE001 - a peer that fails is a row that says so
         lines += [title, "", f"Not measured: {harness.failure_note(error)}", ""]
         continue
-      span, gaps = harness.span_and_gaps(kernels, CALLS)
-      groups = harness.kernel_groups(kernels, CALLS)
-      busy = sum(us for _, _, us in groups)
-      lines += [title, "",
-                f"Span per call {span:.1f} us, kernels {busy:.1f} us; largest gaps (us): "
-                + ", ".join(f"{g:.1f}" for g in gaps[:4]), ""]
-      lines += harness.kernel_table(groups, busy, "call") + [""]
+      lines += harness.kernel_section(title, kernels, CALLS)
   return lines
 
 

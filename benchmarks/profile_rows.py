@@ -86,14 +86,9 @@ def profile(op: str, mode: str, shape, dtype) -> list[str]:
   lines = []
   for impl, (step, args) in steps.items():
     kernels = harness.device_kernels(harness.trace_planes(jax.jit(step), args, CALLS))
-    span, gaps = harness.span_and_gaps(kernels, CALLS)
-    groups = harness.kernel_groups(kernels, CALLS)
-    busy = sum(us for _, _, us in groups)
-    lines += [f"## {op} {mode}, {impl}, {'x'.join(map(str, shape))} "
-              f"{jnp.dtype(dtype).name}", "",
-              f"Span per call {span:.1f} us, kernels {busy:.1f} us; largest gaps (us): "
-              + ", ".join(f"{g:.1f}" for g in gaps[:4]), ""]
-    lines += harness.kernel_table(groups, busy, "call") + [""]
+    lines += harness.kernel_section(
+        f"## {op} {mode}, {impl}, {'x'.join(map(str, shape))} {jnp.dtype(dtype).name}",
+        kernels, CALLS)
   return lines
 
 
