@@ -304,11 +304,10 @@ class HopperBackwardBlockSizes:
     """The CTAs over which each K/V head's group of ``group`` query heads is split: the
     fewest that divide the group into at most `heads_per_cta` heads each; 1 where that
     is unset, with ``deterministic`` (the partial sums' order would vary), in the
-    ``wide`` design or with the writer warp at
-    this padded ``head_dim`` (where a consumer has no staging tile of its own for the
-    partial sums)."""
+    ``wide`` design or with the writer warp at this padded ``head_dim`` (where a
+    consumer has no staging tile of its own for the partial sums)."""
     heads = self.heads_per_cta
-    if (heads is None or deterministic or wide or self.writes_dq_by_warp(head_dim, wide)):
+    if heads is None or deterministic or wide or self.writes_dq_by_warp(head_dim, wide):
       return 1
     return next(split for split in range(1, group + 1)
                 if group % split == 0 and group // split <= heads)
