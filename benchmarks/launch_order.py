@@ -71,15 +71,16 @@ def ctas(B: int, T: int, N: int, K: int, causal: bool = True, blocks=None,
   section = (mosaic_backward.l2_section(grid_heads, tiles, sms) if blocks.l2_sections
              else grid_heads)  # today's order: one section of every head
   spec = MaskSpec(T, T, is_causal=causal)
+  # Each tile's query blocks, the same in every batch row and section.
+  ranges = [query_block_ranges(spec, tile * keys, bq, keys, None, None, -(-T // bq))
+            for tile in range(tiles)]
+  walked = group // split
   order = []
   for b in range(B):
     for first in range(0, grid_heads, section):
-      for tile in range(tiles):
-        lo, _, _, hi = query_block_ranges(spec, tile * keys, bq, keys, None, None,
-                                          -(-T // bq))
+      for lo, _, _, hi in ranges:
         for head in range(first, first + section):
           kv_head, share = divmod(head, split)
-          walked = group // split
           heads = tuple(kv_head * group + share * walked + j for j in range(walked))
           order.append(Cta(b, heads, int(lo), int(hi)))
   return order
