@@ -176,8 +176,10 @@ class HopperBackwardBlockSizes:
       order finishing at the bound and a wave-sized section too. Sections sized instead
       to 40 MB (FlashAttention-3's rule; two K/V heads on GQA 32/8) finish 1.11x the
       bound in the model, the longest key tiles of the last sections starting late, and
-      timed 0.92x on an H100 (`attention_backward_writer_h100.md`); wave-sized sections
-      are not yet timed, so False.
+      timed 0.92x on an H100 (`attention_backward_writer_h100.md`). Wave-sized ones
+      timed 0.93x on GQA 32/8, 0.97-0.99x on the other causal rows but 1.03x at 1x16384
+      (`attention_backward_l2_waves_h100.md`): the kernel is not waiting on memory
+      (docs/kernels.md, `l2_sections`), so False.
     late_dq: in the split-keys design with the consumers' own dQ reductions, at head dim
       128 (one chunk each a step), without a causal mask or a window
       (`takes_late_dq`), each consumer computes its chunk of a step's dQ in the next
