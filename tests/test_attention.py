@@ -1278,6 +1278,23 @@ def test_hopper_block_sizes_gpu(key, blocks):
          key_value_seq_lengths=jnp.array([1000, 613]))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", [HopperBlockSizes(64, 256, 2),
+                                    HopperBlockSizes(64, 256, 2, persistent=True),
+                                    HopperBlockSizes(64, 192, 2, overlap_softmax=True),
+                                    HopperBlockSizes(64, 192, 2, persistent=True,
+                                                     overlap_softmax=True)],
+                         ids=["kv256", "kv256-persistent", "kv192-overlap-softmax",
+                              "kv192-persistent-overlap-softmax"])
+def test_hopper_head_dim_64_block_sizes_gpu(key, blocks):
+  # The key blocks that fit shared memory only at head dim 64, which
+  # benchmarks/tune_attention_hopper.py times there: a block of 192 keys is no power of
+  # two, and 1000 keys end inside a block of either size.
+  _check(*_inputs(key, 2, 1000, 1000, 4, 2, 64, jnp.bfloat16), backend="mosaic_gpu",
+         blocks=blocks, interpret=False, is_causal=True,
+         key_value_seq_lengths=jnp.array([1000, 613]))
+
+
 # The Hopper backward's schedules other than the default (`HopperBackwardBlockSizes`),
 # as the HOPPER_BWD_SCHEDULES rows of benchmarks/bench_attention_backward.py time them:
 # the tile addresses as LLVM hoists them (the default before the sweep),
