@@ -39,8 +39,10 @@ TILINGS = [dict(persistent=False), dict(persistent=True), dict(num_stages=3, per
            dict(block_kv=256, persistent=False), dict(block_kv=256, persistent=True),
            # The overlapped softmax holds two blocks of scores: at head dim 64 ptxas spills
            # 28 bytes offline at 192 keys a block and 240 at 256 (resources_offline.sh).
-           dict(block_kv=192, overlap_softmax=True),
-           dict(block_kv=192, overlap_softmax=True, persistent=True)]
+           # Launch and stages explicit: head dim 64 without a mask defaults to a
+           # persistent launch with 3 stages, which the others would inherit.
+           dict(block_kv=192, overlap_softmax=True, persistent=False, num_stages=2),
+           dict(block_kv=192, overlap_softmax=True, persistent=True, num_stages=3)]
 PEERS = ("cudnn", "fa3", "tokamax mosaic")
 # TUNE_TILINGS="0,4" keeps only those of TILINGS (by index), to fit a device call.
 if os.environ.get("TUNE_TILINGS"):

@@ -1282,10 +1282,10 @@ def test_hopper_block_sizes_gpu(key, blocks):
 @pytest.mark.parametrize("blocks", [HopperBlockSizes(64, 256, 2),
                                     HopperBlockSizes(64, 256, 2, persistent=True),
                                     HopperBlockSizes(64, 192, 2, overlap_softmax=True),
-                                    HopperBlockSizes(64, 192, 2, persistent=True,
+                                    HopperBlockSizes(64, 192, 3, persistent=True,
                                                      overlap_softmax=True)],
                          ids=["kv256", "kv256-persistent", "kv192-overlap-softmax",
-                              "kv192-persistent-overlap-softmax"])
+                              "kv192-persistent-3stages-overlap-softmax"])
 def test_hopper_head_dim_64_block_sizes_gpu(key, blocks):
   # The key blocks that fit shared memory only at head dim 64, which
   # benchmarks/tune_attention_hopper.py times there: a block of 192 keys is no power of
