@@ -1253,44 +1253,39 @@ def test_hopper_check_grads_gpu(key):
   check_grads(f, (q, k, v), order=1, modes=("rev",), atol=5e-2, rtol=5e-2, eps=5e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("blocks", [HopperBlockSizes(64, 64, 2), HopperBlockSizes(64, 64, 4),
-                                    HopperBlockSizes(64, 128, 3),
-                                    HopperBlockSizes(64, 128, 2, persistent=False),
-                                    HopperBlockSizes(64, 128, 2, persistent=True),
-                                    HopperBlockSizes(64, 128, 3, persistent=True),
-                                    HopperBlockSizes(64, 128, 2, one_producer_warp=True),
-                                    HopperBlockSizes(64, 128, 3, persistent=True,
-                                                     one_producer_warp=True),
-                                    HopperBlockSizes(64, 64, 2, overlap_softmax=True),
-                                    HopperBlockSizes(64, 128, 2, persistent=True,
-                                                     overlap_softmax=True)],
-                         ids=["kv64", "kv64-4stages", "kv128-3stages", "grid", "persistent",
-                              "persistent-3stages", "one-producer-warp",
-                              "persistent-one-producer-warp", "kv64-overlap-softmax",
-                              "persistent-overlap-softmax"])
-def test_hopper_block_sizes_gpu(key, blocks):
-  # Tiles other than the defaults: a causal diagonal across two key blocks, deeper rings;
-  # both launch schemes (3 stages leave no room for the persistent kernel's output tiles);
-  # the loads from one producer warp.
-  _check(*_inputs(key, 2, 1000, 1000, 4, 2, 128, jnp.bfloat16), backend="mosaic_gpu",
-         blocks=blocks, interpret=False, is_causal=True,
-         key_value_seq_lengths=jnp.array([1000, 613]))
+# Tiles other than the defaults at head dim 128: a causal diagonal across two key blocks,
+# deeper rings; both launch schemes (3 stages leave no room for the persistent kernel's
+# output tiles); the loads from one producer warp. At head dim 64, the key blocks that
+# fit shared memory only there, which benchmarks/tune_attention_hopper.py times: 192 keys
+# are no power of two, and 1000 keys end inside a block of either size.
+HOPPER_TILES = [
+    pytest.param(128, HopperBlockSizes(64, 64, 2), id="kv64"),
+    pytest.param(128, HopperBlockSizes(64, 64, 4), id="kv64-4stages"),
+    pytest.param(128, HopperBlockSizes(64, 128, 3), id="kv128-3stages"),
+    pytest.param(128, HopperBlockSizes(64, 128, 2, persistent=False), id="grid"),
+    pytest.param(128, HopperBlockSizes(64, 128, 2, persistent=True), id="persistent"),
+    pytest.param(128, HopperBlockSizes(64, 128, 3, persistent=True), id="persistent-3stages"),
+    pytest.param(128, HopperBlockSizes(64, 128, 2, one_producer_warp=True),
+                 id="one-producer-warp"),
+    pytest.param(128, HopperBlockSizes(64, 128, 3, persistent=True, one_producer_warp=True),
+                 id="persistent-one-producer-warp"),
+    pytest.param(128, HopperBlockSizes(64, 64, 2, overlap_softmax=True),
+                 id="kv64-overlap-softmax"),
+    pytest.param(128, HopperBlockSizes(64, 128, 2, persistent=True, overlap_softmax=True),
+                 id="persistent-overlap-softmax"),
+    pytest.param(64, HopperBlockSizes(64, 256, 2), id="H64-kv256"),
+    pytest.param(64, HopperBlockSizes(64, 256, 2, persistent=True), id="H64-kv256-persistent"),
+    pytest.param(64, HopperBlockSizes(64, 192, 2, overlap_softmax=True),
+                 id="H64-kv192-overlap-softmax"),
+    pytest.param(64, HopperBlockSizes(64, 192, 3, persistent=True, overlap_softmax=True),
+                 id="H64-kv192-persistent-3stages-overlap-softmax"),
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("blocks", [HopperBlockSizes(64, 256, 2),
-                                    HopperBlockSizes(64, 256, 2, persistent=True),
-                                    HopperBlockSizes(64, 192, 2, overlap_softmax=True),
-                                    HopperBlockSizes(64, 192, 3, persistent=True,
-                                                     overlap_softmax=True)],
-                         ids=["kv256", "kv256-persistent", "kv192-overlap-softmax",
-                              "kv192-persistent-3stages-overlap-softmax"])
-def test_hopper_head_dim_64_block_sizes_gpu(key, blocks):
-  # The key blocks that fit shared memory only at head dim 64, which
-  # benchmarks/tune_attention_hopper.py times there: a block of 192 keys is no power of
-  # two, and 1000 keys end inside a block of either size.
-  _check(*_inputs(key, 2, 1000, 1000, 4, 2, 64, jnp.bfloat16), backend="mosaic_gpu",
+@pytest.mark.parametrize("H, blocks", HOPPER_TILES)
+def test_hopper_block_sizes_gpu(key, H, blocks):
+  _check(*_inputs(key, 2, 1000, 1000, 4, 2, H, jnp.bfloat16), backend="mosaic_gpu",
          blocks=blocks, interpret=False, is_causal=True,
          key_value_seq_lengths=jnp.array([1000, 613]))
 
