@@ -112,7 +112,7 @@ def l2_hits(order: list[Cta], sms: int, l2_bytes: int, block_q: int) -> float:
   while True:
     busy = False
     for sm in range(sms):
-      if running[sm] is None or not running[sm]:
+      if not running[sm]:  # idle, or its CTA's steps are done
         running[sm] = None
         if waiting:
           cta = waiting.popleft()

@@ -2,6 +2,7 @@
 (--smoke: tiny shapes, interpreted kernels), so that the scripts the GPU run depends on do
 not rot off-GPU."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -339,7 +340,6 @@ def test_launch_order_schedules_the_backward_ctas():
   assert launch_order.cta_steps(1, 512, 4, 2)[:2] == [16, 16]  # two query heads a CTA
   # With l2_sections on 2 SMs a section is one head (4 CTAs make 0.9 of the wave): its
   # key tiles first, then the next head's.
-  import dataclasses
   blocks = dataclasses.replace(launch_order.mosaic_backward.BLOCKS, l2_sections=True)
   order = launch_order.ctas(1, 512, 2, 2, blocks=blocks, sms=2)
   assert [(c.heads, c.lo) for c in order[:5]] == [((0,), 0), ((0,), 2), ((0,), 4),

@@ -1290,6 +1290,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   # Split over the group's CTAs (`heads_per_cta`), dK and dV are added into zeroed
   # float32 arrays the kernel aliases, as dQ is.
   split = blocks.group_split(N // K, deterministic, H_pad, wide)
+  grid_heads = K * split
 
   order_inputs = ()
   if ordered:
@@ -1297,14 +1298,14 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     order_inputs = (last_key_tiles(spec, keys_per_tile, bq, n_kv_tiles, T_pad // bq,
                                    kv_len, q_len, B),)
   # The grid's first axis is the fastest in launch order.
-  grid = (("heads", K * split), ("kv_tiles", n_kv_tiles), ("batch", B))
+  grid = (("heads", grid_heads), ("kv_tiles", n_kv_tiles), ("batch", B))
   section = None
   if blocks.l2_sections:
-    section = l2_section(K * split, n_kv_tiles, num_cores())
+    section = l2_section(grid_heads, n_kv_tiles, num_cores())
     grid = (("heads", section), ("kv_tiles", n_kv_tiles),
-            ("batch", B * (K * split // section)))
+            ("batch", B * (grid_heads // section)))
   dkdv_kernel = warp_specialized_kernel(
-      functools.partial(_dkdv_kernel, atomic_dq=atomic_dq, section=section, grid_heads=K * split,
+      functools.partial(_dkdv_kernel, atomic_dq=atomic_dq, section=section, grid_heads=grid_heads,
                         group_split=split, **statics),
       out_type=() if split > 1 else (kv_type(H_pad), kv_type(Hv_pad)), consumers=_CONSUMERS,
       name="attention_backward_mosaic_gpu", softcap=softcap, scratch_types=scratch,
