@@ -59,6 +59,7 @@ _CONSUMERS = 2
 # 64K registers of an SM: 2 · 128 · 232 + 128 · 40 = 64512.
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
+_BLOCK_KV = (64, 128, 256)  # the key blocks the GPU tests run (`HopperBlockSizes`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +88,8 @@ class HopperBlockSizes:
       3-9% faster on every bfloat16 row at head dims 128 and 256 (673 against 641
       TFLOP/s at 4x4096, 745 against 685 at head dim 256:
       `benchmarks/results/tuning/tune_attention_hopper_overlap_softmax_h100.md`), so
-      `default` turns it on above head dim 64 (at head dim 64 it has not yet run beside
-      the persistent launch, the default there without a mask).
+      `default` turns it on above head dim 64 (at head dim 64 it lost up to 2%, with
+      either launch: `benchmarks/results/tuning/tune_attention_hopper_h64_h100.md`).
   """
 
   block_q: int = 64
@@ -99,11 +100,16 @@ class HopperBlockSizes:
   overlap_softmax: bool = False
 
   def __post_init__(self):
-    for name in ("block_q", "block_kv"):
-      value = getattr(self, name)
-      if not (isinstance(value, int) and value > 0 and value % 64 == 0):
-        raise ValueError(f"HopperBlockSizes.{name} must be a positive multiple of 64, "
-                         f"got {value!r}")
+    if not (isinstance(self.block_q, int) and self.block_q > 0 and self.block_q % 64 == 0):
+      raise ValueError(f"HopperBlockSizes.block_q must be a positive multiple of 64, "
+                       f"got {self.block_q!r}")
+    # 192-key blocks hung on an H100 under a causal mask whenever the keys were not a
+    # whole number of blocks (T = 448, 1000, 2048; at head dims 64 and 128, with either
+    # launch and either softmax schedule; not yet explained: docs/kernels.md), and lost
+    # where they ran.
+    if not (isinstance(self.block_kv, int) and self.block_kv in _BLOCK_KV):
+      raise ValueError(f"HopperBlockSizes.block_kv must be one of {_BLOCK_KV}, got "
+                       f"{self.block_kv!r}")
     if not (isinstance(self.num_stages, int) and self.num_stages >= 2):
       raise ValueError(f"HopperBlockSizes.num_stages must be an int >= 2, got "
                        f"{self.num_stages!r}")
@@ -118,14 +124,18 @@ class HopperBlockSizes:
     head dim 256 so that two stages of K and V fit shared memory beside Q. From the H200
     sweeps (benchmarks/results/tuning/: tune_attention_hopper.md,
     tune_attention_hopper_persistent.md, hopper_schedule_sweep.log):
-    3 stages lose 1-7% and 64-key blocks 13-19% at head dim 128; 192-key blocks win 1-2%
-    without masks but lose 22% causal. The persistent launch wins only at head dim 64
-    without a causal mask (444 against 404 TFLOP/s, with 3 stages): elsewhere it loses
-    1-7% to the hardware's own CTA scheduling (our reading, not yet counted: that one
-    balances uneven items and absorbs the SMs' differing speeds, a static assignment
-    cannot). Above head dim 64 the softmax runs under the previous block's P V
-    (overlap_softmax: 3-9% on an H100); at head dim 64 it has not yet been measured beside
-    these tiles."""
+    3 stages lose 1-7% and 64-key blocks 13-19% at head dim 128. The persistent launch
+    wins only at head dim 64 without a causal mask (444 against 404 TFLOP/s, with 3
+    stages): elsewhere it loses 1-7% to the hardware's own CTA scheduling (our reading,
+    not yet counted: that one balances uneven items and absorbs the SMs' differing
+    speeds, a static assignment cannot). There 256-key blocks with 3 stages ran 9% faster
+    than these on an H100 (486 against 447 TFLOP/s at 8x2048, cuDNN 473, tokamax 450, FA3
+    326 in the same run: tune_attention_hopper_h64_h100.md), but have not yet run their GPU
+    test (`test_hopper_block_sizes_gpu`'s H64-kv256-persistent-3stages), so they are not
+    yet the default. Under a causal mask they lost 4% in two runs, and the persistent
+    launch won 3% in one (358 against 348), not enough to move the default on one run.
+    Above head dim 64 the softmax runs under the previous block's P V (overlap_softmax:
+    3-9% on an H100); at head dim 64 it lost up to 2% (same file)."""
     if head_dim <= 64 and not is_causal:
       return cls(block_q=64, block_kv=128, num_stages=3, persistent=True)
     return cls(block_q=64, block_kv=128 if head_dim <= 128 else 64, num_stages=2,
