@@ -79,7 +79,7 @@ def main():
                       help="the Hopper backward's schedule (bench_attention_backward.py)")
   parser.add_argument("--forward", default="",
                       help="the forward's HopperBlockSizes fields to set: switches to turn "
-                           "on and sizes, e.g. overlap_softmax,block_kv=192")
+                           "on and sizes, e.g. overlap_softmax,block_kv=256")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
   parser.add_argument("--lengths", action="store_true",
                       help="query and key lengths per batch row, known at run time")
