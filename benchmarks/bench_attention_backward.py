@@ -69,6 +69,7 @@ PEERS = ("cudnn", "fa3", "tokamax mosaic")
 # its value (stale: the tile addresses LLVM hoists, and ptxas spills, as before the
 # default took fresh ones; wide: MLA's head dims in the wide design).
 SCHEDULE_FLAGS = {"stale": ("fresh_tile_addresses", False),
+                  "fmask": ("fresh_mask_offsets", True),
                   "fa3": ("fa3_step_order", True), "nofa3": ("fa3_step_order", False),
                   "wide": ("split_keys_width", 2 * mosaic_backward.SPLIT_KEYS_HEAD_DIM),
                   "ordered": ("ordered_dq_adds", True),

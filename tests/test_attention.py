@@ -1291,7 +1291,8 @@ def test_hopper_block_sizes_gpu(key, H, blocks):
 
 # The Hopper backward's schedules other than the default (`HopperBackwardBlockSizes`),
 # as the HOPPER_BWD_SCHEDULES rows of benchmarks/bench_attention_backward.py time them:
-# the tile addresses as LLVM hoists them (the default before the sweep),
+# the tile addresses as LLVM hoists them (the default before the sweep), the element
+# mask's key offsets computed in each step (`fresh_mask_offsets`),
 # FlashAttention-3's step order at head dims up to 128, dQ sent by a writer warp (from
 # one staging tile per consumer, or two), the CTAs taking their tiles in sections of
 # the grid's heads about a wave in size (alone, and with each group over CTAs of two
@@ -1303,6 +1304,7 @@ def test_hopper_block_sizes_gpu(key, H, blocks):
 # rather than one warp.
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
+    "fresh-mask-offsets": dict(fresh_mask_offsets=True),
     "fa3-order": dict(fa3_step_order=True),
     "dq-writer": dict(dq_writer_warp=True),
     "dq-writer-2-tiles": dict(dq_writer_warp=True, dq_staging_tiles=2),

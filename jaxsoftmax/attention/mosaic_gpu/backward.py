@@ -112,6 +112,16 @@ class HopperBackwardBlockSizes:
       The wide design addresses its tiles as they are: at MLA's head dims, where it
       spills nothing either way, fresh addresses measured 4% slower causal; at head dim
       256 they would remove 16 bytes of spills, untimed.
+    fresh_mask_offsets: in the split-keys design, a masked step's element mask takes the
+      consumer's first key through an optimization barrier too, so that the keys'
+      offsets are computed in the step. Otherwise, on GQA, LLVM hoists them out of the
+      walk over the group's heads and ptxas spills them: the SASS of the causal
+      backward on GQA 32/8 reloads about 15 such values in the steps (docs/kernels.md,
+      on what the GQA backward spills). Offline, bytes of spill stores / loads, off
+      against on: 68 / 96 against 32 / 60 at 4x4096 32/8 causal, 68 / 120 against
+      32 / 80 at 2x8192 32/4, 76 / 84 against 32 / 40 at 2x1000 32/8 (64 / 64 against
+      12 / 12 with lengths, 180 / 244 against 132 / 192 in float16); MHA, head dim 64 and
+      calls without a mask unchanged. Not yet run on a GPU, so False.
     fa3_step_order: FlashAttention-3's order of a step's products in the split-keys
       design: Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ runs, then dV, dK and dQ
       issued from Pᵀ and dSᵀ in 16 bits, so that no float32 tile is live beside dK and
@@ -242,6 +252,7 @@ class HopperBackwardBlockSizes:
   block_kv: int = 64
   num_stages: int = 2
   fresh_tile_addresses: bool = True
+  fresh_mask_offsets: bool = False
   fa3_step_order: bool | None = None
   split_keys_width: int = 192 + 128  # MLA's head dims
   ordered_dq_adds: bool | None = None
@@ -890,8 +901,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         q_tile, do_tile = q_ring.at[s], do_ring.at[s]
         own = key_block(wg)
         k_own, v_own = k_smem.at[own], v_smem.at[own]
-        mask = (_block_mask(spec, shape, i * bq, key0, kv_length, q_seg_ref, b, k_seg)
-                if masked else None)
+        mask = None
+        if masked:
+          keys = lax.optimization_barrier(key0) if blocks.fresh_mask_offsets else key0
+          mask = _block_mask(spec, shape, i * bq, keys, kv_length, q_seg_ref, b, k_seg)
         late_here = late and not (banded and masked)
         if fa3_order:
           plgpu.barrier_wait(q_loaded.at[s])
