@@ -68,7 +68,7 @@ class HopperBlockSizes:
 
   Attributes:
     block_q: query rows of each of the two consumer warpgroups (a CTA holds 2 · block_q).
-    block_kv: keys per K/V block streamed through shared memory.
+    block_kv: keys per K/V block streamed through shared memory: 64, 128 or 256.
     num_stages: K/V blocks in flight (slots of the shared-memory ring).
     persistent: one CTA per SM, each walking the (batch row, head, query tile) items
       i, i + SMs, i + 2 · SMs, ... with its K/V ring running on from one item into the
