@@ -117,12 +117,13 @@ class HopperBackwardBlockSizes:
       offsets are computed in the step. Otherwise, on GQA, LLVM hoists them out of the
       walk over the group's heads and ptxas spills them: the SASS of the causal
       backward on GQA 32/8 stores 15 values before the walk and reloads them in the
-      steps, most of them these (docs/kernels.md, on what the GQA backward spills). Offline, bytes of spill stores / loads, off
-      against on: 68 / 96 against 32 / 60 at 4x4096 32/8 causal, 68 / 120 against
-      32 / 80 at 2x8192 32/4, 76 / 84 against 32 / 40 at 2x1000 32/8 (64 / 64 against
-      12 / 12 with lengths, 180 / 244 against 132 / 192 in float16; the deterministic
-      dK/dV kernel 16 / 28 against none at 4x4096 32/8); MHA, head dim 64 and calls
-      without a mask unchanged. Not yet run on a GPU, so False.
+      steps, most of them these (docs/kernels.md, on what the GQA backward spills).
+      Offline, bytes of spill stores / loads, off against on: 68 / 96 against 32 / 60
+      at 4x4096 32/8 causal, 68 / 120 against 32 / 80 at 2x8192 32/4, 76 / 84 against
+      32 / 40 at 2x1000 32/8 (64 / 64 against 12 / 12 with lengths, 180 / 244 against
+      132 / 192 in float16; the deterministic dK/dV kernel 16 / 28 against none at
+      4x4096 32/8); MHA, head dim 64 and calls without a mask unchanged. Not yet run on
+      a GPU, so False.
     fa3_step_order: FlashAttention-3's order of a step's products in the split-keys
       design: Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ runs, then dV, dK and dQ
       issued from Pᵀ and dSᵀ in 16 bits, so that no float32 tile is live beside dK and
