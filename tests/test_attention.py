@@ -1292,7 +1292,8 @@ def test_hopper_block_sizes_gpu(key, H, blocks):
 # The Hopper backward's schedules other than the default (`HopperBackwardBlockSizes`),
 # as the HOPPER_BWD_SCHEDULES rows of benchmarks/bench_attention_backward.py time them:
 # the tile addresses as LLVM hoists them (the default before the sweep), the element
-# mask's key offsets computed in each step (`fresh_mask_offsets`),
+# mask's key offsets computed in each step (`fresh_mask_offsets`) and hoisted out of
+# the walk over a group's heads (the default before the H100 runs of 2026-12-06),
 # FlashAttention-3's step order at head dims up to 128, dQ sent by a writer warp (from
 # one staging tile per consumer, or two), the CTAs taking their tiles in sections of
 # the grid's heads about a wave in size (alone, and with each group over CTAs of two
@@ -1305,6 +1306,7 @@ def test_hopper_block_sizes_gpu(key, H, blocks):
 BACKWARD_SCHEDULES = {
     "stale-addresses": dict(fresh_tile_addresses=False),
     "fresh-mask-offsets": dict(fresh_mask_offsets=True),
+    "no-fresh-mask-offsets": dict(fresh_mask_offsets=False),
     "fa3-order": dict(fa3_step_order=True),
     "dq-writer": dict(dq_writer_warp=True),
     "dq-writer-2-tiles": dict(dq_writer_warp=True, dq_staging_tiles=2),
@@ -1701,6 +1703,17 @@ def test_staged_dq_chunks_are_those_the_writer_waits_for(n_chunks):
       staged = {c for _, c in _staged_chunks(step, wg, n_chunks)}
       owned = {c for c in range(n_chunks) if int(mosaic_backward.dq_chunk_owner(step, c)) == wg}
       assert staged == owned, (step, wg)
+
+
+def test_fresh_mask_offsets_where_a_cta_walks_heads():
+  # fresh_mask_offsets: by default in the CTAs that walk more than one query head (GQA,
+  # where LLVM hoists the mask's key offsets out of the walk), not on MHA; as set
+  # otherwise.
+  blocks = mosaic_backward.BLOCKS
+  assert [blocks.takes_fresh_mask_offsets(heads) for heads in (1, 2, 4)] == [False, True, True]
+  for setting in (True, False):
+    chosen = dataclasses.replace(blocks, fresh_mask_offsets=setting)
+    assert chosen.takes_fresh_mask_offsets(1) == chosen.takes_fresh_mask_offsets(4) == setting
 
 
 def test_group_split_divides_the_group_in_the_atomic_design():

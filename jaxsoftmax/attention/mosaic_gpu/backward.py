@@ -122,8 +122,12 @@ class HopperBackwardBlockSizes:
       at 4x4096 32/8 causal, 68 / 120 against 32 / 80 at 2x8192 32/4, 76 / 84 against
       32 / 40 at 2x1000 32/8 (64 / 64 against 12 / 12 with lengths, 180 / 244 against
       132 / 192 in float16; the deterministic dK/dV kernel 16 / 28 against none at
-      4x4096 32/8); MHA, head dim 64 and calls without a mask unchanged. Not yet run on
-      a GPU, so False.
+      4x4096 32/8); MHA, head dim 64 and calls without a mask unchanged. None (the
+      default): where a CTA walks more than one query head (`takes_fresh_mask_offsets`).
+      On an H100, causal, two runs each (`benchmarks/results/tuning/
+      attention_backward_fmask_h100.md`): 1-5% faster at 2x8192 32/4 (walks of 4 heads),
+      level at 4x4096 32/8 and with MHA's dQ by atomic adds, but 3-4% slower in MHA's
+      deterministic dK/dV kernel, where there is no walk to hoist out of.
     fa3_step_order: FlashAttention-3's order of a step's products in the split-keys
       design: Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ runs, then dV, dK and dQ
       issued from Pᵀ and dSᵀ in 16 bits, so that no float32 tile is live beside dK and
@@ -254,7 +258,7 @@ class HopperBackwardBlockSizes:
   block_kv: int = 64
   num_stages: int = 2
   fresh_tile_addresses: bool = True
-  fresh_mask_offsets: bool = False
+  fresh_mask_offsets: bool | None = None
   fa3_step_order: bool | None = None
   split_keys_width: int = 192 + 128  # MLA's head dims
   ordered_dq_adds: bool | None = None
@@ -280,6 +284,13 @@ class HopperBackwardBlockSizes:
     if self.fa3_step_order is not None:
       return self.fa3_step_order
     return head_dim + value_head_dim > 2 * SPLIT_KEYS_HEAD_DIM
+
+  def takes_fresh_mask_offsets(self, heads_walked: int) -> bool:
+    """Whether the masked steps take `fresh_mask_offsets` in a CTA that walks
+    ``heads_walked`` query heads: as set, or by default where that is more than one."""
+    if self.fresh_mask_offsets is not None:
+      return self.fresh_mask_offsets
+    return heads_walked > 1
 
   def orders_dq_adds(self, head_dim: int, value_head_dim: int) -> bool:
     """Whether deterministic calls take `ordered_dq_adds` at these padded head dims: as
@@ -891,6 +902,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     shape = (bkv, bq)
     k_seg = _key_segments(kv_seg_ref, b, key0, shape)
     fa3_order = blocks.fa3_order(head_dim, value_dim)
+    fresh_offsets = blocks.takes_fresh_mask_offsets(heads)
     late = atomic_dq and blocks.takes_late_dq(head_dim, value_dim, False, ordered, banded)
     # With a mask band (`late_dq_banded`) only the unmasked steps take dQ a step late:
     # each run of them starts at query block full_lo and ends with a flush of its last.
@@ -905,7 +917,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
         k_own, v_own = k_smem.at[own], v_smem.at[own]
         mask = None
         if masked:
-          keys = lax.optimization_barrier(key0) if blocks.fresh_mask_offsets else key0
+          keys = lax.optimization_barrier(key0) if fresh_offsets else key0
           mask = _block_mask(spec, shape, i * bq, keys, kv_length, q_seg_ref, b, k_seg)
         late_here = late and not (banded and masked)
         if fa3_order:

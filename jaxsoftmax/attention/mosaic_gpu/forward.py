@@ -128,16 +128,15 @@ class HopperBlockSizes:
     wins only at head dim 64 without a causal mask (444 against 404 TFLOP/s, with 3
     stages): elsewhere it loses 1-7% to the hardware's own CTA scheduling (our reading,
     not yet counted: that one balances uneven items and absorbs the SMs' differing
-    speeds, a static assignment cannot). There 256-key blocks with 3 stages ran 9% faster
-    than these on an H100 (486 against 447 TFLOP/s at 8x2048, cuDNN 473, tokamax 450, FA3
-    326 in the same run: tune_attention_hopper_h64_h100.md), but have not yet run their GPU
-    test (`test_hopper_block_sizes_gpu`'s H64-kv256-persistent-3stages), so they are not
-    yet the default. Under a causal mask they lost 4% in two runs, and the persistent
-    launch won 3% in one (358 against 348), not enough to move the default on one run.
+    speeds, a static assignment cannot). There 256-key blocks with 3 stages run 9% faster
+    than 128-key ones on an H100 (486 against 447 TFLOP/s at 8x2048, cuDNN 473, tokamax
+    450, FA3 326 in the same run: tune_attention_hopper_h64_h100.md), so they are the
+    default. Under a causal mask they lost 4% in two runs, and the persistent launch won
+    3% in one (358 against 348), not enough to move the default on one run.
     Above head dim 64 the softmax runs under the previous block's P V (overlap_softmax:
     3-9% on an H100); at head dim 64 it lost up to 2% (same file)."""
     if head_dim <= 64 and not is_causal:
-      return cls(block_q=64, block_kv=128, num_stages=3, persistent=True)
+      return cls(block_q=64, block_kv=256, num_stages=3, persistent=True)
     return cls(block_q=64, block_kv=128 if head_dim <= 128 else 64, num_stages=2,
                overlap_softmax=head_dim > 64)
 
