@@ -1553,7 +1553,8 @@ def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent, one_warp, ov
   # this catches Mosaic GPU API drift in the newest JAX on every CI run.
   B, T, S, N, K = 2, 1000, 777, 4, 2
   spec = MaskSpec(T, S, **options)
-  blocks = dataclasses.replace(HopperBlockSizes.default(H, spec.is_causal),
+  # The defaults of the wider head dim, as `mosaic_gpu.blocks` takes them.
+  blocks = dataclasses.replace(HopperBlockSizes.default(max(H, Hv), spec.is_causal),
                                persistent=persistent, one_producer_warp=one_warp,
                                overlap_softmax=overlap)
   i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)

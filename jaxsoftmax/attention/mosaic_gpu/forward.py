@@ -121,7 +121,8 @@ class HopperBlockSizes:
   @classmethod
   def default(cls, head_dim: int, is_causal: bool = False) -> "HopperBlockSizes":
     """Key blocks twice the query tile (one causal diagonal block per CTA), halved at
-    head dim 256 so that two stages of K and V fit shared memory beside Q. From the H200
+    head dim 256 so that two stages of K and V fit shared memory beside Q, doubled at
+    head dim 64 without a causal mask (below). From the H200
     sweeps (benchmarks/results/tuning/: tune_attention_hopper.md,
     tune_attention_hopper_persistent.md, hopper_schedule_sweep.log):
     3 stages lose 1-7% and 64-key blocks 13-19% at head dim 128. The persistent launch
