@@ -124,10 +124,11 @@ class HopperBackwardBlockSizes:
       132 / 192 in float16; the deterministic dK/dV kernel 16 / 28 against none at
       4x4096 32/8); MHA, head dim 64 and calls without a mask unchanged. None (the
       default): where a CTA walks more than one query head (`takes_fresh_mask_offsets`).
-      On an H100, causal, two runs each (`benchmarks/results/tuning/
-      attention_backward_fmask_h100.md`): 1-5% faster at 2x8192 32/4 (walks of 4 heads),
-      level at 4x4096 32/8 and with MHA's dQ by atomic adds, but 3-4% slower in MHA's
-      deterministic dK/dV kernel, where there is no walk to hoist out of.
+      On an H100, causal, two runs each
+      (benchmarks/results/tuning/attention_backward_fmask_h100.md and its _repeat):
+      1-5% faster at 2x8192 32/4 (walks of 4 heads), level at 4x4096 32/8 and with
+      MHA's dQ by atomic adds, but 3-4% slower in MHA's deterministic dK/dV kernel,
+      where there is no walk to hoist out of.
     fa3_step_order: FlashAttention-3's order of a step's products in the split-keys
       design: Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ runs, then dV, dK and dQ
       issued from Pᵀ and dSᵀ in 16 bits, so that no float32 tile is live beside dK and
