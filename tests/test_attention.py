@@ -1257,7 +1257,8 @@ def test_hopper_check_grads_gpu(key):
 # deeper rings; both launch schemes (3 stages leave no room for the persistent kernel's
 # output tiles); the loads from one producer warp. At head dim 64, the 256-key blocks
 # that fit shared memory only there (with 3 stages and the persistent launch 9% faster
-# than the default without a causal mask on an H100, `HopperBlockSizes.default`), which
+# than 128-key blocks without a causal mask on an H100, so the default there:
+# `HopperBlockSizes.default`), which
 # benchmarks/tune_attention_hopper.py times; 1000 keys end inside a block.
 HOPPER_TILES = [
     pytest.param(128, HopperBlockSizes(64, 64, 2), id="kv64"),
