@@ -107,9 +107,23 @@ def _inputs(key, shape, dtype, name, scale=4.0):
   return x, dy
 
 
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape, tiling", INTERPRET_CASES)
+def _dtype_name(dtype) -> str:
+  return jnp.dtype(dtype).name
+
+
+# The kernels' code depends on the dtype in two places only: exp (float32: jnp.exp;
+# 16-bit: exp2 of x·log2(e), `rows.engine.exp_for`), taken by every variant, and the
+# default tiling's stream blocks, sized in bytes (split-default). bfloat16 and float16
+# run the same code and differ in rounding and range. So each (case, op) runs in one
+# dtype, DTYPES[(case + op) % 3] (a Latin square, not the cube): every case still meets
+# all three dtypes, every op all three, and every case every op.
+INTERPRET_RUNS = [
+    pytest.param(name, dtype, *case.values, id=f"{case.id}-{_dtype_name(dtype)}-{name}")
+    for i, case in enumerate(INTERPRET_CASES) for j, name in enumerate(OPS)
+    for dtype in [DTYPES[(i + j) % len(DTYPES)]]]
+
+
+@pytest.mark.parametrize("name, dtype, shape, tiling", INTERPRET_RUNS)
 def test_matches_truth_interpret(key, name, dtype, shape, tiling):
   _check(name, *_inputs(key, shape, dtype, name), tiling=tiling)
 
@@ -134,9 +148,17 @@ def _mask(key, shape):
   return where.at[1].set(False)  # one row masked entirely
 
 
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("shape, tiling", MASK_CASES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+# Each (variant, op) masked in one of this test's two dtypes, float32 and bfloat16 in turn
+# (the exp of float32 and that of 16-bit inputs): every variant and every op meets both,
+# and every variant every op. split-softmax in bfloat16 is the case that needed the
+# saved-output form (docs/testing.md).
+MASK_RUNS = [
+    pytest.param(name, *case.values, dtype, id=f"{_dtype_name(dtype)}-{case.id}-{name}")
+    for i, case in enumerate(MASK_CASES) for j, name in enumerate(OPS)
+    for dtype in [(jnp.float32, jnp.bfloat16)[(i + j + 1) % 2]]]
+
+
+@pytest.mark.parametrize("name, shape, tiling, dtype", MASK_RUNS)
 def test_where(key, name, shape, tiling, dtype):
   kx, km = jax.random.split(key)
   x, dy = _inputs(kx, shape, dtype, name)
@@ -184,13 +206,24 @@ EXTREME_KINDS = ["huge", "offset", "all-equal", "neg-inf-entries", "neg-inf-row"
                  "pos-inf-entry"]
 
 
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("tiling", EXTREME_TILINGS)
-def test_extremes(key, name, tiling):
+# Each (variant, op) in two of the three dtypes, the one left out DTYPES[(variant + op +
+# 2) % 3]: every variant and every op still meets each dtype twice (float16's own
+# extremes, ±6e4, among them), and every pair of variant, op and dtype meets. Kept:
+# resident-softmax in float32 and online-softmax in bfloat16, the tight spots of
+# docs/testing.md.
+EXTREME_RUNS = [
+    pytest.param(name, tiling.values[0],
+                 [d for k, d in enumerate(DTYPES) if k != (i + j + 2) % len(DTYPES)],
+                 id=f"{tiling.id}-{name}")
+    for i, tiling in enumerate(EXTREME_TILINGS) for j, name in enumerate(OPS)]
+
+
+@pytest.mark.parametrize("name, tiling, dtypes", EXTREME_RUNS)
+def test_extremes(key, name, tiling, dtypes):
   # Every kind of extreme input in one call, six rows each, each kind's rows checked on
   # their own: one interpreted run per dtype instead of one per kind.
   kx, kd = jax.random.split(key)
-  for dtype in DTYPES:
+  for dtype in dtypes:
     x = jnp.concatenate([_extreme(kind, kx, dtype) for kind in EXTREME_KINDS])
     dy_shape = x.shape[:-1] if name == "logsumexp" else x.shape
     dy = jax.random.normal(kd, dy_shape).astype(dtype)
