@@ -73,9 +73,21 @@ def _check(key, shards, *, B=1, T=96, N=2, K=1, H=16, dtype=jnp.bfloat16, segmen
   return [max_errors(a, c)[0] for a, c in zip(got, exact)]
 
 
-@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+# Of the eight (strategy, layout, mask) plans (`_RingPlan.ring_step`, `tiled_step`,
+# `gathered`), those no other test here runs; each value of each axis is among them. The
+# others: ring zigzag causal in test_error_does_not_grow_with_devices (8 devices),
+# all_gather zigzag causal in test_gqa_segments_soft_cap_sinks, ring contiguous causal in
+# test_other_dtypes; contiguous full is, for either strategy, the zigzag full plan (every
+# block unmasked), and test_local_windows_across_shards runs the contiguous non-causal
+# layout, with a window, on both.
+@pytest.mark.parametrize("strategy, layout, is_causal", [
+    # The ring's non-causal zigzag steps: every step its own block, unmasked.
+    pytest.param("ring", "zigzag", False, id="ring-zigzag-full"),
+    # Gathered zigzag without a mask: one piece over all keys, on every device alike.
+    pytest.param("all_gather", "zigzag", False, id="all_gather-zigzag-full"),
+    # Gathered contiguous causal: a causal band at each device's offset (a switch on it).
+    pytest.param("all_gather", "contiguous", True, id="all_gather-contiguous-causal"),
+])
 def test_matches_single_device(key, strategy, layout, is_causal):
   # 4 devices, 24 tokens each (zigzag: two chunks of 12).
   _check(key, 4, strategy=strategy, layout=layout, is_causal=is_causal)
@@ -90,22 +102,30 @@ def test_error_does_not_grow_with_devices(key):
       assert err <= 1.5 * err_1 + 1e-6, (P, what, err, err_1)
 
 
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
-def test_gqa_segments_soft_cap(key, strategy):
-  _check(key, 2, B=2, N=4, K=2, segments=True, logits_soft_cap=3.0, is_causal=True,
-         layout="zigzag", strategy=strategy)
-
-
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
-def test_sinks(key, strategy):
+# GQA, packed segments (each batch row its own), a soft cap and sinks in one call: they
+# reach the kernels alike after either strategy, so one, all_gather (also this file's
+# zigzag causal all_gather plan). The ring's own part, segment ids travelling with K and
+# V, is test_xla_blocks[ring]'s plan (these shapes, segments and soft cap on XLA's
+# blocks); its zigzag causal kernels run in test_error_does_not_grow_with_devices.
+def test_gqa_segments_soft_cap_sinks(key):
   # The sinks join the merged result on every device (the same code after either
   # strategy); dsinks sums over the devices.
-  _check(key, 4, N=4, K=2, is_causal=True, strategy=strategy, layout="zigzag",
-         sinks=jnp.linspace(-2.0, 3.0, 4))
+  _check(key, 4, B=2, N=4, K=2, segments=True, logits_soft_cap=3.0, is_causal=True,
+         layout="zigzag", strategy="all_gather", sinks=jnp.linspace(-2.0, 3.0, 4))
 
 
-@pytest.mark.parametrize("window", [(20, 0), (7, 30), (40, 40)], ids=str)
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+# Each window once, each strategy: the ring shifts a window's band by ±s·24 at step s,
+# the gather by d·24 on device d, both through `_band`.
+@pytest.mark.parametrize("strategy, window", [
+    # Causal, reaching left into the previous shard: the ring's steps 2 and 3 hold no
+    # pair on any device (steps with no kernel).
+    pytest.param("ring", (20, 0), id="ring-(20, 0)"),
+    # Past the neighbouring shards both ways: unmasked, left-only, right-only and empty
+    # blocks among the ring's steps.
+    pytest.param("ring", (40, 40), id="ring-(40, 40)"),
+    # Right into the next shard: two-sided and left-only bands over the gathered keys.
+    pytest.param("all_gather", (7, 30), id="all_gather-(7, 30)"),
+])
 def test_local_windows_across_shards(key, strategy, window):
   # Windows that reach into the neighbouring shards (24 tokens each), and past them.
   _check(key, 4, strategy=strategy, local_window_size=window, is_causal=window[1] == 0)
@@ -113,6 +133,8 @@ def test_local_windows_across_shards(key, strategy, window):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["float32", "float16"])
 def test_other_dtypes(key, dtype):
+  # Also the ring's contiguous causal plan: blocks of earlier devices whole, of later
+  # ones empty.
   _check(key, 2, dtype=dtype, is_causal=True)
 
 
