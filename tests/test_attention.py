@@ -38,12 +38,15 @@ BACKENDS = [backend.NAME for backend in api.BACKENDS]
 GPU_ONLY = {"mosaic_gpu"}
 
 
-def _per_backend(cases):
-  """``cases`` (pytest params) crossed with the backends, GPU-only ones marked gpu."""
+def _per_backend(cases, cpu_ids=None):
+  """``cases`` (pytest params) crossed with the backends, GPU-only ones marked gpu. With
+  ``cpu_ids``, the backends a CPU runs (interpreted) take only the cases of those ids;
+  the GPU-only ones take every case."""
   return [pytest.param(backend, *case.values,
                        id=f"{backend}-{case.id}" if case.id else backend,
                        marks=[pytest.mark.gpu] * (backend in GPU_ONLY))
-          for backend in BACKENDS for case in cases]
+          for backend in BACKENDS for case in cases
+          if backend in GPU_ONLY or cpu_ids is None or case.id in cpu_ids]
 
 
 def _tiles(backend: str, interpret: bool):
@@ -159,9 +162,31 @@ INTERPRET_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
-                         ids=["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("backend, B, T, S, N, K, H, options", _per_backend(INTERPRET_CASES))
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# The dtypes each case runs in on a CPU (the GPU-only backend takes all three). Of the
+# 16-bit paths only float16's second dS term (`logits.score_grad_terms`) is its own;
+# float32's (the unfused exponent, dK and dV summed in the outputs) runs in every other
+# kernel test of this file, these shapes among them (test_score_terms[bias-full-causal]
+# is gqa-ragged's in float32).
+INTERPRET_CPU_DTYPES = {
+    "gqa-ragged-T!=S-H24": ["bfloat16"],
+    "causal-diagonal-blocks": ["float16"],  # both dS terms on the diagonal's masked tiles
+    "mqa-causal-window": ["bfloat16"],
+    "symmetric-window": ["bfloat16"],
+    "lengths": ["float16"],  # both dS terms beside rows past their length
+    "softcap": ["bfloat16"],
+    # Every dtype: the float32 and bfloat16 cases docs/testing.md traces, and float16's
+    # T = 1, S = 77, where dS as one term missed the rule (`logits.score_grad_terms`).
+    "T1-lengths-77-1-0": ["float32", "bfloat16", "float16"],
+    "T1-mqa-softcap": ["bfloat16"],
+}
+
+
+@pytest.mark.parametrize("backend, B, T, S, N, K, H, options, dtype", _per_backend(
+    [pytest.param(*case.values, dtype, id=f"{case.id}-{name}")
+     for case in INTERPRET_CASES for name, dtype in DTYPES.items()],
+    cpu_ids={f"{case}-{name}" for case, names in INTERPRET_CPU_DTYPES.items()
+             for name in names}))
 def test_matches_truth_interpret(key, backend, B, T, S, N, K, H, options, dtype):
   # Sizes a multiple of no block: the Triton backend interpreted (on a CPU) with 16 x 16
   # tiles, the Mosaic GPU one compiled with its defaults.
@@ -269,8 +294,12 @@ VALUE_HEAD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend, B, T, S, N, K, H, Hv, options",
-                         _per_backend(VALUE_HEAD_CASES))
+@pytest.mark.parametrize("backend, B, T, S, N, K, H, Hv, options", _per_backend(
+    # The deterministic case is the Hopper backend's: the Triton backward differs only
+    # for a broadcast bias, so on a CPU it would repeat H64-Hv128-softcap-window's head
+    # dims under H192-Hv128-causal's mask.
+    VALUE_HEAD_CASES, cpu_ids={case.id for case in VALUE_HEAD_CASES} - {
+        "H64-Hv128-causal-deterministic"}))
 def test_value_head_dim(key, backend, B, T, S, N, K, H, Hv, options):
   # Output (B, T, N, Hv), lse and every gradient under the 2x rule; a backend that takes
   # one head dim skips with its reason, which names both.
@@ -345,6 +374,12 @@ SCORE_TERM_CASES = [
 ]
 
 
+# On a CPU, alibi-causal is left to the one-sided cases beside it: ALiBi's row term on
+# 16 x 16 tiles in alibi-left-window-long, causal in
+# test_alibi_one_sided_exact_near_the_diagonal, with GQA in alibi-two-sided-lengths.
+SCORE_TERM_CPU_IDS = {case.id for case in SCORE_TERM_CASES} - {"alibi-causal"}
+
+
 def _score_terms(key, B, T, S, N, bias_shape, mask_shape, alibi):
   """(bias, mask, slopes), each None unless asked for; the mask leaves tiles of keys
   16-31 (every 16 x 16 tile there) entirely masked, and some rows entirely."""
@@ -362,7 +397,7 @@ def _score_terms(key, B, T, S, N, bias_shape, mask_shape, alibi):
 
 
 @pytest.mark.parametrize("backend, B, T, S, N, K, H, bias_shape, mask_shape, alibi, options",
-                         _per_backend(SCORE_TERM_CASES))
+                         _per_backend(SCORE_TERM_CASES, cpu_ids=SCORE_TERM_CPU_IDS))
 def test_score_terms(key, backend, B, T, S, N, K, H, bias_shape, mask_shape, alibi,
                      options):
   # Output, lse, dq, dk, dv and dbias (the bias's shape) under the 2x rule.
@@ -568,13 +603,18 @@ def _padded_batch_masks(T, S, q_counts, kv_counts):
   return full, full & jnp.tril(jnp.ones((T, S), bool))[None, None], keys[:, None, None, :]
 
 
-@pytest.mark.parametrize("form", ["keys", "full", "causal", "causal-given", "keys-causal"])
+# The forms a padded batch's mask takes: a mask with a query axis, without and with the
+# causal mask (two forms, the one that holds picked at run time), and a key-padding mask
+# under is_causal, whose lengths keep the call's causal mask. A key-padding mask without
+# is_causal takes the same lines with the flag off, as "full" does; a full mask under
+# is_causal runs "causal"'s kernels, and test_other_masks_keep_their_path pins that its
+# entries above the diagonal do not count there.
+@pytest.mark.parametrize("form", ["full", "causal", "keys-causal"])
 def test_padded_batch_mask_runs_as_lengths(key, form):
   # A mask without a head axis that keeps each batch row's first queries and keys (with
   # the causal mask or not) runs as lengths, chosen at run time (`api._mask_as_lengths`):
   # output and gradients bit-identical to the call with those lengths, the given ones
-  # taken where smaller (an empty row included). With is_causal given, the mask's
-  # entries above the diagonal do not count.
+  # taken where smaller (an empty row included).
   B, T, S, N, K, H = 3, 20, 37, 2, 1, 16
   q, k, v, do = _inputs(key, B, T, S, N, K, H, jnp.float32)
   run = functools.partial(js.dot_product_attention, implementation="triton",
@@ -588,10 +628,8 @@ def test_padded_batch_mask_runs_as_lengths(key, form):
   given = jnp.array([20, 30, 5])
   full, causal, keys = _padded_batch_masks(T, S, q_counts, kv_counts)
   mask, is_causal, lengths = {
-      "keys": (keys, False, {}),
       "full": (full, False, dict(query_seq_lengths=q_counts)),
       "causal": (causal, False, dict(query_seq_lengths=q_counts)),
-      "causal-given": (full, True, dict(query_seq_lengths=q_counts)),  # full & causal
       "keys-causal": (keys, True, {})}[form]
   got = step(mask=mask, is_causal=is_causal, key_value_seq_lengths=given)
   want = step(is_causal=is_causal or form == "causal",
@@ -687,8 +725,10 @@ def test_score_terms_run_in_the_kernels(key):
     assert not big, big
 
 
-@pytest.mark.parametrize("bias_shape", [(1, 4, 64, 96), (1, 1, 64, 96), (2, 1, 64, 96),
-                                        (2, 1, 1, 96)])
+# A relative-position bias (broadcast along the batch), one plane for all, and a key bias
+# (batch rows of its own, no query axis): a bias broadcast along the heads alone takes
+# its batch row into the target as the key bias does, its query rows as the others do.
+@pytest.mark.parametrize("bias_shape", [(1, 4, 64, 96), (1, 1, 64, 96), (2, 1, 1, 96)])
 def test_dbias_memory_is_the_bias(key, bias_shape):
   # A bias that broadcasts along the batch or the heads gets its gradient added
   # atomically into one float32 array of its own shape (padded to whole blocks): no
@@ -712,10 +752,11 @@ def test_dbias_memory_is_the_bias(key, bias_shape):
           if len(shape) == 4 and shape[2] >= T and shape[3] >= S]
   assert all(shape[0] * shape[1] <= planes for shape in held), held
   atomic = jax.jit(dbias(False))(q, k, v, bias)
-  ordered = jax.jit(dbias(True))(q, k, v, bias)
+  deterministic = jax.jit(dbias(True))
+  ordered = deterministic(q, k, v, bias)
   assert atomic.shape == ordered.shape == bias_shape
   np.testing.assert_allclose(atomic, ordered, rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(ordered, jax.jit(dbias(True))(q, k, v, bias))
+  np.testing.assert_array_equal(ordered, deterministic(q, k, v, bias))  # a second run
 
 
 def test_score_terms_and_sinks_under_x64(key):
@@ -958,9 +999,11 @@ MIXED_BLOCKS = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32
                           block_q_dq=32, block_k_dq=16, num_warps=4, num_warps_bwd=4)
 
 
-@pytest.mark.parametrize("options", [dict(is_causal=True), dict(local_window_size=(20, 7)),
-                                     dict(key_value_seq_lengths=jnp.array([70, 41]))],
-                         ids=["causal", "window", "kv-lengths"])
+# A causal mask with key lengths (batch row 0 all 70 keys, the causal mask alone; row 1
+# 41, cut off by its length), and a window.
+@pytest.mark.parametrize("options", [
+    dict(is_causal=True, key_value_seq_lengths=jnp.array([70, 41])),
+    dict(local_window_size=(20, 7))], ids=["causal-kv-lengths", "window"])
 def test_mixed_block_sizes(key, options):
   # float32: a block-range mistake shows as an O(1) error far above float32 rounding,
   # while bfloat16's rounding noise is the 16-bit cases' business above.
@@ -1168,15 +1211,20 @@ def test_hopper_deterministic_mla_gpu(key):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("T, S, options", [
-    (1000, 1000, dict(is_causal=True)),
-    (513, 700, dict(window_left=100, window_right=20)),
-    (700, 513, dict(is_causal=True, window_left=150)),
-    (300, 300, dict(window_right=0)),
-    (300, 777, {}),
-    (1000, 1000, dict(is_causal=True, has_segments=True)),
-], ids=["causal", "window-T<S", "causal-left-T>S", "right-only", "full", "causal-segments"])
-@pytest.mark.parametrize("keys", [64, 128])
+# (keys a tile, T, S, mask): the split-keys design's 128 keys a tile (a causal diagonal
+# across two query blocks) and the wide design's 64, each on half the masks and both on
+# the causal one.
+@pytest.mark.parametrize("keys, T, S, options", [
+    pytest.param(64, 1000, 1000, dict(is_causal=True), id="64-causal"),
+    pytest.param(128, 1000, 1000, dict(is_causal=True), id="128-causal"),
+    pytest.param(128, 513, 700, dict(window_left=100, window_right=20), id="128-window-T<S"),
+    pytest.param(64, 700, 513, dict(is_causal=True, window_left=150),
+                 id="64-causal-left-T>S"),
+    pytest.param(64, 300, 300, dict(window_right=0), id="64-right-only"),
+    pytest.param(64, 300, 777, {}, id="64-full"),
+    pytest.param(128, 1000, 1000, dict(is_causal=True, has_segments=True),
+                 id="128-causal-segments"),
+])
 def test_ordered_dq_adds_count_the_tiles_before(T, S, options, keys):
   # The ordered adds' key tile t waits for last - t adds into a query block before its
   # own (`last_key_tiles`): right only where the tiles that add into a block are
@@ -1537,21 +1585,33 @@ def test_triton_kernels_lower_for_cuda(as_if_on_an_h200, dtype, H, Hv, N, K, opt
                    "attention_tangent"}
 
 
-@pytest.mark.parametrize("persistent, one_warp, overlap", [
-    (False, False, False), (True, False, False), (True, True, False), (False, False, True),
-    (True, False, True)], ids=["grid", "persistent", "persistent-one-producer-warp",
-                               "overlap-softmax", "persistent-overlap-softmax"])
-@pytest.mark.parametrize("H, Hv, options", [
-    (128, 128, dict(is_causal=True)),
-    (64, 64, dict(has_segments=True)),
-    (256, 256, dict(window_left=100, window_right=20)),
-    (96, 96, {}),
-    (192, 128, dict(is_causal=True)),  # MLA's head dims: output tiles of their own
-    (64, 128, {}),
+# (persistent, one_producer_warp, overlap_softmax) of each launch.
+HOPPER_LAUNCHES = {"grid": (False, False, False), "persistent": (True, False, False),
+                   "persistent-one-producer-warp": (True, True, False),
+                   "overlap-softmax": (False, False, True),
+                   "persistent-overlap-softmax": (True, False, True)}
+
+
+# Each launch and each head dim and mask once, paired so that the output's paths meet
+# both softmax schedules: output tiles of its own (where Hv != H, or a persistent CTA's
+# shared memory holds them: not at head dim 256) or the query tile's, and the persistent
+# launch with and without a causal mask (its snake).
+@pytest.mark.parametrize("launch, H, Hv, options", [
+    pytest.param("persistent-overlap-softmax", 128, 128, dict(is_causal=True),
+                 id="128-128-causal-persistent-overlap-softmax"),
+    pytest.param("persistent", 64, 64, dict(has_segments=True), id="64-64-segments-persistent"),
+    pytest.param("persistent-one-producer-warp", 256, 256,
+                 dict(window_left=100, window_right=20),
+                 id="256-256-window-persistent-one-producer-warp"),
+    pytest.param("overlap-softmax", 96, 96, {}, id="96-96-overlap-softmax"),
+    # MLA's head dims: output tiles of their own.
+    pytest.param("grid", 192, 128, dict(is_causal=True), id="192-128-causal-grid"),
+    pytest.param("overlap-softmax", 64, 128, {}, id="64-128-overlap-softmax"),
 ])
-def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent, one_warp, overlap):
+def test_hopper_forward_lowers_for_cuda(launch, H, Hv, options):
   # The Hopper kernel cannot run off a GPU (see README), but it lowers for CUDA anywhere:
   # this catches Mosaic GPU API drift in the newest JAX on every CI run.
+  persistent, one_warp, overlap = HOPPER_LAUNCHES[launch]
   B, T, S, N, K = 2, 1000, 777, 4, 2
   spec = MaskSpec(T, S, **options)
   # The defaults of the wider head dim, as `mosaic_gpu.blocks` takes them.
@@ -1576,51 +1636,88 @@ def test_hopper_forward_lowers_for_cuda(H, Hv, options, persistent, one_warp, ov
   assert "attention_forward_mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("deterministic, grad_dtype, ordered", [
-    (False, None, None), (True, None, None), (True, None, False), (True, None, True),
-    (False, jnp.float32, None),
-], ids=["atomic", "deterministic", "deterministic-dq-kernel", "deterministic-ordered",
-        "float32-grads"])
-@pytest.mark.parametrize("H, dtype, options", [
-    (128, jnp.bfloat16, dict(is_causal=True)),
-    (64, jnp.float16, dict(has_segments=True)),
-    (96, jnp.bfloat16, dict(window_left=100, window_right=20)),
-    (256, jnp.bfloat16, dict(is_causal=True)),
-    (192, jnp.float16, dict(has_segments=True)),
-    ((192, 128), jnp.bfloat16, dict(is_causal=True)),  # MLA's: the wide design
-    ((64, 128), jnp.float16, {}),  # split keys, dK and dV of two widths
+# (deterministic, grad_dtype, ordered_dq_adds) of each design of dQ: atomic adds, the
+# deterministic default's (the dQ kernel up to head dim 128, the ordered adds above),
+# either of those named, and the atomic design's float32 gradients.
+HOPPER_BACKWARD_MODES = {"atomic": (False, None, None), "deterministic": (True, None, None),
+                         "deterministic-dq-kernel": (True, None, False),
+                         "deterministic-ordered": (True, None, True),
+                         "float32-grads": (False, jnp.float32, None)}
+
+
+# Each head dim and mask once, each mode on the designs where its code differs: the
+# split-keys design at head dim 128 (two dQ chunks a step, the default's late dQ), 64
+# (one chunk between the consumers, float16's two dS terms), MLA's 192 / 128 (three
+# chunks, FlashAttention-3's step order) and 64 / 128 (dK and dV of two widths), and the
+# wide design at 256 and in float16 (one dSᵀ buffer). The ordered adds run every line of
+# the atomic design's but its late dQ (and its group split, none with two heads a group),
+# so where there is none (head dims 64, 192 and 256) they lower the atomic kernel too;
+# test_hopper_backward_split_keys_at_mla_dims_lower_for_cuda lowers MLA's as it is.
+@pytest.mark.parametrize("mode, H, dtype, options", [
+    pytest.param("atomic", 128, jnp.bfloat16, dict(is_causal=True), id="128-causal-atomic"),
+    pytest.param("deterministic", 128, jnp.bfloat16, dict(is_causal=True),
+                 id="128-causal-deterministic"),
+    pytest.param("deterministic-ordered", 128, jnp.bfloat16, dict(is_causal=True),
+                 id="128-causal-deterministic-ordered"),
+    pytest.param("deterministic-dq-kernel", 64, jnp.float16, dict(has_segments=True),
+                 id="64-float16-segments-deterministic-dq-kernel"),
+    pytest.param("deterministic-ordered", 64, jnp.float16, dict(has_segments=True),
+                 id="64-float16-segments-deterministic-ordered"),
+    pytest.param("float32-grads", 96, jnp.bfloat16, dict(window_left=100, window_right=20),
+                 id="96-window-float32-grads"),
+    pytest.param("deterministic", 256, jnp.bfloat16, dict(is_causal=True),
+                 id="256-causal-deterministic"),
+    pytest.param("float32-grads", 192, jnp.float16, dict(has_segments=True),
+                 id="192-float16-segments-float32-grads"),
+    # MLA's head dims: split keys in bfloat16.
+    pytest.param("deterministic", (192, 128), jnp.bfloat16, dict(is_causal=True),
+                 id="192-128-causal-deterministic"),
+    # Split keys, dK and dV of two widths.
+    pytest.param("atomic", (64, 128), jnp.float16, {}, id="64-128-float16-atomic"),
+    pytest.param("deterministic-dq-kernel", (64, 128), jnp.float16, {},
+                 id="64-128-float16-deterministic-dq-kernel"),
 ])
-def test_hopper_backward_lowers_for_cuda(H, dtype, options, deterministic, grad_dtype,
-                                         ordered, monkeypatch):
+def test_hopper_backward_lowers_for_cuda(mode, H, dtype, options, monkeypatch):
   # As the forward above: the Hopper backward lowers for CUDA on any machine (above head
   # dim 128 its wide design; deterministic calls by default in the dQ kernel up to head
   # dim 128 and by the ordered adds above). H may be a pair (query and key, value head
   # dims).
+  deterministic, grad_dtype, ordered = HOPPER_BACKWARD_MODES[mode]
   H, Hv = H if isinstance(H, tuple) else (H, H)
-  if deterministic and ordered is False and max(H, Hv) > 128:
-    pytest.skip("the deterministic Hopper backward's dQ kernel takes head dims up to 128")
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, ordered_dq_adds=ordered))
   _lower_backward(H, Hv, dtype, options, deterministic=deterministic, grad_dtype=grad_dtype)
 
 
-@pytest.mark.parametrize("schedule, H, dtype, options", [
-    *(pytest.param(schedule, 128, jnp.bfloat16, dict(is_causal=True), id=f"{schedule}-causal-H128")
-      for schedule in BACKWARD_SCHEDULES),
-    pytest.param("fa3-order", 64, jnp.float16,
-                 dict(has_segments=True, window_left=100, window_right=20),
-                 id="fa3-order-segments-window-H64-float16"),
-    pytest.param("no-late-dq", 128, jnp.bfloat16, {}, id="no-late-dq-H128"),
-    pytest.param("no-late-dq", 96, jnp.float16, dict(has_segments=True),
-                 id="no-late-dq-segments-H96-float16"),
-    pytest.param("no-late-dq-banded", 128, jnp.float16,
-                 dict(has_segments=True, window_left=100, window_right=20),
-                 id="no-late-dq-banded-segments-window-H128-float16"),
-    pytest.param("2-heads-a-cta", 64, jnp.float16,
-                 dict(has_segments=True, window_left=100, window_right=20),
-                 id="2-heads-a-cta-segments-window-H64-float16"),
-    pytest.param("one-head-a-cta", 128, jnp.bfloat16, {}, id="one-head-a-cta-H128"),
-])
+# Each schedule once, causal at head dim 128 unless its own lines show elsewhere:
+# FlashAttention-3's step order at head dim 64 (one dQ chunk) with float16's two dS
+# terms (MLA's default lowers it causal, with three chunks); each step's own dQ without
+# a mask (late_dq off) and with a window (late_dq_banded off: at a mask band the same
+# kernel as late_dq off); one head a CTA without a mask, where the default's late dQ takes
+# the last step's after the walk (test_heads_per_cta_float32_grads_lower_for_cuda lowers
+# it causal).
+BACKWARD_SCHEDULE_LOWERINGS = {
+    "fa3-order": (64, jnp.float16, dict(has_segments=True, window_left=100, window_right=20),
+                  "segments-window-H64-float16"),
+    "no-late-dq": (96, jnp.float16, dict(has_segments=True), "segments-H96-float16"),
+    "no-late-dq-banded": (128, jnp.float16,
+                          dict(has_segments=True, window_left=100, window_right=20),
+                          "segments-window-H128-float16"),
+    "2-heads-a-cta": (64, jnp.float16,
+                      dict(has_segments=True, window_left=100, window_right=20),
+                      "segments-window-H64-float16"),
+    "one-head-a-cta": (128, jnp.bfloat16, {}, "H128"),
+}
+
+
+def _schedule_lowering(schedule):
+  H, dtype, options, name = BACKWARD_SCHEDULE_LOWERINGS.get(
+      schedule, (128, jnp.bfloat16, dict(is_causal=True), "causal-H128"))
+  return pytest.param(schedule, H, dtype, options, id=f"{schedule}-{name}")
+
+
+@pytest.mark.parametrize("schedule, H, dtype, options",
+                         [_schedule_lowering(schedule) for schedule in BACKWARD_SCHEDULES])
 def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, monkeypatch):
   # The schedules test_hopper_backward_schedules_gpu runs, lowered on any machine.
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
@@ -1637,11 +1734,14 @@ def test_heads_per_cta_float32_grads_lower_for_cuda(monkeypatch):
   _lower_backward(128, 128, jnp.bfloat16, dict(is_causal=True), grad_dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("tiles", [1, 2])
-@pytest.mark.parametrize("H, dtype, options", [
-    (64, jnp.float16, dict(has_segments=True, window_left=100, window_right=20)),
-    (128, jnp.bfloat16, dict(is_causal=True)),
-    ((64, 128), jnp.bfloat16, dict(is_causal=True)),
+# Two staging tiles where a consumer stages every other step's chunk (head dim 64) and
+# half of every step's (128), one tile at both counts of chunks.
+@pytest.mark.parametrize("H, dtype, options, tiles", [
+    pytest.param(64, jnp.float16, dict(has_segments=True, window_left=100, window_right=20),
+                 2, id="64-float16-segments-window-2"),
+    pytest.param(128, jnp.bfloat16, dict(is_causal=True), 1, id="128-causal-1"),
+    pytest.param(128, jnp.bfloat16, dict(is_causal=True), 2, id="128-causal-2"),
+    pytest.param((64, 128), jnp.bfloat16, dict(is_causal=True), 1, id="64-128-causal-1"),
 ])
 def test_dq_writer_ordered_lowers_for_cuda(H, dtype, options, tiles, monkeypatch):
   # The ordered adds sent by the writer warp (test_hopper_deterministic_backward_gpu's
@@ -1784,8 +1884,10 @@ def test_dq_writer_takes_even_chunk_counts():
 
 def _lower_backward(H, Hv, dtype, options, **kwargs):
   """Lowers the Hopper backward for CUDA at head dims H (query, key) and Hv (value),
-  ``kwargs`` passed on to it."""
-  B, T, S, N, K = 2, 1000, 777, 4, 2
+  ``kwargs`` passed on to it. Four query heads a group, so that the schedules that split
+  a group between CTAs (``heads_per_cta``) or change what a CTA walking several heads
+  keeps (``fresh_mask_offsets``) lower a program of their own."""
+  B, T, S, N, K = 2, 1000, 777, 8, 2
   spec = MaskSpec(T, S, **options)
   i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
   aux = ((None, None, i32((B, T)), i32((B, S))) if spec.has_segments
@@ -1858,11 +1960,11 @@ def test_matches_jax_nn(key):
                                  rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
-                         ids=["float32", "bfloat16", "float16"])
-def test_residual_dtype_as_jax_nn(key, dtype):
+def test_residual_dtype_as_jax_nn(key):
   # jax.nn returns the lse in the inputs' dtype, so a user's VJP may pass a cotangent of
-  # that dtype; residual_dtype=float32 keeps the kernels' statistics.
+  # that dtype; residual_dtype=float32 keeps the kernels' statistics. In bfloat16: float16
+  # takes the same casts, and in float32 (every other test's lse) there is none to take.
+  dtype = jnp.bfloat16
   q, k, v, _ = _inputs(key, 2, 20, 20, 2, 2, 16, dtype)
   attention = functools.partial(js.dot_product_attention, return_residual=True,
                                 is_causal=True)
