@@ -80,11 +80,14 @@ CASES = [
 ]
 
 
-# bfloat16 on every case; float32 (the unfused exponent, `logits.Logits`) on three.
+# bfloat16 on every case; float32 (the unfused exponent, `logits.Logits`) on two: its
+# factor the scale (T3-GQA4, head dim 128, where float32 also changes the tiles' stage
+# bytes) and 1 under a soft cap (page64-softcap). Windows and pages do not meet the
+# exponent's form.
 DTYPE_CASES = ([pytest.param(jnp.bfloat16, *case.values, id=f"{case.id}-bfloat16")
                 for case in CASES]
                + [pytest.param(jnp.float32, *case.values, id=f"{case.id}-float32")
-                  for case in CASES[1::3]]
+                  for case in (CASES[1], CASES[4])]
                + [pytest.param(jnp.float16, *CASES[4].values, id=f"{CASES[4].id}-float16")])
 
 

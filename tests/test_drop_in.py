@@ -141,10 +141,26 @@ def _nan_patterns_match(got, want, what):
                                   np.isnan(np.asarray(w, np.float32)), err_msg=what)
 
 
+def _scalar(outputs):
+  return sum(jnp.sum(jnp.sin(o.astype(jnp.float32))) for o in jax.tree.leaves(outputs))
+
+
 def _loss(fn):
   """A scalar of fn's outputs (differentiable in the first argument)."""
-  return lambda first, *rest: sum(jnp.sum(jnp.sin(o.astype(jnp.float32)))
-                                  for o in jax.tree.leaves(fn(first, *rest)))
+  return lambda first, *rest: _scalar(fn(first, *rest))
+
+
+def _outputs_and_grad(fn, argnums=0):
+  """fn's outputs (its forward alone, no derivative traced) and the gradient of their
+  `_loss` (the forward of reverse mode and the backward), to run as one program."""
+  return lambda *args: (fn(*args), jax.grad(_loss(fn), argnums=argnums)(*args))
+
+
+@functools.cache
+def _program(name, interpret: bool):
+  """`_outputs_and_grad` of an op on the kernels, jitted once: the tests that run it on
+  the same shapes (8 float32 rows, with a NaN or not) share one compiled program."""
+  return jax.jit(_outputs_and_grad(functools.partial(OPS[name].ours, **_kernels(interpret))))
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -153,9 +169,8 @@ def test_nan_is_never_hidden(key, name, interpret=True, dtype=jnp.float32):
   op = OPS[name]
   first, *rest = op.inputs(key, dtype, 8)
   first = first.at[(3,) + (0,) * (first.ndim - 1)].set(jnp.nan)
-  ours = functools.partial(op.ours, **_kernels(interpret))
-  _nan_patterns_match(ours(first, *rest), op.theirs(first, *rest), name)
-  grad = jax.grad(_loss(ours))(first, *rest)
+  got, grad = _program(name, interpret)(first, *rest)
+  _nan_patterns_match(got, op.theirs(first, *rest), name)
   assert np.isnan(np.asarray(grad, np.float32)).any(), f"{name}: the gradient hides NaN"
 
 
@@ -191,11 +206,9 @@ def test_x64_mode(key, name, interpret=True, dtype=jnp.float32):
   # indices, Python scalars, lengths), not the results on float32 inputs.
   op = OPS[name]
   args = op.inputs(key, dtype, 8)
-  ours = functools.partial(op.ours, **_kernels(interpret))
-  want = jax.jit(ours)(*args)
-  with jax.enable_x64(True):
-    got = jax.jit(ours)(*args)
-    grad = jax.grad(_loss(ours))(*args)
+  want, _ = _program(name, interpret)(*args)
+  with jax.enable_x64(True):  # the same function, traced again under x64
+    got, grad = _program(name, interpret)(*args)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert g.dtype == w.dtype
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
@@ -228,12 +241,13 @@ def test_shard_map_with_check_vma(key, name, monkeypatch):
   args = op.inputs(key, jnp.float32, 16)
   local, _ = _sharded(name, mesh, {})
   placed = _placed(mesh, op, args)
-  for got, want in zip(jax.tree.leaves(jax.jit(local)(*placed)),
-                       jax.tree.leaves(op.ours(*args))):
-    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
-  grads = jax.jit(jax.grad(_loss(local), argnums=_float_args(args)))(*placed)
-  want = jax.grad(_loss(op.ours), argnums=_float_args(args))(*args)
-  for g, w in zip(grads, want):
+  # The outputs and gradients, sharded and on one device: a program each.
+  (got, grads), (want, want_grads) = (
+      jax.jit(_outputs_and_grad(fn, argnums=_float_args(args)))(*a)
+      for fn, a in ((local, placed), (op.ours, args)))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+  for g, w in zip(grads, want_grads):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
   kernels, _ = _sharded(name, mesh, dict(interpret=False))
   for dtype in (jnp.float32, jnp.bfloat16):  # the 16-bit paths too (a chunked backward)
@@ -256,8 +270,15 @@ def test_forward_mode_and_second_order(key, name, interpret=True):
   op = OPS[name]
   attention = name.startswith("dot_product_attention")
   first, *rest = op.inputs(key, jnp.float32, 1 if attention else 4)
-  ours = lambda x: _loss(functools.partial(op.ours, **_kernels(interpret)))(x, *rest)
-  theirs = lambda x: _loss(op.theirs)(x, *rest)
+  # Interpreted, the attention at head dim 16, the kernels' smallest tile (as in
+  # test_attention.py's forward mode): a quarter of the tangents; the compiled twin
+  # keeps 64.
+  if attention and interpret:
+    first, *rest = (a[..., :16] if a.ndim == 4 else a for a in (first, *rest))
+  # Under jax.jit, as in a training step: each transform one program, not its operations
+  # one by one.
+  ours = jax.jit(lambda x: _loss(functools.partial(op.ours, **_kernels(interpret)))(x, *rest))
+  theirs = jax.jit(lambda x: _loss(op.theirs)(x, *rest))
   if name in REVERSE_ONLY:
     for transform in (lambda f: jax.jvp(f, (first,), (first,)), lambda f: jax.hessian(f)(first),
                       lambda f: jax.jvp(jax.grad(f), (first,), (first,))):
@@ -265,8 +286,9 @@ def test_forward_mode_and_second_order(key, name, interpret=True):
         transform(ours)
     return
   # The attention's jacobian and Hessian at one query of two heads, one per K/V head (of
-  # 19 keys): 128 tangents, which the tangent kernel takes as a batch (128 x 128 Hessian
-  # entries); jax.jvp and jvp-of-grad take all four heads, two to a K/V head.
+  # 19 keys): 2 x head dim tangents, which the tangent kernel takes as a batch (32 x 32
+  # Hessian entries interpreted); jax.jvp and jvp-of-grad take all four heads, two to a
+  # K/V head.
   one_query = first[:, :1, :2] if attention else None
   assert_same_derivatives(ours, theirs, first, hessian_at=one_query, jacobian_at=one_query)
 
@@ -297,11 +319,12 @@ def test_xla_path_by_default_off_a_gpu(key, name, monkeypatch):
   monkeypatch.delenv("JAXSOFTMAX_INTERPRET", raising=False)
   op = OPS[name]
   args = op.inputs(key, jnp.float32, 8)
-  loss = _loss(op.ours)
-  assert kernel_names(jax.make_jaxpr(jax.value_and_grad(loss))(*args).jaxpr) == []
-  value, grad = jax.value_and_grad(loss)(*args)
-  want_value, want_grad = jax.value_and_grad(_loss(functools.partial(op.ours,
-                                                                     interpret=True)))(*args)
+  # The program traced once: its jaxpr runs no kernel, and it is what runs.
+  traced = jax.jit(jax.value_and_grad(_loss(op.ours))).trace(*args)
+  assert kernel_names(traced.jaxpr.jaxpr) == []
+  value, grad = traced.lower().compile()(*args)
+  outputs, want_grad = _program(name, True)(*args)
+  want_value = _scalar(outputs)
   np.testing.assert_allclose(value, want_value, rtol=1e-5)
   np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-5)
 
