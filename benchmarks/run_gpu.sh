@@ -81,6 +81,14 @@
 #
 # The attention peers FA3 and tokamax come as wheels placed in .peers (git-ignored; carry
 # it to the machine); they are installed under /tmp for the run.
+#
+# A change against the code before it, in one call on one machine: BASELINE=baseline
+# has the benchmark scripts import jaxsoftmax from that folder, not the repo's
+# (git-ignored; write it with `rm -rf baseline && mkdir baseline && git archive REF
+# jaxsoftmax | tar -x -C baseline` and carry it), with its own OUT so that the two
+# archives both come back:
+#   STAGES=attn-bench ATTN_NAME=x_new OUT=$OUT/new bash benchmarks/run_gpu.sh
+#   BASELINE=baseline STAGES=attn-bench ATTN_NAME=x_base OUT=$OUT/base bash benchmarks/run_gpu.sh
 set -uo pipefail
 stages=${STAGES:-tests tune bench}
 known="tests tune bench rows-profile attn-tests attn-tune attn-tune-hopper attn-bench
@@ -107,13 +115,15 @@ top=${OUT:-benchmarks/results/run}
 if [ "${PACK_ONLY:-0}" = 1 ]; then out=$(mktemp -d); else out=$top/run; fi
 mkdir -p "$top" "$out"
 python=${PYTHON:-python3}
-export PYTHONPATH=$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=${BASELINE:+$(realpath "$BASELINE"):}$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
   $python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+  # -P: the jaxsoftmax that PYTHONPATH finds, as the scripts do, not the working directory's
+  $python -P -c "import jaxsoftmax; print('jaxsoftmax from', jaxsoftmax.__path__[0])"
 } 2>&1 | tee "$out/env.log"
 
 if ls .peers/*.whl >/dev/null 2>&1; then

@@ -380,6 +380,23 @@ def test_run_gpu_pack_only_leaves_the_archive_alone(tmp_path):
     assert "1 passed" in f.read()
 
 
+def test_run_gpu_baseline_is_imported_first(tmp_path):
+  # BASELINE=folder: the scripts import that folder's jaxsoftmax (an A/B against older
+  # code in one call), and env.log says which they import; without it, the repo's.
+  script = os.path.join(ROOT, "benchmarks", "run_gpu.sh")
+  (tmp_path / "base" / "jaxsoftmax").mkdir(parents=True)
+  (tmp_path / "base" / "jaxsoftmax" / "__init__.py").write_text("")
+  for baseline, imported in ((str(tmp_path / "base"), str(tmp_path / "base" / "jaxsoftmax")),
+                             (None, os.path.join(ROOT, "jaxsoftmax"))):
+    out = tmp_path / ("with" if baseline else "without")
+    env = dict(os.environ, STAGES=" ", OUT=str(out), PYTHON=sys.executable)
+    if baseline:
+      env["BASELINE"] = baseline
+    subprocess.run(["bash", script], capture_output=True, text=True, env=env, cwd=ROOT,
+                   check=True, timeout=120)
+    assert f"jaxsoftmax from {imported}\n" in (out / "run" / "env.log").read_text()
+
+
 def test_run_gpu_lists_and_checks_its_stages(tmp_path):
   # --help prints the stages; a stage name that does not exist stops the run before any
   # stage starts (nothing written under $OUT); every stage the case statement handles is
