@@ -390,6 +390,7 @@ def test_run_gpu_baseline_is_imported_first(tmp_path):
                              (None, os.path.join(ROOT, "jaxsoftmax"))):
     out = tmp_path / ("with" if baseline else "without")
     env = dict(os.environ, STAGES=" ", OUT=str(out), PYTHON=sys.executable)
+    env.pop("BASELINE", None)  # the case without it must not inherit the caller's
     if baseline:
       env["BASELINE"] = baseline
     subprocess.run(["bash", script], capture_output=True, text=True, env=env, cwd=ROOT,
