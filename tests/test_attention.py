@@ -1145,7 +1145,8 @@ DETERMINISTIC_DESIGNS = {"default": {},
                          "ordered-writer": dict(ordered_dq_adds=True, dq_writer_warp=True),
                          "ordered-writer-2-tiles": dict(ordered_dq_adds=True,
                                                         dq_writer_warp=True,
-                                                        dq_staging_tiles=2)}
+                                                        dq_staging_tiles=2),
+                         "fixed-point": dict(fixed_point_dq=True)}
 # Head dims above 128, which only the ordered adds' design takes deterministically (the
 # default's design there: `orders_dq_adds`).
 WIDE_BACKWARD_CASES = [
@@ -1166,6 +1167,7 @@ WIDE_BACKWARD_CASES = [
     # machine, the test fails after 4 minutes and the stage goes on.
     pytest.param("ordered-adds", marks=pytest.mark.timeout(240, method="thread")),
     pytest.param("ordered-writer", marks=pytest.mark.timeout(240, method="thread")),
+    "fixed-point",
 ])
 @pytest.mark.parametrize("B, T, S, N, K, H, dtype, options",
                          HOPPER_BACKWARD_CASES + WIDE_BACKWARD_CASES)
@@ -1178,6 +1180,9 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N,
   # reverse).
   blocks = dataclasses.replace(mosaic_backward.BLOCKS, **DETERMINISTIC_DESIGNS[design])
   ordered = blocks.orders_dq_adds(H, H)  # H is 64, 96 (padded to 128), 128, 192 or 256
+  fixed = blocks.adds_fixed_point_dq(dtype, H > 128, False)
+  if design == "fixed-point" and not fixed:
+    pytest.skip("the fixed-point adds take bfloat16 up to head dim 128")
   if H > 128 and not ordered:
     pytest.skip("the dQ kernel takes head dims up to 128")
   inputs = _inputs(key, B, T, S, N, K, H, dtype)
@@ -1188,10 +1193,75 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N,
                   **options)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(a, b)
-  if ordered:  # the field only changes deterministic calls
+  if ordered or fixed:  # the fields only change deterministic calls' dQ
     *_, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
     np.testing.assert_array_equal(first[3], dk)
     np.testing.assert_array_equal(first[4], dv)
+
+
+def test_fixed_point_dq_numerics(key):
+  # `fixed_point_dq` emulated in float64: each key tile's share of dQ, from dS times the
+  # row's power of two rounded to bfloat16 (as the consumers write it), summed in float32
+  # and truncated (the kernel's int32 stores), adds up without reaching int32's range
+  # (even as sums of magnitudes, so in any order), and scaled back it is within 2^-13 of
+  # each row's largest |dQ|, 16x inside bfloat16's rounding (2^-9; here 2^-14.7 at
+  # worst: the bound is 2^8-2^12 above the rows' dQ, three tiles truncate). Rows of dO
+  # at 1e-30, 1e30 and 0 included.
+  B, T, S, N, K, H = 1, 200, 300, 4, 2, 64
+  shapes = [(B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)]
+  q, k, v, do = (jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
+                 for kk, shape in zip(jax.random.split(key, 4), shapes))
+  rows = np.ones(T).astype(np.float32)
+  rows[:4] = [1e-30, 1e30, 0.0, 1e-3]
+  do = (do.astype(jnp.float32) * rows[None, :, None, None]).astype(jnp.bfloat16)
+  qf, kf, vf, dof = (np.asarray(x, np.float64) for x in (q, k, v, do))
+  kf, vf = (np.repeat(x, N // K, axis=2) for x in (kf, vf))
+  s = np.einsum("btnh,bsnh->bnts", qf, kf) * H ** -0.5
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  o = np.einsum("bnts,bsnh->btnh", p, vf)
+  delta = np.einsum("btnh,btnh->bnt", dof, o)
+  ds = p * (np.einsum("btnh,bsnh->bnts", dof, vf) - delta[..., None])
+  e, bad = mosaic_backward.fixed_point_exponents(
+      do, k, v, jnp.asarray(delta, jnp.float32), jnp.zeros((B, N, T), jnp.float32))
+  assert not np.asarray(bad).any()
+  scaled = np.asarray(jnp.asarray(np.ldexp(ds, np.asarray(e)[..., None]), jnp.float32)
+                      .astype(jnp.bfloat16), np.float64)
+  total, magnitude = 0, 0
+  for j in range(0, S, 128):  # the kernel's key tiles
+    part = np.einsum("bnts,bsnh->btnh", scaled[..., j:j + 128], kf[:, j:j + 128])
+    part = np.trunc(part.astype(np.float32)).astype(np.int64)
+    total, magnitude = total + part, magnitude + np.abs(part)
+  assert magnitude.max() < 2 ** 31
+  got = np.asarray(mosaic_backward.from_fixed_point(jnp.asarray(total, jnp.int32), e, bad))
+  want = np.einsum("bnts,bsnh->btnh", np.ldexp(scaled, -np.asarray(e)[..., None]), kf)
+  largest = np.abs(want).max(-1, keepdims=True)
+  assert (np.abs(got - want) <= 2.0 ** -13 * largest).all()
+  assert (got[:, 2] == 0).all()  # dO's zero row
+
+
+def test_fixed_point_dq_flags_nan_rows(key):
+  # The rows `fixed_point_exponents` flags, whose dQ from_fixed_point makes NaN: a NaN
+  # in a row's delta or lse₂ (its own inputs', K's or V's through them) or a non-finite
+  # dO flags that row; a non-finite K or V every row of its head.
+  B, T, S, N, K, H = 1, 16, 16, 4, 2, 64
+  do, k, v = (jax.random.normal(kk, shape, jnp.float32) for kk, shape in zip(
+      jax.random.split(key, 3), [(B, T, N, H), (B, S, K, H), (B, S, K, H)]))
+  delta, lse2 = jnp.zeros((B, N, T)), jnp.zeros((B, N, T))
+  cases = {"dO": (do.at[0, 5, 1, 0].set(jnp.inf), k, v, delta, lse2, [(1, 5)]),
+           "delta": (do, k, v, delta.at[0, 2, 7].set(jnp.nan), lse2, [(2, 7)]),
+           "lse2": (do, k, v, delta, lse2.at[0, 3, 1].set(jnp.nan), [(3, 1)]),
+           "K": (do, k.at[0, 4, 1, 3].set(jnp.inf), v, delta, lse2,
+                 [(n, t) for n in (2, 3) for t in range(T)])}
+  for name, (*args, flagged) in cases.items():
+    e, bad = mosaic_backward.fixed_point_exponents(*args)
+    want = np.zeros((B, N, T), bool)
+    for n, t in flagged:
+      want[0, n, t] = True
+    np.testing.assert_array_equal(np.asarray(bad), want, err_msg=name)
+    dq = mosaic_backward.from_fixed_point(jnp.ones((B, T, N, H), jnp.int32), e, bad)
+    np.testing.assert_array_equal(np.isnan(np.asarray(dq)).any(-1),
+                                  np.swapaxes(want, 1, 2), err_msg=name)
 
 
 @pytest.mark.gpu
@@ -1752,6 +1822,24 @@ def test_dq_writer_ordered_lowers_for_cuda(H, dtype, options, tiles, monkeypatch
       mosaic_backward.BLOCKS, ordered_dq_adds=True, dq_writer_warp=True,
       dq_staging_tiles=tiles))
   _lower_backward(H, Hv, dtype, options, deterministic=True)
+
+
+# The fixed-point dQ adds (test_hopper_deterministic_backward_gpu's "fixed-point"):
+# causal at 128 (late dQ outside the mask band), without a mask (late dQ throughout),
+# at 64 with segments and a window (one chunk a step between the consumers), and with a
+# value head dim of its own.
+@pytest.mark.parametrize("H, options", [
+    pytest.param(128, dict(is_causal=True), id="128-causal"),
+    pytest.param(128, {}, id="128"),
+    pytest.param(64, dict(has_segments=True, window_left=100, window_right=20),
+                 id="64-segments-window"),
+    pytest.param((64, 128), dict(is_causal=True), id="64-128-causal"),
+])
+def test_fixed_point_dq_lowers_for_cuda(H, options, monkeypatch):
+  H, Hv = H if isinstance(H, tuple) else (H, H)
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
+      mosaic_backward.BLOCKS, fixed_point_dq=True))
+  _lower_backward(H, Hv, jnp.bfloat16, options, deterministic=True)
 
 
 def _staged_chunks(step, wg, n_chunks):
