@@ -1201,12 +1201,12 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N,
 
 def test_fixed_point_dq_numerics(key):
   # `fixed_point_dq` emulated in float64: each key tile's share of dQ, from dS times the
-  # row's power of two rounded to bfloat16 (as the consumers write it), summed in float32
-  # and truncated (the kernel's int32 stores), adds up without reaching int32's range
-  # (even as sums of magnitudes, so in any order), and scaled back it is within 2^-13 of
-  # each row's largest |dQ|, 16x inside bfloat16's rounding (2^-9; here 2^-14.7 at
-  # worst: the bound is 2^8-2^12 above the rows' dQ, three tiles truncate). Rows of dO
-  # at 1e-30, 1e30 and 0 included.
+  # row's power of two rounded to bfloat16 (as the consumers write it), summed in
+  # float32 and rounded to int32 (`to_fixed_point`, the kernel's stores), adds up
+  # without reaching int32's range (even as sums of magnitudes, so in any order), and
+  # scaled back it is within 2^-13 of each row's largest |dQ|, 16x inside bfloat16's
+  # rounding (2^-9; here 2^-15.7 at worst: the bound is 2^8-2^12 above the rows' dQ,
+  # three tiles round). Rows of dO at 1e-30, 1e30 and 0 included.
   B, T, S, N, K, H = 1, 200, 300, 4, 2, 64
   shapes = [(B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)]
   q, k, v, do = (jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
@@ -1230,7 +1230,8 @@ def test_fixed_point_dq_numerics(key):
   total, magnitude = 0, 0
   for j in range(0, S, 128):  # the kernel's key tiles
     part = np.einsum("bnts,bsnh->btnh", scaled[..., j:j + 128], kf[:, j:j + 128])
-    part = np.trunc(part.astype(np.float32)).astype(np.int64)
+    part = np.asarray(mosaic_backward.to_fixed_point(jnp.asarray(part, jnp.float32)),
+                      np.int64)
     total, magnitude = total + part, magnitude + np.abs(part)
   assert magnitude.max() < 2 ** 31
   got = np.asarray(mosaic_backward.from_fixed_point(jnp.asarray(total, jnp.int32), e, bad))

@@ -165,13 +165,13 @@ class HopperBackwardBlockSizes:
     fixed_point_dq: deterministic calls in bfloat16 (16-bit gradients, the split-keys
       design) add dQ in the atomic design's one kernel, unordered, as fixed-point
       integers: integer adds give the same sum in any order. Each query row i gets a
-      power of two 2^e_i (`fixed_point_exponents`) that maps a bound on its dQ,
-      2 ‖dO_i‖ max_j ‖V_j‖ max |K| (Σ_j P_ij ≤ 1 and |delta_i| ≤ ‖dO_i‖ max_j ‖V_j‖),
-      below 2^29; the consumers write dSᵀ times 2^e_i for the dQ product (exact: a power
-      of two), the dQ chunks leave as int32 (truncated) by TMA add reductions into a
+      power of two 2^e_i (`fixed_point_exponents`) that maps a bound on its dQ, 2 ‖dO_i‖
+      max_j ‖V_j‖ max |K| (Σ_j P_ij ≤ 1 and |delta_i| ≤ ‖dO_i‖ max_j ‖V_j‖), below 2^29;
+      the consumers write dSᵀ times 2^e_i for the dQ product (exact: a power of two),
+      the dQ chunks leave as int32 (`to_fixed_point`) by TMA add reductions into a
       zeroed int32 dQ, and XLA scales it back (`from_fixed_point`). Each key tile's add
-      truncates by at most 2^-29 of the row's bound (docs/kernels.md: what that leaves
-      of bfloat16's precision, emulated). Float16 (its dS terms would overflow at that
+      rounds by at most 2^-30 of the row's bound (docs/kernels.md: what that leaves of
+      bfloat16's precision, emulated). Float16 (its dS terms would overflow at that
       scale), float32 gradients and the wide design keep `ordered_dq_adds`' choice. Off
       until measured on a GPU.
     dq_writer_warp: in the split-keys design with dQ added in the kernel (the atomic
@@ -627,6 +627,13 @@ def fixed_point_exponents(do, k, v, delta, lse2):
   return jnp.clip(e, -126, 127), bad
 
 
+def to_fixed_point(x):
+  """A float32 share of dQ, already times its rows' powers of two, as the int32 that
+  `fixed_point_dq` adds: rounded to the nearest integer (ties to even), so that the
+  adds' rounding is unbiased and at most half a unit each."""
+  return lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.int32)
+
+
 def from_fixed_point(dq, e, bad):
   """dQ in float32, (B, T, N, H), from its fixed-point sums ``dq`` (int32) and each row's
   exponent ``e`` and flag ``bad`` (B, N, T or longer) of `fixed_point_exponents`: NaN
@@ -759,11 +766,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     send_dq_chunk(dq, staging, i, n, c, wait=ordered and wait)
 
   def stage(staging, value):
-    """``value`` into the tile ``staging`` (float32, or int32 with ``fixed_point``: the
-    float32 chunk truncated), once its last TMA add has read it, made visible to the
-    next TMA."""
+    """``value`` into the tile ``staging`` (float32, or int32 with ``fixed_point``:
+    `to_fixed_point`), once its last TMA add has read it, made visible to the next
+    TMA."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk has left
-    staging[...] = value.astype(staging.dtype)
+    staging[...] = to_fixed_point(value) if fixed_point else value
     plgpu.commit_smem()
 
   def send_dq_chunk(dq, staging, i, n, c, wait=False):
@@ -793,7 +800,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     plgpu.barrier_wait(dq_free.at[tile])
     dq = pl.run_scoped(functools.partial(acc_fn, columns=pl.ds(c * _CHUNK, _CHUNK)),
                        plgpu.ACC((bq, _CHUNK), jnp.float32))
-    dq_smem.at[tile][...] = dq.astype(dq_smem.dtype)
+    dq_smem.at[tile][...] = to_fixed_point(dq) if fixed_point else dq
     plgpu.commit_smem()  # visible to the writer's TMA
     plgpu.barrier_arrive(dq_staged.at[tile])
 
