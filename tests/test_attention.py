@@ -1253,7 +1253,9 @@ def test_fixed_point_dq_flags_nan_rows(key):
            "delta": (do, k, v, delta.at[0, 2, 7].set(jnp.nan), lse2, [(2, 7)]),
            "lse2": (do, k, v, delta, lse2.at[0, 3, 1].set(jnp.nan), [(3, 1)]),
            "K": (do, k.at[0, 4, 1, 3].set(jnp.inf), v, delta, lse2,
-                 [(n, t) for n in (2, 3) for t in range(T)])}
+                 [(n, t) for n in (2, 3) for t in range(T)]),
+           "V": (do, k, v.at[0, 9, 0, 3].set(-jnp.inf), delta, lse2,
+                 [(n, t) for n in (0, 1) for t in range(T)])}
   for name, (*args, flagged) in cases.items():
     e, bad = mosaic_backward.fixed_point_exponents(*args)
     want = np.zeros((B, N, T), bool)
