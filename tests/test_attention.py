@@ -1199,6 +1199,31 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N,
     np.testing.assert_array_equal(first[4], dv)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, S, N, K, H, scale, options", [
+    pytest.param(1, 4097, 4097, 4, 4, 128, 1.0, dict(is_causal=True), id="causal-T4097-H128"),
+    pytest.param(2, 1000, 777, 8, 2, 64, 1.0,
+                 dict(query_seq_lengths=jnp.array([1000, 321]),
+                      key_value_seq_lengths=jnp.array([777, 5])), id="lengths-gqa-T!=S-H64"),
+    pytest.param(1, 1024, 1024, 2, 2, 128, 30.0, {}, id="large-logits-H128"),
+])
+def test_fixed_point_dq_gpu(key, monkeypatch, B, T, S, N, K, H, scale, options):
+  # `fixed_point_dq` beyond the deterministic test's two bfloat16 cases: 33 key tiles
+  # adding into a causal row's last query blocks, ragged lengths on GQA (a batch row of
+  # 5 keys), and nearly one-hot rows (queries times 30), where dQ's cancellation is
+  # hardest. Against float64 by the 2x rule, and identical in two runs.
+  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
+      mosaic_backward.BLOCKS, fixed_point_dq=True))
+  q, k, v, do = _inputs(key, B, T, S, N, K, H, jnp.bfloat16)
+  q = (q.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+  first = _check(q, k, v, do, backend="mosaic_gpu", interpret=False, deterministic=True,
+                 **options)
+  second = _check(q, k, v, do, backend="mosaic_gpu", interpret=False, deterministic=True,
+                  **options)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_fixed_point_dq_numerics(key):
   # `fixed_point_dq` emulated in float64: each key tile's share of dQ, from dS times the
   # row's power of two rounded to bfloat16 (as the consumers write it), summed in
