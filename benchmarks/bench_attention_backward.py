@@ -42,7 +42,6 @@ from bench_attention import (MLA_SHAPES, MORE_TARGET_SHAPES, OURS, TARGET_SHAPES
                              case_inputs, dims, fwd_bwd, implementations, kept,
                              truth_slices, vs_best_peer)
 import jaxsoftmax as js
-from jaxsoftmax.attention.logits import score_grad_term_count
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 
 # (--only 13-18) GQA over group sizes 2-16, sequence lengths and head dims: the sweep
@@ -113,8 +112,7 @@ def our_backward(name: str, q, k, v, causal: bool) -> str:
   if backward != "mosaic_gpu":
     return {"triton": "Triton backward"}.get(backward, f"{backward} backward")
   pads = [mosaic_backward.wgmma_head_dim(x.shape[-1]) for x in (q, v)]
-  wide = mosaic_backward.BLOCKS.wide(*pads, q.dtype.itemsize, score_grad_term_count(q.dtype))
-  if deterministic and mosaic_backward.BLOCKS.adds_fixed_point_dq(q.dtype, wide, False):
+  if deterministic and mosaic_backward.BLOCKS.adds_fixed_point_dq(q.dtype, *pads, False):
     return "Hopper backward, dQ by fixed-point adds"
   if deterministic and not mosaic_backward.BLOCKS.orders_dq_adds(*pads):
     return "Hopper backward, dQ kernel"

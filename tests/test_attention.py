@@ -1180,7 +1180,7 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N,
   # reverse).
   blocks = dataclasses.replace(mosaic_backward.BLOCKS, **DETERMINISTIC_DESIGNS[design])
   ordered = blocks.orders_dq_adds(H, H)  # H is 64, 96 (padded to 128), 128, 192 or 256
-  fixed = blocks.adds_fixed_point_dq(dtype, H > 128, False)
+  fixed = blocks.adds_fixed_point_dq(dtype, H, H, False)
   if design == "fixed-point" and not fixed:
     pytest.skip("the fixed-point adds take bfloat16 up to head dim 128")
   if H > 128 and not ordered:
@@ -1855,13 +1855,15 @@ def test_dq_writer_ordered_lowers_for_cuda(H, dtype, options, tiles, monkeypatch
 # The fixed-point dQ adds (test_hopper_deterministic_backward_gpu's "fixed-point"):
 # causal at 128 (late dQ outside the mask band), without a mask (late dQ throughout),
 # at 64 with segments and a window (one chunk a step between the consumers), and with a
-# value head dim of its own.
+# value head dim of its own; at MLA's head dims it is not taken (no room in shared
+# memory for its ring of powers of two), and the call lowers its usual design.
 @pytest.mark.parametrize("H, options", [
     pytest.param(128, dict(is_causal=True), id="128-causal"),
     pytest.param(128, {}, id="128"),
     pytest.param(64, dict(has_segments=True, window_left=100, window_right=20),
                  id="64-segments-window"),
     pytest.param((64, 128), dict(is_causal=True), id="64-128-causal"),
+    pytest.param((192, 128), dict(is_causal=True), id="192-128-causal"),  # MLA's
 ])
 def test_fixed_point_dq_lowers_for_cuda(H, options, monkeypatch):
   H, Hv = H if isinstance(H, tuple) else (H, H)

@@ -162,8 +162,8 @@ class HopperBackwardBlockSizes:
       2x8192x16x256 they ran at 273 TFLOP/s against the Triton backward's 179, which
       took those calls before, and the atomic default's 369
       (`attention_backward_deterministic_h256_h100.md`).
-    fixed_point_dq: deterministic calls in bfloat16 (16-bit gradients, the split-keys
-      design) add dQ in the atomic design's one kernel, unordered, as fixed-point
+    fixed_point_dq: deterministic calls in bfloat16 (16-bit gradients, head dims up to
+      128) add dQ in the atomic design's one kernel, unordered, as fixed-point
       integers: integer adds give the same sum in any order. Each query row i gets a
       power of two 2^e_i (`fixed_point_exponents`) that maps a bound on its dQ, 2 ‖dO_i‖
       max_j ‖V_j‖ max |K| (Σ_j P_ij ≤ 1 and |delta_i| ≤ ‖dO_i‖ max_j ‖V_j‖), below 2^29;
@@ -172,8 +172,8 @@ class HopperBackwardBlockSizes:
       zeroed int32 dQ, and XLA scales it back (`from_fixed_point`). Each key tile's add
       rounds by at most 2^-30 of the row's bound (docs/kernels.md: what that leaves of
       bfloat16's precision, emulated). Float16 (its dS terms would overflow at that
-      scale), float32 gradients and the wide design keep `ordered_dq_adds`' choice. Off
-      until measured on a GPU.
+      scale), float32 gradients and head dims above 128 keep `ordered_dq_adds`' choice.
+      Off until measured on a GPU.
     dq_writer_warp: in the split-keys design with dQ added in the kernel (the atomic
       default and ``ordered_dq_adds``), a consumer stages its dQ chunk in shared memory
       and signals a barrier, and one warp of the producer warpgroup sends the chunks out
@@ -310,11 +310,14 @@ class HopperBackwardBlockSizes:
       return self.fresh_mask_offsets
     return heads_walked > 1
 
-  def adds_fixed_point_dq(self, dtype, wide: bool, float32_grads: bool) -> bool:
-    """Whether deterministic calls take `fixed_point_dq` here: where it is set, in
-    bfloat16 with 16-bit gradients, in the split-keys design (not ``wide``)."""
-    return (self.fixed_point_dq and jnp.dtype(dtype) == jnp.bfloat16 and not wide
-            and not float32_grads)
+  def adds_fixed_point_dq(self, dtype, head_dim: int, value_head_dim: int,
+                          float32_grads: bool) -> bool:
+    """Whether deterministic calls take `fixed_point_dq` at these padded head dims:
+    where it is set, in bfloat16 with 16-bit gradients, up to `SPLIT_KEYS_HEAD_DIM` each
+    (MLA's 192 + 128 has no room in shared memory for the rows' powers of two; below
+    it their ring, which `smem_bytes` leaves out, fits with room to spare)."""
+    return (self.fixed_point_dq and jnp.dtype(dtype) == jnp.bfloat16 and not float32_grads
+            and max(head_dim, value_head_dim) <= SPLIT_KEYS_HEAD_DIM)
 
   def orders_dq_adds(self, head_dim: int, value_head_dim: int) -> bool:
     """Whether deterministic calls take `ordered_dq_adds` at these padded head dims: as
@@ -409,9 +412,8 @@ class HopperBackwardBlockSizes:
                   terms: int, staging_tiles: int = 1) -> int:
     keys = self.keys_per_tile(wide)
     kv = keys * (head_dim + value_head_dim) * itemsize
-    row_vectors = 3 if self.fixed_point_dq else 2  # lse₂, delta (and dQ's powers of two)
     ring = self.num_stages * (self.block_q * (head_dim + value_head_dim) * itemsize
-                              + row_vectors * self.block_q * 4)
+                              + 2 * self.block_q * 4)
     ds = ds_buffers(wide, terms) * terms * keys * self.block_q * itemsize
     dq = (1 if wide else _CONSUMERS * staging_tiles) * self.block_q * _CHUNK * 4
     return kv + ring + ds + dq + 1024
@@ -1352,7 +1354,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     raise ValueError(why)
   terms = score_grad_term_count(q.dtype)
   wide = blocks.wide(H_pad, Hv_pad, q.dtype.itemsize, terms)
-  fixed = deterministic and blocks.adds_fixed_point_dq(q.dtype, wide, float32_grads)
+  fixed = deterministic and blocks.adds_fixed_point_dq(q.dtype, H_pad, Hv_pad, float32_grads)
   ordered = deterministic and not fixed and blocks.orders_dq_adds(H_pad, Hv_pad)
   atomic_dq = fixed or ordered or not deterministic
   if wide and blocks.num_stages != 2:
