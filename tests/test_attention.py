@@ -1869,7 +1869,11 @@ def test_fixed_point_dq_lowers_for_cuda(H, options, monkeypatch):
   H, Hv = H if isinstance(H, tuple) else (H, H)
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, fixed_point_dq=True))
-  _lower_backward(H, Hv, jnp.bfloat16, options, deterministic=True)
+  text = _lower_backward(H, Hv, jnp.bfloat16, options, deterministic=True)
+  # dQ summed in int32 (_lower_backward's B, T, N), by the one kernel, where it is taken
+  int32_dq = f"2x1000x8x{mosaic_backward.wgmma_head_dim(H)}xi32" in text
+  assert int32_dq == (max(H, Hv) <= 128)
+  assert "attention_backward_dq_mosaic_gpu" not in text
 
 
 def _staged_chunks(step, wg, n_chunks):
@@ -2004,7 +2008,8 @@ def _lower_backward(H, Hv, dtype, options, **kwargs):
   """Lowers the Hopper backward for CUDA at head dims H (query, key) and Hv (value),
   ``kwargs`` passed on to it. Four query heads a group, so that the schedules that split
   a group between CTAs (``heads_per_cta``) or change what a CTA walking several heads
-  keeps (``fresh_mask_offsets``) lower a program of their own."""
+  keeps (``fresh_mask_offsets``) lower a program of their own. Returns the lowered
+  program's text."""
   B, T, S, N, K = 2, 1000, 777, 8, 2
   spec = MaskSpec(T, S, **options)
   i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
@@ -2025,7 +2030,9 @@ def _lower_backward(H, Hv, dtype, options, **kwargs):
   assert [o.shape for o in traced.out_info] == [(B, T, N, H), (B, S, K, H), (B, S, K, Hv)]
   grad_dtype = kwargs.get("grad_dtype") or dtype
   assert all(o.dtype == grad_dtype for o in traced.out_info)
-  assert "attention_backward_mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert "attention_backward_mosaic_gpu" in text
+  return text
 
 
 @pytest.mark.gpu
