@@ -90,7 +90,7 @@ L2_SECTION_WAVE = 0.9
 SPLIT_KEYS_HEAD_DIM = 128
 MAX_HEAD_DIM = 256
 # `fixed_point_dq`: a row's bound on dQ, times its power of two, sits below 2^this; int32
-# holds 2^31, so the sum of the adds' truncations and float32's rounding of the bound
+# holds 2^31, so the sum of the adds' roundings and float32's rounding of the bound
 # have room to spare.
 FIXED_POINT_BITS = 29
 
@@ -674,10 +674,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
                  dq_staged=None, dq_free=None,
                  dq_order_shape: tuple[int, int, int] | None = None,
                  section: int | None = None, grid_heads: int | None = None,
-                 group_split: int = 1, fixed_point: bool = False, scale_ring=None):
+                 group_split: int = 1, scale_ring=None):
   """dK and dV of a key tile; with ``atomic_dq`` also its share of dQ, added into the
-  float32 dQ ref (the last input; with ``fixed_point`` an int32 one, and the rows'
-  powers of two of `fixed_point_dq` the input after the aux arrays). ``float32_grads``:
+  float32 dQ ref (the last input; with ``scale_ring`` (`fixed_point_dq`) an int32 one,
+  and the rows' powers of two the input after the aux arrays). ``float32_grads``:
   dK and dV leave in float32, stored from registers (their arrays padded to whole key
   tiles), instead of through K and V's shared memory in the inputs' dtype. Head dims
   above `SPLIT_KEYS_HEAD_DIM` take the wide design (`ds_free` given; k_smem and v_smem
@@ -703,6 +703,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   # and with them every wait for another tile's adds hung. Pallas zeroes them at each
   # call.
   dq_order = pl.get_global(plgpu.SemaphoreType.REGULAR(dq_order_shape)) if ordered else None
+  fixed_point = scale_ring is not None
   scale_ref, *refs = refs if fixed_point else (None, *refs)
   last_ref, *refs = refs if ordered else (None, *refs)
   dq_ref, dk_ref, dv_ref = refs if atomic_dq else (None, *refs)
@@ -768,7 +769,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     send_dq_chunk(dq, staging, i, n, c, wait=ordered and wait)
 
   def stage(staging, value):
-    """``value`` into the tile ``staging`` (float32, or int32 with ``fixed_point``:
+    """``value`` into the tile ``staging`` (float32, or int32 with `fixed_point_dq`:
     `to_fixed_point`), once its last TMA add has read it, made visible to the next
     TMA."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk has left
@@ -1436,14 +1437,13 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   split = blocks.group_split(N // K, deterministic, H_pad, wide)
   grid_heads = K * split
 
-  order_inputs = ()
+  dq_inputs = ()  # what dQ's design reads beside the shared inputs
   if fixed:  # each row's power of two, 1 in the padding rows
     exponents, bad = fixed_point_exponents(do, k, v, delta, lse2)
-    order_inputs = (jnp.ldexp(jnp.ones(exponents.shape, jnp.float32), exponents),)
-    statics.update(fixed_point=True)
+    dq_inputs = (jnp.ldexp(jnp.ones(exponents.shape, jnp.float32), exponents),)
   if ordered:
     statics.update(key_tiles=n_kv_tiles, dq_order_shape=(B, N, T_pad // bq))
-    order_inputs = (last_key_tiles(spec, keys_per_tile, bq, n_kv_tiles, T_pad // bq,
+    dq_inputs = (last_key_tiles(spec, keys_per_tile, bq, n_kv_tiles, T_pad // bq,
                                    kv_len, q_len, B),)
   # The grid's first axis is the fastest in launch order.
   grid = (("heads", grid_heads), ("kv_tiles", n_kv_tiles), ("batch", B))
@@ -1486,10 +1486,10 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     if split > 1:
       dk32, dv32 = (jax.new_ref(jnp.zeros((B, S8, K, width), jnp.float32))
                     for width in (H_pad, Hv_pad))
-      dkdv_kernel(*inputs, *order_inputs, dq32, dk32, dv32)
+      dkdv_kernel(*inputs, *dq_inputs, dq32, dk32, dv32)
       dk, dv = jax.freeze(dk32), jax.freeze(dv32)
     else:
-      dk, dv = dkdv_kernel(*inputs, *order_inputs, dq32)
+      dk, dv = dkdv_kernel(*inputs, *dq_inputs, dq32)
     dq = jax.freeze(dq32)
     dq = (from_fixed_point(dq, exponents, bad) if fixed else dq) * scale
     dq = dq if float32_grads else dq.astype(q.dtype)
