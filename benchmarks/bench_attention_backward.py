@@ -74,7 +74,6 @@ SCHEDULE_FLAGS = {"stale": ("fresh_tile_addresses", False),
                   "wide": ("split_keys_width", 2 * mosaic_backward.SPLIT_KEYS_HEAD_DIM),
                   "ordered": ("ordered_dq_adds", True),
                   "dqkernel": ("ordered_dq_adds", False),
-                  "fixed": ("fixed_point_dq", True),
                   "writer": ("dq_writer_warp", True), "nowriter": ("dq_writer_warp", False),
                   "stage2": ("dq_staging_tiles", 2), "l2": ("l2_sections", True),
                   "late": ("late_dq", True), "nolate": ("late_dq", False),
@@ -112,8 +111,6 @@ def our_backward(name: str, q, k, v, causal: bool) -> str:
   if backward != "mosaic_gpu":
     return {"triton": "Triton backward"}.get(backward, f"{backward} backward")
   pads = [mosaic_backward.wgmma_head_dim(x.shape[-1]) for x in (q, v)]
-  if deterministic and mosaic_backward.BLOCKS.adds_fixed_point_dq(q.dtype, *pads, False):
-    return "Hopper backward, dQ by fixed-point adds"
   if deterministic and not mosaic_backward.BLOCKS.orders_dq_adds(*pads):
     return "Hopper backward, dQ kernel"
   return "Hopper backward, dQ by atomic adds" + (" in a fixed order" if deterministic else "")

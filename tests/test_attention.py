@@ -1145,8 +1145,7 @@ DETERMINISTIC_DESIGNS = {"default": {},
                          "ordered-writer": dict(ordered_dq_adds=True, dq_writer_warp=True),
                          "ordered-writer-2-tiles": dict(ordered_dq_adds=True,
                                                         dq_writer_warp=True,
-                                                        dq_staging_tiles=2),
-                         "fixed-point": dict(fixed_point_dq=True)}
+                                                        dq_staging_tiles=2)}
 # Head dims above 128, which only the ordered adds' design takes deterministically (the
 # default's design there: `orders_dq_adds`).
 WIDE_BACKWARD_CASES = [
@@ -1167,7 +1166,6 @@ WIDE_BACKWARD_CASES = [
     # machine, the test fails after 4 minutes and the stage goes on.
     pytest.param("ordered-adds", marks=pytest.mark.timeout(240, method="thread")),
     pytest.param("ordered-writer", marks=pytest.mark.timeout(240, method="thread")),
-    "fixed-point",
 ])
 @pytest.mark.parametrize("B, T, S, N, K, H, dtype, options",
                          HOPPER_BACKWARD_CASES + WIDE_BACKWARD_CASES)
@@ -1180,9 +1178,6 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N,
   # reverse).
   blocks = dataclasses.replace(mosaic_backward.BLOCKS, **DETERMINISTIC_DESIGNS[design])
   ordered = blocks.orders_dq_adds(H, H)  # H is 64, 96 (padded to 128), 128, 192 or 256
-  fixed = blocks.adds_fixed_point_dq(dtype, H, H, False)
-  if design == "fixed-point" and not fixed:
-    pytest.skip("the fixed-point adds take bfloat16 up to head dim 128")
   if H > 128 and not ordered:
     pytest.skip("the dQ kernel takes head dims up to 128")
   inputs = _inputs(key, B, T, S, N, K, H, dtype)
@@ -1193,103 +1188,10 @@ def test_hopper_deterministic_backward_gpu(key, monkeypatch, design, B, T, S, N,
                   **options)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(a, b)
-  if ordered or fixed:  # the fields only change deterministic calls' dQ
+  if ordered:  # the field only changes deterministic calls
     *_, dk, dv = _check(*inputs, backend="mosaic_gpu", interpret=False, **options)
     np.testing.assert_array_equal(first[3], dk)
     np.testing.assert_array_equal(first[4], dv)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B, T, S, N, K, H, scale, options", [
-    pytest.param(1, 4097, 4097, 4, 4, 128, 1.0, dict(is_causal=True), id="causal-T4097-H128"),
-    pytest.param(2, 1000, 777, 8, 2, 64, 1.0,
-                 dict(query_seq_lengths=jnp.array([1000, 321]),
-                      key_value_seq_lengths=jnp.array([777, 5])), id="lengths-gqa-T!=S-H64"),
-    pytest.param(1, 1024, 1024, 2, 2, 128, 30.0, {}, id="large-logits-H128"),
-])
-def test_fixed_point_dq_gpu(key, monkeypatch, B, T, S, N, K, H, scale, options):
-  # `fixed_point_dq` beyond the deterministic test's two bfloat16 cases: 33 key tiles
-  # adding into a causal row's last query blocks, ragged lengths on GQA (a batch row of
-  # 5 keys), and nearly one-hot rows (queries times 30), where dQ's cancellation is
-  # hardest. Against float64 by the 2x rule, and identical in two runs.
-  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
-      mosaic_backward.BLOCKS, fixed_point_dq=True))
-  q, k, v, do = _inputs(key, B, T, S, N, K, H, jnp.bfloat16)
-  q = (q.astype(jnp.float32) * scale).astype(jnp.bfloat16)
-  first = _check(q, k, v, do, backend="mosaic_gpu", interpret=False, deterministic=True,
-                 **options)
-  second = _check(q, k, v, do, backend="mosaic_gpu", interpret=False, deterministic=True,
-                  **options)
-  for a, b in zip(first, second):
-    np.testing.assert_array_equal(a, b)
-
-
-def test_fixed_point_dq_numerics(key):
-  # `fixed_point_dq` emulated in float64: each key tile's share of dQ, from dS times the
-  # row's power of two rounded to bfloat16 (as the consumers write it), summed in
-  # float32 and rounded to int32 (`to_fixed_point`, the kernel's stores), adds up
-  # without reaching int32's range (even as sums of magnitudes, so in any order), and
-  # scaled back it is within 2^-13 of each row's largest |dQ|, 16x inside bfloat16's
-  # rounding (2^-9; here 2^-15.7 at worst: the bound is 2^8-2^12 above the rows' dQ,
-  # three tiles round). Rows of dO at 1e-30, 1e30 and 0 included.
-  B, T, S, N, K, H = 1, 200, 300, 4, 2, 64
-  shapes = [(B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)]
-  q, k, v, do = (jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
-                 for kk, shape in zip(jax.random.split(key, 4), shapes))
-  rows = np.ones(T).astype(np.float32)
-  rows[:4] = [1e-30, 1e30, 0.0, 1e-3]
-  do = (do.astype(jnp.float32) * rows[None, :, None, None]).astype(jnp.bfloat16)
-  qf, kf, vf, dof = (np.asarray(x, np.float64) for x in (q, k, v, do))
-  kf, vf = (np.repeat(x, N // K, axis=2) for x in (kf, vf))
-  s = np.einsum("btnh,bsnh->bnts", qf, kf) * H ** -0.5
-  p = np.exp(s - s.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  o = np.einsum("bnts,bsnh->btnh", p, vf)
-  delta = np.einsum("btnh,btnh->bnt", dof, o)
-  ds = p * (np.einsum("btnh,bsnh->bnts", dof, vf) - delta[..., None])
-  e, bad = mosaic_backward.fixed_point_exponents(
-      do, k, v, jnp.asarray(delta, jnp.float32), jnp.zeros((B, N, T), jnp.float32))
-  assert not np.asarray(bad).any()
-  scaled = np.asarray(jnp.asarray(np.ldexp(ds, np.asarray(e)[..., None]), jnp.float32)
-                      .astype(jnp.bfloat16), np.float64)
-  total, magnitude = 0, 0
-  for j in range(0, S, 128):  # the kernel's key tiles
-    part = np.einsum("bnts,bsnh->btnh", scaled[..., j:j + 128], kf[:, j:j + 128])
-    part = np.asarray(mosaic_backward.to_fixed_point(jnp.asarray(part, jnp.float32)),
-                      np.int64)
-    total, magnitude = total + part, magnitude + np.abs(part)
-  assert magnitude.max() < 2 ** 31
-  got = np.asarray(mosaic_backward.from_fixed_point(jnp.asarray(total, jnp.int32), e, bad))
-  want = np.einsum("bnts,bsnh->btnh", np.ldexp(scaled, -np.asarray(e)[..., None]), kf)
-  largest = np.abs(want).max(-1, keepdims=True)
-  assert (np.abs(got - want) <= 2.0 ** -13 * largest).all()
-  assert (got[:, 2] == 0).all()  # dO's zero row
-
-
-def test_fixed_point_dq_flags_nan_rows(key):
-  # The rows `fixed_point_exponents` flags, whose dQ from_fixed_point makes NaN: a NaN
-  # in a row's delta or lse₂ (its own inputs', K's or V's through them) or a non-finite
-  # dO flags that row; a non-finite K or V every row of its head.
-  B, T, S, N, K, H = 1, 16, 16, 4, 2, 64
-  do, k, v = (jax.random.normal(kk, shape, jnp.float32) for kk, shape in zip(
-      jax.random.split(key, 3), [(B, T, N, H), (B, S, K, H), (B, S, K, H)]))
-  delta, lse2 = jnp.zeros((B, N, T)), jnp.zeros((B, N, T))
-  cases = {"dO": (do.at[0, 5, 1, 0].set(jnp.inf), k, v, delta, lse2, [(1, 5)]),
-           "delta": (do, k, v, delta.at[0, 2, 7].set(jnp.nan), lse2, [(2, 7)]),
-           "lse2": (do, k, v, delta, lse2.at[0, 3, 1].set(jnp.nan), [(3, 1)]),
-           "K": (do, k.at[0, 4, 1, 3].set(jnp.inf), v, delta, lse2,
-                 [(n, t) for n in (2, 3) for t in range(T)]),
-           "V": (do, k, v.at[0, 9, 0, 3].set(-jnp.inf), delta, lse2,
-                 [(n, t) for n in (0, 1) for t in range(T)])}
-  for name, (*args, flagged) in cases.items():
-    e, bad = mosaic_backward.fixed_point_exponents(*args)
-    want = np.zeros((B, N, T), bool)
-    for n, t in flagged:
-      want[0, n, t] = True
-    np.testing.assert_array_equal(np.asarray(bad), want, err_msg=name)
-    dq = mosaic_backward.from_fixed_point(jnp.ones((B, T, N, H), jnp.int32), e, bad)
-    np.testing.assert_array_equal(np.isnan(np.asarray(dq)).any(-1),
-                                  np.swapaxes(want, 1, 2), err_msg=name)
 
 
 @pytest.mark.gpu
@@ -1852,30 +1754,6 @@ def test_dq_writer_ordered_lowers_for_cuda(H, dtype, options, tiles, monkeypatch
   _lower_backward(H, Hv, dtype, options, deterministic=True)
 
 
-# The fixed-point dQ adds (test_hopper_deterministic_backward_gpu's "fixed-point"):
-# causal at 128 (late dQ outside the mask band), without a mask (late dQ throughout),
-# at 64 with segments and a window (one chunk a step between the consumers), and with a
-# value head dim of its own; at MLA's head dims it is not taken (no room in shared
-# memory for its ring of powers of two), and the call lowers its usual design.
-@pytest.mark.parametrize("H, options", [
-    pytest.param(128, dict(is_causal=True), id="128-causal"),
-    pytest.param(128, {}, id="128"),
-    pytest.param(64, dict(has_segments=True, window_left=100, window_right=20),
-                 id="64-segments-window"),
-    pytest.param((64, 128), dict(is_causal=True), id="64-128-causal"),
-    pytest.param((192, 128), dict(is_causal=True), id="192-128-causal"),  # MLA's
-])
-def test_fixed_point_dq_lowers_for_cuda(H, options, monkeypatch):
-  H, Hv = H if isinstance(H, tuple) else (H, H)
-  monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
-      mosaic_backward.BLOCKS, fixed_point_dq=True))
-  text = _lower_backward(H, Hv, jnp.bfloat16, options, deterministic=True)
-  # dQ summed in int32 (_lower_backward's B, T, N), by the one kernel, where it is taken
-  int32_dq = f"2x1000x8x{mosaic_backward.wgmma_head_dim(H)}xi32" in text
-  assert int32_dq == (max(H, Hv) <= 128)
-  assert "attention_backward_dq_mosaic_gpu" not in text
-
-
 def _staged_chunks(step, wg, n_chunks):
   """(j, chunk) of each chunk consumer wg stages in this step, as the kernel's loop over
   `staged_dq_chunks` takes them: those with no predicate, or whose predicate holds."""
@@ -2008,8 +1886,7 @@ def _lower_backward(H, Hv, dtype, options, **kwargs):
   """Lowers the Hopper backward for CUDA at head dims H (query, key) and Hv (value),
   ``kwargs`` passed on to it. Four query heads a group, so that the schedules that split
   a group between CTAs (``heads_per_cta``) or change what a CTA walking several heads
-  keeps (``fresh_mask_offsets``) lower a program of their own. Returns the lowered
-  program's text."""
+  keeps (``fresh_mask_offsets``) lower a program of their own."""
   B, T, S, N, K = 2, 1000, 777, 8, 2
   spec = MaskSpec(T, S, **options)
   i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
@@ -2030,9 +1907,7 @@ def _lower_backward(H, Hv, dtype, options, **kwargs):
   assert [o.shape for o in traced.out_info] == [(B, T, N, H), (B, S, K, H), (B, S, K, Hv)]
   grad_dtype = kwargs.get("grad_dtype") or dtype
   assert all(o.dtype == grad_dtype for o in traced.out_info)
-  text = traced.lower(lowering_platforms=("cuda",)).as_text()
-  assert "attention_backward_mosaic_gpu" in text
-  return text
+  assert "attention_backward_mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu

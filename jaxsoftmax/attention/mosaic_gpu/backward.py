@@ -89,10 +89,6 @@ L2_SECTION_WAVE = 0.9
 # design splits them: one consumer holds dV (and takes dQ), the other dK.
 SPLIT_KEYS_HEAD_DIM = 128
 MAX_HEAD_DIM = 256
-# `fixed_point_dq`: a row's bound on dQ, times its power of two, sits below 2^this; int32
-# holds 2^31, so the sum of the adds' roundings and float32's rounding of the bound
-# have room to spare.
-FIXED_POINT_BITS = 29
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,18 +158,6 @@ class HopperBackwardBlockSizes:
       2x8192x16x256 they ran at 273 TFLOP/s against the Triton backward's 179, which
       took those calls before, and the atomic default's 369
       (`attention_backward_deterministic_h256_h100.md`).
-    fixed_point_dq: deterministic calls in bfloat16 (16-bit gradients, head dims up to
-      128) add dQ in the atomic design's one kernel, unordered, as fixed-point
-      integers: integer adds give the same sum in any order. Each query row i gets a
-      power of two 2^e_i (`fixed_point_exponents`) that maps a bound on its dQ, 2 ‖dO_i‖
-      max_j ‖V_j‖ max |K| (Σ_j P_ij ≤ 1 and |delta_i| ≤ ‖dO_i‖ max_j ‖V_j‖), below 2^29;
-      the consumers write dSᵀ times 2^e_i for the dQ product (exact: a power of two),
-      the dQ chunks leave as int32 (`to_fixed_point`) by TMA add reductions into a
-      zeroed int32 dQ, and XLA scales it back (`from_fixed_point`). Each key tile's add
-      rounds by at most 2^-30 of the row's bound (docs/kernels.md: what that leaves of
-      bfloat16's precision, emulated). Float16 (its dS terms would overflow at that
-      scale), float32 gradients and head dims above 128 keep `ordered_dq_adds`' choice.
-      Off until measured on a GPU.
     dq_writer_warp: in the split-keys design with dQ added in the kernel (the atomic
       default and ``ordered_dq_adds``), a consumer stages its dQ chunk in shared memory
       and signals a barrier, and one warp of the producer warpgroup sends the chunks out
@@ -279,7 +263,6 @@ class HopperBackwardBlockSizes:
   fa3_step_order: bool | None = None
   split_keys_width: int = 192 + 128  # MLA's head dims
   ordered_dq_adds: bool | None = None
-  fixed_point_dq: bool = False
   dq_writer_warp: bool = False
   dq_staging_tiles: int = 1
   l2_sections: bool = False
@@ -309,15 +292,6 @@ class HopperBackwardBlockSizes:
     if self.fresh_mask_offsets is not None:
       return self.fresh_mask_offsets
     return heads_walked > 1
-
-  def adds_fixed_point_dq(self, dtype, head_dim: int, value_head_dim: int,
-                          float32_grads: bool) -> bool:
-    """Whether deterministic calls take `fixed_point_dq` at these padded head dims:
-    where it is set, in bfloat16 with 16-bit gradients, up to `SPLIT_KEYS_HEAD_DIM` each
-    (MLA's 192 + 128 has no room in shared memory for the rows' powers of two; below
-    it their ring, which `smem_bytes` leaves out, fits with room to spare)."""
-    return (self.fixed_point_dq and jnp.dtype(dtype) == jnp.bfloat16 and not float32_grads
-            and max(head_dim, value_head_dim) <= SPLIT_KEYS_HEAD_DIM)
 
   def orders_dq_adds(self, head_dim: int, value_head_dim: int) -> bool:
     """Whether deterministic calls take `ordered_dq_adds` at these padded head dims: as
@@ -538,25 +512,8 @@ def _scores_to_probabilities(qk, lse2_tile, logits: Logits, mask=None):
 def _score_grad_operands(p, dp, tanh, delta_tile, dtype):
   """dSᵀ = Pᵀ ∘ (dPᵀ - delta) (`logits.score_grad`) as wgmma operands of ``dtype``
   (`logits.score_grad_terms`), delta read from its ring slot along the queries."""
-  return score_grad_terms(_score_grad(p, dp, tanh, delta_tile), dtype)
-
-
-def _score_grad(p, dp, tanh, delta_tile):
-  """dSᵀ in float32, delta read from its ring slot along the queries."""
   delta = plgpu.load(delta_tile, layout=_COL)
-  return score_grad(p, dp, _cols(delta, p.shape), tanh)
-
-
-def _dk_and_dq_operands(p, dp, tanh, delta_tile, dtype, scale_tile=None):
-  """dSᵀ's wgmma operands for dK's product and for dQ's: the same, or with
-  ``scale_tile`` (`fixed_point_dq`) dQ's times each query's power of two from that ring
-  slot, exact in ``dtype`` (bfloat16 has float32's exponents)."""
-  if scale_tile is None:
-    terms = _score_grad_operands(p, dp, tanh, delta_tile, dtype)
-    return terms, terms
-  ds = _score_grad(p, dp, tanh, delta_tile)
-  scale = plgpu.load(scale_tile, layout=_COL)
-  return score_grad_terms(ds, dtype), score_grad_terms(ds * _cols(scale, ds.shape), dtype)
+  return score_grad_terms(score_grad(p, dp, _cols(delta, p.shape), tanh), dtype)
 
 
 def _block_mask(spec: MaskSpec, shape, q0, key0, kv_length, q_seg_ref, b, k_seg):
@@ -582,67 +539,6 @@ def _key_tile_ranges(spec: MaskSpec, k0, keys: int, bq: int, kv_length, q_length
   keys_end = spec.kv_len if kv_length is None else jnp.minimum(kv_length, spec.kv_len)
   partial = k0 + keys > keys_end
   return lo, jnp.where(partial, hi, full_lo), jnp.where(partial, hi, full_hi), hi
-
-
-def _exponent(x):
-  """The e of x = f · 2^e with 0.5 <= |f| < 1 (0 for x = 0), int32: |x| < 2^e."""
-  return jnp.frexp(x)[1].astype(jnp.int32)
-
-
-def _norm_exponent(x, axis: int):
-  """An exponent e with ‖x‖₂ < 2^e along ``axis``, in float32: from the norm where it is
-  at least 2^-60 and finite, else from the largest |x| and the length n (‖x‖₂ <=
-  √n · max |x|), so that squares which overflow or fall to subnormals never loosen or
-  break the bound. NaN entries are skipped (the caller flags them)."""
-  x = x.astype(jnp.float32)
-  norm = jnp.sqrt(jnp.sum(x * x, axis=axis))
-  largest = jnp.nanmax(jnp.abs(x), axis=axis)
-  half_log2_n = (x.shape[axis] - 1).bit_length() // 2 + 1  # 2^this >= √n
-  fallback = _exponent(largest) + half_log2_n
-  return jnp.where(jnp.isfinite(norm) & (norm >= 2.0 ** -60), _exponent(norm), fallback)
-
-
-def fixed_point_exponents(do, k, v, delta, lse2):
-  """(e, bad) of `fixed_point_dq` for dO (B, T, N, Hv), K (B, S, K, H), V (B, S, K, Hv)
-  and the backward's delta and lse₂ (B, N, T): each query row's exponent e (B, N, T)
-  int32, with 2^e_i · |dQ_i| and every partial sum of it below 2^FIXED_POINT_BITS, and
-  ``bad``, the rows whose dQ must be NaN. dQ_i = Σ_j dS_ij K_j with dS_ij = P_ij (dP_ij
-  - delta_i), |dP_ij| <= ‖dO_i‖ ‖V_j‖, |delta_i| = |dO_i · O_i| <= ‖dO_i‖ max_j ‖V_j‖ and
-  Σ_j P_ij <= 1, so |dQ_id| and any partial sum <= 2 ‖dO_i‖ max_j ‖V_j‖ max |K| (the
-  logits' scale is applied after). A NaN in a row's own inputs reaches its delta (dO, or
-  V through O) or lse₂ (Q, or K through the scores); a non-finite K or V flags every row
-  of its head, a non-finite dO its row; and a bound past float32's range its row."""
-  group = do.shape[2] // k.shape[2]
-  per_head = lambda x: jnp.repeat(x, group, axis=1)[..., None]  # (B, K) -> (B, N, 1)
-  # dO's rows as delta's, which may be padded further (zero rows: any exponent serves)
-  per_row = lambda x, fill: pad_to(jnp.swapaxes(x, 1, 2), 2, delta.shape[2], fill)
-  e_do = per_row(_norm_exponent(do, -1), 0)
-  k_max = jnp.nanmax(jnp.abs(k.astype(jnp.float32)), axis=(1, 3))
-  v_norms = _norm_exponent(v, -1)
-  e = FIXED_POINT_BITS - 1 - (e_do + per_head(jnp.max(v_norms, axis=1))
-                              + per_head(_exponent(k_max)))
-  v_finite = jnp.all(jnp.isfinite(v.astype(jnp.float32)) | jnp.isnan(v), axis=(1, 3))
-  do_finite = jnp.all(jnp.isfinite(do), axis=-1)
-  bad = (jnp.isnan(delta) | jnp.isnan(lse2) | ~per_row(do_finite, True)
-         | ~per_head(jnp.isfinite(k_max) & v_finite) | (e < -126))
-  # 2^e a normal float32; past 127 (|dO| near float32's smallest) the row keeps fewer bits
-  return jnp.clip(e, -126, 127), bad
-
-
-def to_fixed_point(x):
-  """A float32 share of dQ, already times its rows' powers of two, as the int32 that
-  `fixed_point_dq` adds: rounded to the nearest integer (ties to even), so that the
-  adds' rounding is unbiased and at most half a unit each."""
-  return lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.int32)
-
-
-def from_fixed_point(dq, e, bad):
-  """dQ in float32, (B, T, N, H), from its fixed-point sums ``dq`` (int32) and each row's
-  exponent ``e`` and flag ``bad`` (B, N, T or longer) of `fixed_point_exponents`: NaN
-  in the flagged rows."""
-  T = dq.shape[1]
-  e, bad = (jnp.swapaxes(x[..., :T], 1, 2)[..., None] for x in (e, bad))
-  return jnp.where(bad, jnp.nan, jnp.ldexp(dq.astype(jnp.float32), -e))
 
 
 def last_key_tiles(spec: MaskSpec, keys: int, bq: int, n_kv_tiles: int, n_q_blocks: int,
@@ -674,25 +570,24 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
                  dq_staged=None, dq_free=None,
                  dq_order_shape: tuple[int, int, int] | None = None,
                  section: int | None = None, grid_heads: int | None = None,
-                 group_split: int = 1, scale_ring=None):
+                 group_split: int = 1):
   """dK and dV of a key tile; with ``atomic_dq`` also its share of dQ, added into the
-  float32 dQ ref (the last input; with ``scale_ring`` (`fixed_point_dq`) an int32 one,
-  and the rows' powers of two the input after the aux arrays). ``float32_grads``:
-  dK and dV leave in float32, stored from registers (their arrays padded to whole key
-  tiles), instead of through K and V's shared memory in the inputs' dtype. Head dims
-  above `SPLIT_KEYS_HEAD_DIM` take the wide design (`ds_free` given; k_smem and v_smem
-  hold one block of keys). With ``dq_order_shape`` (`ordered_dq_adds`: (B, N, query
-  blocks), the shape of the counters of the chunks added into each query block's dQ; the
-  input before dQ is `last_key_tiles`' table; ``key_tiles`` CTAs along the keys) the key
-  tiles add into each query block in a fixed order, the last first. With ``dq_staged``
-  and ``dq_free`` (a barrier per consumer: `dq_writer_warp`) the consumers stage their
-  dQ chunks and a warp of the producer warpgroup adds them into dQ. ``section``: the
-  heads of the grid (of ``grid_heads``: the K/V heads times ``group_split``) of a launch
-  section, where the CTAs take their tiles in `l2_sections`' order (the grid's last axis
-  then runs over batch rows and sections). ``group_split`` (`heads_per_cta`): the CTAs
-  of each K/V head's group, the grid's head axis running over both; each adds its
-  partial dK and dV into the zeroed float32 refs dk_ref and dv_ref (the last inputs,
-  after dQ's)."""
+  float32 dQ ref (the last input). ``float32_grads``: dK and dV leave in float32, stored
+  from registers (their arrays padded to whole key tiles), instead of through K and V's
+  shared memory in the inputs' dtype. Head dims above `SPLIT_KEYS_HEAD_DIM` take the
+  wide design (`ds_free` given; k_smem and v_smem hold one block of keys). With
+  ``dq_order_shape`` (`ordered_dq_adds`: (B, N, query blocks), the shape of the
+  counters of the chunks added into each query block's dQ; the input before dQ is
+  `last_key_tiles`' table; ``key_tiles`` CTAs along the keys) the key tiles add into each
+  query block in a fixed order, the last first. With ``dq_staged`` and ``dq_free`` (a
+  barrier per consumer: `dq_writer_warp`) the consumers stage their dQ chunks and a warp
+  of the producer warpgroup adds them into dQ. ``section``: the heads of the
+  grid (of ``grid_heads``: the K/V heads times ``group_split``) of a launch section,
+  where the CTAs take their tiles in `l2_sections`' order (the grid's last axis then
+  runs over batch rows and sections).
+  ``group_split`` (`heads_per_cta`): the CTAs of each K/V head's group, the grid's head
+  axis running over both; each adds its partial dK and dV into the zeroed float32 refs
+  dk_ref and dv_ref (the last inputs, after dQ's)."""
   aux_refs, refs = AuxArrays.split_refs(refs, aux_present)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   ordered = dq_order_shape is not None
@@ -703,8 +598,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
   # and with them every wait for another tile's adds hung. Pallas zeroes them at each
   # call.
   dq_order = pl.get_global(plgpu.SemaphoreType.REGULAR(dq_order_shape)) if ordered else None
-  fixed_point = scale_ring is not None
-  scale_ref, *refs = refs if fixed_point else (None, *refs)
   last_ref, *refs = refs if ordered else (None, *refs)
   dq_ref, dk_ref, dv_ref = refs if atomic_dq else (None, *refs)
 
@@ -769,11 +662,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     send_dq_chunk(dq, staging, i, n, c, wait=ordered and wait)
 
   def stage(staging, value):
-    """``value`` into the tile ``staging`` (float32, or int32 with `fixed_point_dq`:
-    `to_fixed_point`), once its last TMA add has read it, made visible to the next
-    TMA."""
+    """``value`` into the float32 tile ``staging``, once its last TMA add has read it,
+    made visible to the next TMA."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk has left
-    staging[...] = to_fixed_point(value) if fixed_point else value
+    staging[...] = value
     plgpu.commit_smem()
 
   def send_dq_chunk(dq, staging, i, n, c, wait=False):
@@ -803,7 +695,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
     plgpu.barrier_wait(dq_free.at[tile])
     dq = pl.run_scoped(functools.partial(acc_fn, columns=pl.ds(c * _CHUNK, _CHUNK)),
                        plgpu.ACC((bq, _CHUNK), jnp.float32))
-    dq_smem.at[tile][...] = to_fixed_point(dq) if fixed_point else dq
+    dq_smem.at[tile][...] = dq
     plgpu.commit_smem()  # visible to the writer's TMA
     plgpu.barrier_arrive(dq_staged.at[tile])
 
@@ -1022,7 +914,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       def step(i, n, step_index, s, *, masked: bool):
         """The products of query block i of query head n."""
         q_tile, do_tile = q_ring.at[s], do_ring.at[s]
-        scale_tile = None if scale_ring is None else scale_ring.at[s]
         own = key_block(wg)
         k_own, v_own = k_smem.at[own], v_smem.at[own]
         mask = None
@@ -1040,11 +931,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
             qk = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)  # Sᵀ; dPᵀ may still run
             p, tanh = _scores_to_probabilities(qk, lse2_ring.at[s], logits, mask)
             dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
-            return p.astype(do_tile.dtype), _dk_and_dq_operands(
-                p, dp, tanh, delta_ring.at[s], q_tile.dtype, scale_tile)
+            return p.astype(do_tile.dtype), _score_grad_operands(
+                p, dp, tanh, delta_ring.at[s], q_tile.dtype)
 
-          p16, (ds_terms, dq_terms) = pl.run_scoped(
-              products, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+          p16, ds_terms = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
+                                        plgpu.ACC(shape, jnp.float32))
           plgpu.wgmma(dv_acc, p16, do_tile)
         else:
           plgpu.barrier_wait(q_loaded.at[s])
@@ -1060,14 +951,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
             return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dPᵀ; dV may still run
 
           dp = pl.run_scoped(value_grads, plgpu.ACC(shape, jnp.float32))
-          ds_terms, dq_terms = _dk_and_dq_operands(p, dp, tanh, delta_ring.at[s],
-                                                   q_tile.dtype, scale_tile)
+          ds_terms = _score_grad_operands(p, dp, tanh, delta_ring.at[s], q_tile.dtype)
         for term in ds_terms:
           plgpu.wgmma(dk_acc, term, q_tile)
         if late_here:
-          hand_over_ds(step_index, dq_terms)
+          hand_over_ds(step_index, ds_terms)
         elif atomic_dq:
-          query_grads(i, n, step_index, dq_terms, own)
+          query_grads(i, n, step_index, ds_terms, own)
         plgpu.wgmma_wait(0)  # dK's product has read Q
         plgpu.barrier_arrive(slot_free.at[s])
 
@@ -1209,8 +1099,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows, n], q_ring.at[s], q_loaded.at[s])
       plgpu.copy_gmem_to_smem(lse2_ref.at[b, n, rows], lse2_ring.at[s], q_loaded.at[s])
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, n], do_ring.at[s], do_loaded.at[s])
-      if scale_ring is not None:
-        plgpu.copy_gmem_to_smem(scale_ref.at[b, n, rows], scale_ring.at[s], do_loaded.at[s])
       plgpu.copy_gmem_to_smem(delta_ref.at[b, n, rows], delta_ring.at[s],
                               do_loaded.at[s])
 
@@ -1354,10 +1242,9 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   if why is not None:
     raise ValueError(why)
   terms = score_grad_term_count(q.dtype)
+  ordered = deterministic and blocks.orders_dq_adds(H_pad, Hv_pad)
+  atomic_dq = ordered or not deterministic
   wide = blocks.wide(H_pad, Hv_pad, q.dtype.itemsize, terms)
-  fixed = deterministic and blocks.adds_fixed_point_dq(q.dtype, H_pad, Hv_pad, float32_grads)
-  ordered = deterministic and not fixed and blocks.orders_dq_adds(H_pad, Hv_pad)
-  atomic_dq = fixed or ordered or not deterministic
   if wide and blocks.num_stages != 2:
     raise ValueError(f"the Hopper backward's wide design (head dims {H}, {Hv}) takes "
                      f"num_stages=2, got {blocks.num_stages}")
@@ -1399,8 +1286,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
       delta_ring=plgpu.SMEM((stages, bq), jnp.float32),
       kv_loaded=plgpu.Barrier(num_arrivals=2 * key_blocks),  # K and V of every block
       q_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # Q and lse₂
-      # dO and delta (and with `fixed_point_dq` the rows' powers of two)
-      do_loaded=plgpu.Barrier(num_arrivals=3 if fixed else 2, num_barriers=stages),
+      do_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # dO and delta
       slot_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
   )
   if wide:  # consumer 1 hands dSᵀ to consumer 0, which takes every chunk of dQ
@@ -1416,13 +1302,10 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     tiles = _CONSUMERS * blocks.staging_tiles(H_pad, Hv_pad, q.dtype.itemsize, terms)
     scratch.update(
         ds_smem=plgpu.SMEM((2, terms, _CONSUMERS, bkv, bq), q.dtype, transforms=tiled),
-        # chunks on their way out
-        dq_smem=plgpu.SMEM((tiles, bq, _CHUNK), jnp.int32 if fixed else jnp.float32),
+        dq_smem=plgpu.SMEM((tiles, bq, _CHUNK), jnp.float32),  # chunks on their way out
         ds_ready=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=2),  # both halves of dSᵀ
         done=plgpu.Barrier(num_arrivals=_CONSUMERS),  # both consumers' dQ products done
     )
-    if fixed:
-      scratch.update(scale_ring=plgpu.SMEM((stages, bq), jnp.float32))
     if blocks.writes_dq_by_warp(H_pad, wide):  # a chunk staged for the writer warp, and sent
       scratch.update(dq_staged=plgpu.Barrier(num_barriers=tiles),
                      dq_free=plgpu.Barrier(num_barriers=tiles))
@@ -1437,13 +1320,10 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   split = blocks.group_split(N // K, deterministic, H_pad, wide)
   grid_heads = K * split
 
-  dq_inputs = ()  # what dQ's design reads beside the shared inputs
-  if fixed:  # each row's power of two, 1 in the padding rows
-    exponents, bad = fixed_point_exponents(do, k, v, delta, lse2)
-    dq_inputs = (jnp.ldexp(jnp.ones(exponents.shape, jnp.float32), exponents),)
+  order_inputs = ()
   if ordered:
     statics.update(key_tiles=n_kv_tiles, dq_order_shape=(B, N, T_pad // bq))
-    dq_inputs = (last_key_tiles(spec, keys_per_tile, bq, n_kv_tiles, T_pad // bq,
+    order_inputs = (last_key_tiles(spec, keys_per_tile, bq, n_kv_tiles, T_pad // bq,
                                    kv_len, q_len, B),)
   # The grid's first axis is the fastest in launch order.
   grid = (("heads", grid_heads), ("kv_tiles", n_kv_tiles), ("batch", B))
@@ -1482,16 +1362,15 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     )(*inputs)
   else:
     # dQ is summed in place by every key tile's CTA: a zeroed float32 array it aliases.
-    dq32 = jax.new_ref(jnp.zeros((B, T8, N, H_pad), jnp.int32 if fixed else jnp.float32))
+    dq32 = jax.new_ref(jnp.zeros((B, T8, N, H_pad), jnp.float32))
     if split > 1:
       dk32, dv32 = (jax.new_ref(jnp.zeros((B, S8, K, width), jnp.float32))
                     for width in (H_pad, Hv_pad))
-      dkdv_kernel(*inputs, *dq_inputs, dq32, dk32, dv32)
+      dkdv_kernel(*inputs, *order_inputs, dq32, dk32, dv32)
       dk, dv = jax.freeze(dk32), jax.freeze(dv32)
     else:
-      dk, dv = dkdv_kernel(*inputs, *dq_inputs, dq32)
-    dq = jax.freeze(dq32)
-    dq = (from_fixed_point(dq, exponents, bad) if fixed else dq) * scale
+      dk, dv = dkdv_kernel(*inputs, *order_inputs, dq32)
+    dq = jax.freeze(dq32) * scale
     dq = dq if float32_grads else dq.astype(q.dtype)
   if split > 1 and not float32_grads:  # the group's float32 sums, in the inputs' dtype
     dk, dv = dk.astype(q.dtype), dv.astype(q.dtype)

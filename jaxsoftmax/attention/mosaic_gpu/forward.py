@@ -133,7 +133,9 @@ class HopperBlockSizes:
     than 128-key ones on an H100 (486 against 447 TFLOP/s at 8x2048, cuDNN 473, tokamax
     450, FA3 326 in the same run: tune_attention_hopper_h64_h100.md), so they are the
     default. Under a causal mask they lost 4% in two runs, and the persistent launch won
-    3% in one (358 against 348), not enough to move the default on one run.
+    3% in one (358 against 348) but lost 2-3% in two more (341 and 343 against 350; 3
+    stages 346 and 348: tune_attention_hopper_h64_causal_persistent_{a,b}_h100.md), so
+    the grid stays.
     Above head dim 64 the softmax runs under the previous block's P V (overlap_softmax:
     3-9% on an H100); at head dim 64 it lost up to 2% (same file)."""
     if head_dim <= 64 and not is_causal:
