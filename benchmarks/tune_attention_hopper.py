@@ -38,7 +38,14 @@ TILINGS = [dict(persistent=False), dict(persistent=True), dict(num_stages=3, per
            # head dim 64 two stages of them do not fit shared memory). Without a causal
            # mask the persistent one is head dim 64's default, whose 256-key blocks the
            # other tilings there inherit.
-           dict(block_kv=256, persistent=False), dict(block_kv=256, persistent=True)]
+           dict(block_kv=256, persistent=False), dict(block_kv=256, persistent=True),
+           # 128 query rows a consumer, for head dim 64: half the CTAs, each walking its
+           # keys for twice the rows (ptxas spills nothing there offline with 64-key
+           # blocks; with 128-key ones, 344 bytes causal). On an H100 they lost 0-12%
+           # causal and 7-8% without a mask (tune_attention_hopper_h64_q128_h100.md).
+           dict(block_q=128, block_kv=64, num_stages=2, persistent=False),
+           dict(block_q=128, block_kv=64, num_stages=3, persistent=False),
+           dict(block_q=128, block_kv=64, num_stages=2, persistent=True)]
 PEERS = ("cudnn", "fa3", "tokamax mosaic")
 # TUNE_TILINGS="0,4" keeps only those of TILINGS (by index), to fit a device call.
 if os.environ.get("TUNE_TILINGS"):

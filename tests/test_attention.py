@@ -1327,6 +1327,11 @@ HOPPER_TILES = [
     pytest.param(64, HopperBlockSizes(64, 256, 2, persistent=True), id="H64-kv256-persistent"),
     pytest.param(64, HopperBlockSizes(64, 256, 3, persistent=True),
                  id="H64-kv256-persistent-3stages"),
+    # 128 query rows a consumer (a causal diagonal across four key blocks), at head dim
+    # 64 where their accumulators fit the registers.
+    pytest.param(64, HopperBlockSizes(128, 64, 2), id="H64-q128"),
+    pytest.param(64, HopperBlockSizes(128, 64, 3), id="H64-q128-3stages"),
+    pytest.param(64, HopperBlockSizes(128, 64, 2, persistent=True), id="H64-q128-persistent"),
 ]
 
 
