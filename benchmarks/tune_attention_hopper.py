@@ -45,7 +45,11 @@ TILINGS = [dict(persistent=False), dict(persistent=True), dict(num_stages=3, per
            # causal and 7-8% without a mask (tune_attention_hopper_h64_q128_h100.md).
            dict(block_q=128, block_kv=64, num_stages=2, persistent=False),
            dict(block_q=128, block_kv=64, num_stages=3, persistent=False),
-           dict(block_q=128, block_kv=64, num_stages=2, persistent=True)]
+           dict(block_q=128, block_kv=64, num_stages=2, persistent=True),
+           # The persistent launch with its items claimed from a counter, on the
+           # default's tiles (`HopperBlockSizes.dynamic_schedule`).
+           dict(persistent=True, dynamic_schedule=True),
+           dict(persistent=True, overlap_softmax=True, dynamic_schedule=True)]
 PEERS = ("cudnn", "fa3", "tokamax mosaic")
 # TUNE_TILINGS="0,4" keeps only those of TILINGS (by index), to fit a device call.
 if os.environ.get("TUNE_TILINGS"):
@@ -63,6 +67,7 @@ def bench_shape(report: harness.Report, case, dtype):
     impl = f"q{blocks.block_q} kv{blocks.block_kv} s{blocks.num_stages}"
     impl += " persistent" * blocks.persistent + " one producer warp" * blocks.one_producer_warp
     impl += " overlap softmax" * blocks.overlap_softmax
+    impl += " dynamic" * blocks.dynamic_schedule
     report.measure(mode="fwd", impl=impl, fn=fn,
                    arg_sets=[(q, k, v)], flops=flops, **common)
   # The peers' forwards in the same run, as the yardsticks (those whose wheels are

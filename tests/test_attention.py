@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.mosaic.gpu import core as mosaic_core
 from jax.test_util import check_grads
 
 import jaxsoftmax as js
@@ -1343,6 +1344,30 @@ def test_hopper_block_sizes_gpu(key, H, blocks):
          key_value_seq_lengths=jnp.array([1000, 613]))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("H, blocks, options", [
+    pytest.param(128, HopperBlockSizes(64, 128, 2, persistent=True, overlap_softmax=True,
+                                       dynamic_schedule=True), dict(is_causal=True),
+                 id="causal-H128-overlap-softmax"),
+    pytest.param(64, HopperBlockSizes(64, 128, 2, persistent=True, dynamic_schedule=True),
+                 dict(is_causal=True), id="causal-H64"),
+    pytest.param(64, HopperBlockSizes(64, 256, 3, persistent=True, dynamic_schedule=True),
+                 {}, id="H64-kv256-3stages"),
+])
+def test_hopper_dynamic_schedule_gpu(key, H, blocks, options):
+  # Items claimed from a counter (`dynamic_schedule`): 3 · 8 · 16 = 384 items, more than
+  # an H100's or H200's 132 SMs, so that CTAs claim items after their first and run out;
+  # batch row 2's keys end inside a block. Against float64 by the 2x rule, and the
+  # output identical in two runs (each item's result is its own, whichever CTA takes it).
+  inputs = _inputs(key, 3, 2000, 2000, 8, 2, H, jnp.bfloat16)
+  lengths = dict(key_value_seq_lengths=jnp.array([2000, 2000, 1001]))
+  first = _check(*inputs, backend="mosaic_gpu", blocks=blocks, interpret=False, **options,
+                 **lengths)
+  second = _check(*inputs, backend="mosaic_gpu", blocks=blocks, interpret=False, **options,
+                  **lengths)
+  np.testing.assert_array_equal(first[0], second[0])
+
+
 # The Hopper backward's schedules other than the default (`HopperBackwardBlockSizes`),
 # as the HOPPER_BWD_SCHEDULES rows of benchmarks/bench_attention_backward.py time them:
 # the tile addresses as LLVM hoists them (the default before the sweep), the element
@@ -1590,11 +1615,13 @@ def test_triton_kernels_lower_for_cuda(as_if_on_an_h200, dtype, H, Hv, N, K, opt
                    "attention_tangent"}
 
 
-# (persistent, one_producer_warp, overlap_softmax) of each launch.
-HOPPER_LAUNCHES = {"grid": (False, False, False), "persistent": (True, False, False),
-                   "persistent-one-producer-warp": (True, True, False),
-                   "overlap-softmax": (False, False, True),
-                   "persistent-overlap-softmax": (True, False, True)}
+# (persistent, one_producer_warp, overlap_softmax, dynamic_schedule) of each launch.
+HOPPER_LAUNCHES = {"grid": (False, False, False, False), "persistent": (True, False, False, False),
+                   "persistent-one-producer-warp": (True, True, False, False),
+                   "overlap-softmax": (False, False, True, False),
+                   "persistent-overlap-softmax": (True, False, True, False),
+                   "dynamic": (True, False, False, True),
+                   "dynamic-overlap-softmax": (True, False, True, True)}
 
 
 # Each launch and each head dim and mask once, paired so that the output's paths meet
@@ -1612,17 +1639,21 @@ HOPPER_LAUNCHES = {"grid": (False, False, False), "persistent": (True, False, Fa
     # MLA's head dims: output tiles of their own.
     pytest.param("grid", 192, 128, dict(is_causal=True), id="192-128-causal-grid"),
     pytest.param("overlap-softmax", 64, 128, {}, id="64-128-overlap-softmax"),
+    # Items claimed from a counter: the claim's PTX and the while loop over items.
+    pytest.param("dynamic-overlap-softmax", 128, 128, dict(is_causal=True),
+                 id="128-128-causal-dynamic-overlap-softmax"),
+    pytest.param("dynamic", 64, 64, dict(is_causal=True), id="64-64-causal-dynamic"),
 ])
 def test_hopper_forward_lowers_for_cuda(launch, H, Hv, options):
   # The Hopper kernel cannot run off a GPU (see README), but it lowers for CUDA anywhere:
   # this catches Mosaic GPU API drift in the newest JAX on every CI run.
-  persistent, one_warp, overlap = HOPPER_LAUNCHES[launch]
+  persistent, one_warp, overlap, dynamic = HOPPER_LAUNCHES[launch]
   B, T, S, N, K = 2, 1000, 777, 4, 2
   spec = MaskSpec(T, S, **options)
   # The defaults of the wider head dim, as `mosaic_gpu.blocks` takes them.
   blocks = dataclasses.replace(HopperBlockSizes.default(max(H, Hv), spec.is_causal),
                                persistent=persistent, one_producer_warp=one_warp,
-                               overlap_softmax=overlap)
+                               overlap_softmax=overlap, dynamic_schedule=dynamic)
   i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
   aux = ((None, None, i32((B, T)), i32((B, S))) if spec.has_segments
          else (i32((B,)), i32((B,)), None, None))
@@ -1638,7 +1669,11 @@ def test_hopper_forward_lowers_for_cuda(launch, H, Hv, options):
           *(a for a in aux if a is not None))
   traced = jax.jit(forward).trace(*args)
   assert traced.out_info[0].shape == (B, T, N, Hv)
+  mosaic_core.KNOWN_KERNELS.clear()  # the kernels' modules, as the lowering emits them
   assert "attention_forward_mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+  # `dynamic_schedule`'s claims, in the one kernel's PTX, and only there.
+  [module] = mosaic_core.KNOWN_KERNELS.values()
+  assert (b"atom.relaxed.gpu.global.add" in module) == dynamic
 
 
 # (deterministic, grad_dtype, ordered_dq_adds) of each design of dQ: atomic adds, the
@@ -2154,6 +2189,10 @@ def test_bad_input_names_the_argument():
     HopperBlockSizes(persistent=1)
   with pytest.raises(ValueError, match="one_producer_warp must be a bool"):
     HopperBlockSizes(one_producer_warp=1)
+  for launch in (dict(), dict(persistent=True, one_producer_warp=True)):
+    with pytest.raises(ValueError, match="dynamic_schedule takes persistent=True and "
+                                         "one_producer_warp=False"):
+      HopperBlockSizes(dynamic_schedule=True, **launch)
   with pytest.raises(TypeError, match="block_sizes must be a BlockSizes or a HopperBlock"):
     attention(q, kv, kv, block_sizes=(64, 64))
 

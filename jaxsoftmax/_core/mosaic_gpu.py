@@ -17,12 +17,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import memref
 
 from jaxsoftmax._core.pallas import vary_over, varying_axes, varying_like
 
 __all__ = ["pl", "plgpu", "hopper_device", "device_description", "pad_to", "compiler_params",
            "gpu_kernel", "warp_specialized_kernel", "rem32", "div32", "wgmma_iota",
-           "per_row", "SMEM_BYTES"]
+           "per_row", "claim_next", "SMEM_BYTES"]
 
 # Shared memory an H100/H200 block may use, in bytes.
 SMEM_BYTES = 227 * 1024
@@ -103,6 +106,23 @@ def on_warps(*tasks):
   def _(warp):
     for w, task in enumerate(tasks):
       pl.when(warp == w)(task)
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+def claim_next(_, counter, slot):
+  """slot[0] = counter[0]++: one thread of the calling warpgroup adds 1 to ``counter``
+  (an int32 in global memory, from ``pl.get_global``) and writes the value it held to
+  ``slot`` (int32 (1,) in shared memory); then the warpgroup meets at a barrier, so
+  that its arrival on a barrier after this call carries the write to whoever waits
+  there. Pallas has no atomic add that returns the old value, so it is PTX's
+  ``atom.add``, relaxed: the counter orders nothing but the claims themselves."""
+  i32 = ir.IntegerType.get_signless(32)
+  with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
+    old = mgpu_utils.inline_ptx("atom.relaxed.gpu.global.add.u32 $0, [$1], $2;",
+                                mgpu_utils.memref_ptr(counter), mgpu_utils.c(1, i32),
+                                result_types=i32, has_side_effects=True)
+    memref.store(old, slot, [mgpu_utils.c(0, ir.IndexType.get())])
+  mgpu_utils.warpgroup_barrier()
 
 
 def producer_loads(loads, one_warp: bool):

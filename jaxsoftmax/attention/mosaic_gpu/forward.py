@@ -44,9 +44,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsoftmax._core import pallas
-from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, pad_to, per_row, pl, plgpu,
-                                        producer_loads, rem32, warp_specialized_kernel,
-                                        wgmma_iota)
+from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, claim_next, div32, pad_to, per_row, pl,
+                                        plgpu, producer_loads, rem32,
+                                        warp_specialized_kernel, wgmma_iota)
 from jaxsoftmax.attention.call import AuxArrays
 from jaxsoftmax.attention.logits import Logits, join_sink
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
@@ -90,6 +90,13 @@ class HopperBlockSizes:
       `benchmarks/results/tuning/tune_attention_hopper_overlap_softmax_h100.md`), so
       `default` turns it on above head dim 64 (at head dim 64 it lost up to 2%, with
       either launch: `benchmarks/results/tuning/tune_attention_hopper_h64_h100.md`).
+    dynamic_schedule: with ``persistent``, each CTA takes its next item from a counter
+      in global memory as it starts loading the one before, heaviest items first, rather
+      than a fixed share of the items: the persistent launch's overlap of one item's
+      loads with the last's products, with the balance of the grid's own scheduling
+      (the fixed share lost 1-7% to the grid wherever items differ in length:
+      `default`). Not yet run on a GPU, so off; the producer's loads then come from its
+      whole warpgroup (not ``one_producer_warp``).
   """
 
   block_q: int = 64
@@ -98,6 +105,7 @@ class HopperBlockSizes:
   persistent: bool = False
   one_producer_warp: bool = False
   overlap_softmax: bool = False
+  dynamic_schedule: bool = False
 
   def __post_init__(self):
     if not (isinstance(self.block_q, int) and self.block_q > 0 and self.block_q % 64 == 0):
@@ -113,10 +121,13 @@ class HopperBlockSizes:
     if not (isinstance(self.num_stages, int) and self.num_stages >= 2):
       raise ValueError(f"HopperBlockSizes.num_stages must be an int >= 2, got "
                        f"{self.num_stages!r}")
-    for name in ("persistent", "one_producer_warp", "overlap_softmax"):
+    for name in ("persistent", "one_producer_warp", "overlap_softmax", "dynamic_schedule"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"HopperBlockSizes.{name} must be a bool, got "
                          f"{getattr(self, name)!r}")
+    if self.dynamic_schedule and (not self.persistent or self.one_producer_warp):
+      raise ValueError("HopperBlockSizes.dynamic_schedule takes persistent=True and "
+                       "one_producer_warp=False")
 
   @classmethod
   def default(cls, head_dim: int, is_causal: bool = False) -> "HopperBlockSizes":
@@ -176,6 +187,9 @@ class _Work:
   causal: bool
   # One CTA per SM walking items i, i + sm_count, ... (persistent), else one per item.
   sm_count: int | None
+  # Persistent CTAs claiming their items after the first from a counter
+  # (`HopperBlockSizes.dynamic_schedule`), in the order of `item_at`.
+  dynamic: bool = False
 
   @property
   def count(self) -> int:
@@ -190,16 +204,27 @@ class _Work:
       return (self.heads, self.q_tiles, self.batch), ("heads", "q_tiles", "batch")
     return (self.ctas,), ("sm",)
 
-  def for_each(self, body, carry):
-    """carry = body(i, (b, n, tile), carry) over the CTA's items, i counting them."""
+  def for_each(self, body, carry, claimed=None):
+    """carry = body(i, (b, n, tile), carry) over the CTA's items, i counting them;
+    ``dynamic``: item 0 is the CTA's own index, and ``claimed(i)`` the index of item i
+    (`item_at`; ``count`` or more once there are no more)."""
     if self.sm_count is None:
       tile = lax.axis_index("q_tiles")
       if self.causal:  # later tiles walk more key blocks: start them first
         tile = self.q_tiles - 1 - tile
       return body(0, (lax.axis_index("batch"), lax.axis_index("heads"), tile), carry)
     cta = lax.axis_index("sm")
-    return lax.fori_loop(0, self.item_count(cta),
-                         lambda i, c: body(i, self.item(cta, i), c), carry)
+    if not self.dynamic:
+      return lax.fori_loop(0, self.item_count(cta),
+                           lambda i, c: body(i, self.item(cta, i), c), carry)
+
+    def step(state):
+      i, w, c = state
+      c = body(i, self.item_at(w), c)
+      return i + 1, claimed(i + 1), c
+
+    return lax.while_loop(lambda state: state[1] < self.count, step,
+                          (jnp.int32(0), cta.astype(jnp.int32), carry))[2]
 
   def _position(self, cta, i):
     """The persistent CTA's position within round i of the item order."""
@@ -216,7 +241,10 @@ class _Work:
 
   def item(self, cta, i):
     """(b, n, tile) of the persistent CTA's item i."""
-    w = i * self.ctas + self._position(cta, i)
+    return self.item_at(i * self.ctas + self._position(cta, i))
+
+  def item_at(self, w):
+    """(b, n, tile) of the item w in the CTAs' order."""
     if self.causal:  # the tiles that walk the most key blocks first, as in the grid
       rank, rest = div32(w, self.heads * self.batch), rem32(w, self.heads * self.batch)
       return div32(rest, self.heads), rem32(rest, self.heads), self.q_tiles - 1 - rank
@@ -245,6 +273,11 @@ class _Scratch(NamedTuple):
   schedule: Any = None
   turns: Any = None
   o_smem: Any = None  # the consumers' output tiles, where a persistent CTA has room
+  # With `HopperBlockSizes.dynamic_schedule`: the claimed indices of the CTA's next
+  # items, (2, 1) int32 taken in turn, and a barrier a slot that the producer arrives on
+  # once the claim is in.
+  item_slots: Any = None
+  item_ready: Any = None
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, logits: Logits,
@@ -265,6 +298,24 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
 
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
   wg = lax.axis_index("wg")
+  # The count of items claimed (`dynamic_schedule`): shared by every CTA, so from
+  # pl.get_global, which Pallas zeroes at each call (a scratch semaphore is the CTA's own).
+  counter = pl.get_global(plgpu.SemaphoreType.REGULAR((1,))) if work.dynamic else None
+
+  def claim(i):
+    """The producer claims the CTA's item i + 1 into slot (i + 1) % 2. Called in item
+    i once both consumers have freed their query tiles, so they are past the start of
+    item i - 1, where they read that slot last."""
+    s = rem32(i + 1, 2)
+    for slot in range(2):
+      pl.when(s == slot)(lambda slot=slot: claim_next(counter, scratch.item_slots.at[slot]))
+    plgpu.barrier_arrive(scratch.item_ready.at[s])
+
+  def claimed(i):
+    """The index of the CTA's item i (i >= 1), once the producer has claimed it."""
+    s = rem32(i, 2)
+    plgpu.barrier_wait(scratch.item_ready.at[s])
+    return work.ctas + scratch.item_slots[s, 0]
 
   def item_ranges(item):
     """Producer and consumers agree on the key blocks of an item's query rows."""
@@ -489,7 +540,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
 
     if blocks.overlap_softmax:  # consumer 0 takes the tensor cores first
       pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turns.at[0]))
-    work.for_each(item_body, jnp.int32(0))
+    work.for_each(item_body, jnp.int32(0), claimed)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _CONSUMERS)
@@ -517,11 +568,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
         pl.when(i > 0)(functools.partial(plgpu.barrier_wait, q_free.at[c]))
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0 + c * bq, bq), n], q_smem.at[c],
                                 q_loaded.at[c])
+      if work.dynamic:  # early, so that the claim's round trip hides under the loads
+        claim(i)
       pl.loop(lo + 1, hi)(load_kv)
       return issued + (hi - lo)
 
     def loads():  # returns nothing, as a warp's branch must
-      work.for_each(item_body, jnp.int32(0))
+      work.for_each(item_body, jnp.int32(0), claimed)
 
     producer_loads(loads, blocks.one_producer_warp)
 
@@ -555,7 +608,7 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages
   work = _Work(B, N, n_q_tiles, spec.is_causal,
-               pallas.num_cores() if blocks.persistent else None)
+               pallas.num_cores() if blocks.persistent else None, blocks.dynamic_schedule)
   # A persistent CTA refills its query tiles while the previous item finishes, so its
   # outputs need tiles of their own, where shared memory has room for them; so does an
   # output of another head dim than the queries'.
@@ -577,6 +630,8 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
       v_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),
       **(dict(turns=plgpu.Barrier(num_barriers=_CONSUMERS)) if blocks.overlap_softmax
          else dict(schedule=plgpu.Barrier(num_arrivals=_CONSUMERS))),
+      **(dict(item_slots=plgpu.SMEM((2, 1), jnp.int32), item_ready=plgpu.Barrier(num_barriers=2))
+         if blocks.dynamic_schedule else {}),
   )
   stat = jax.ShapeDtypeStruct((B, N, T_pad), jnp.float32)
   out_type = [jax.ShapeDtypeStruct((B, T8, N, Hv_pad), q.dtype), stat, stat]
