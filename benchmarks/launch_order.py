@@ -25,6 +25,14 @@ Two models, per shape and order:
     python3 benchmarks/launch_order.py [--sms 132] [--overhead 4] [--l2-mib 50]
 
 ``--overhead``: a CTA's fixed cost (loading K and V, storing dK and dV) in steps.
+
+``--forward``: the Hopper forward's persistent CTAs instead (`forward._Work`), each item
+(a tile of 128 query rows of a head and batch row) as many steps as the key blocks of
+128 it walks causal (tile t: t + 1). The last CTA's finish against an even share, for
+the fixed share (`_Work.item`) and for items claimed in `_Work.item_at`'s order by
+whichever CTA is free first (`HopperBlockSizes.dynamic_schedule`), and how many heads'
+(batch row, query head) pairs the first wave of items walks (each pair reads its K/V
+head's K and V).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import numpy as np
 
 from jaxsoftmax.attention.masks import MaskSpec, query_block_ranges
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
+from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
 
 # (B, T, N, K) at head dim 128, causal: issue 30's rows.
 SHAPES = [(4, 4096, 16, 16), (1, 16384, 16, 16), (1, 32768, 16, 16), (4, 4096, 32, 8),
@@ -137,12 +146,37 @@ def l2_hits(order: list[Cta], sms: int, l2_bytes: int, block_q: int) -> float:
       return hit / max(total, 1)
 
 
+def forward_orders(B: int, T: int, N: int, sms: int) -> tuple[float, float, int, int]:
+  """The causal forward at (B, T, N) on ``sms`` SMs: the last CTA's finish over an even
+  share for the fixed share and for claimed items, and the (batch row, query head) pairs
+  that the first ``sms`` items of each order walk."""
+  tiles = -(-T // 128)
+  work = mosaic_forward._Work(B, N, tiles, True, sms)
+  even = B * N * tiles * (tiles + 1) / 2 / work.ctas
+  fixed = max(sum(int(work.item(cta, i)[2]) + 1 for i in range(int(work.item_count(cta))))
+              for cta in range(work.ctas))
+  claimed = [tuple(int(x) for x in work.item_at(w)) for w in range(work.count)]
+  end = finish([t + 1 for _, _, t in claimed], work.ctas, 0)
+  first_fixed = {tuple(int(x) for x in work.item(cta, 0)[:2]) for cta in range(work.ctas)}
+  first_claimed = {(b, n) for b, n, _ in claimed[:work.ctas]}
+  return fixed / even, end / even, len(first_fixed), len(first_claimed)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--sms", type=int, default=132)
   parser.add_argument("--overhead", type=int, default=4)
   parser.add_argument("--l2-mib", type=int, default=50)
+  parser.add_argument("--forward", action="store_true")
   args = parser.parse_args()
+  if args.forward:
+    print("B, T, N causal: finish / even share, fixed share and claimed; (batch row, "
+          "query head) pairs the first wave walks, fixed share and claimed")
+    for B, T, N, _ in SHAPES:
+      fixed, claimed, heads_fixed, heads_claimed = forward_orders(B, T, N, args.sms)
+      print(f"{B}, {T}, {N}: {fixed:.3f}, {claimed:.3f}; {heads_fixed}, {heads_claimed}",
+            flush=True)
+    return
   print("B, T, N/K causal, order: CTAs, finish / max(steps / SMs, longest CTA) in steps; "
         "L2 hits of Q, dO and dQ")
   for B, T, N, K in SHAPES:

@@ -1556,6 +1556,11 @@ def test_persistent_ctas_take_every_item_once(batch, heads, q_tiles, sms, causal
   if causal:  # the snake: a CTA walks at most about a tile's worth more key blocks
     blocks = [sum(t + 1 for _, _, t in items) for items in taken.values()]
     assert max(blocks) - min(blocks) <= q_tiles
+  # The claimed items' order (`dynamic_schedule`), the grid's: every item once, heads
+  # fastest, then tiles (the longest first under a causal mask), then batch rows.
+  claimed = [tuple(int(x) for x in work.item_at(jnp.int32(w))) for w in range(work.count)]
+  tiles = range(q_tiles - 1, -1, -1) if causal else range(q_tiles)
+  assert claimed == [(b, n, t) for b in range(batch) for t in tiles for n in range(heads)]
 
 
 # (dtype, H, Hv, N, K, options): every score term with its gradient at Hv != H; MLA's
