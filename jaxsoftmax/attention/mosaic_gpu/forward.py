@@ -91,12 +91,12 @@ class HopperBlockSizes:
       `default` turns it on above head dim 64 (at head dim 64 it lost up to 2%, with
       either launch: `benchmarks/results/tuning/tune_attention_hopper_h64_h100.md`).
     dynamic_schedule: with ``persistent``, each CTA takes its next item from a counter
-      in global memory as it starts loading the one before, heaviest items first, rather
-      than a fixed share of the items: the persistent launch's overlap of one item's
-      loads with the last's products, with the balance of the grid's own scheduling
-      (the fixed share lost 1-7% to the grid wherever items differ in length:
-      `default`). Not yet run on a GPU, so off; the producer's loads then come from its
-      whole warpgroup (not ``one_producer_warp``).
+      in global memory as it starts loading the one before, in the grid's order
+      (`_Work.item_at`), rather than a fixed share of the items: the persistent launch's
+      overlap of one item's loads with the last's products, with the balance and the
+      order of the grid's own scheduling (the fixed share lost 1-7% to the grid wherever
+      items differ in length: `default`). Not yet run on a GPU, so off; the producer's
+      loads then come from its whole warpgroup (not ``one_producer_warp``).
   """
 
   block_q: int = 64
@@ -315,7 +315,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
   def claim(i):
     """The producer claims the CTA's item i + 1 into slot (i + 1) % 2. Called in item
     i once both consumers have freed their query tiles, so they are past the start of
-    item i - 1, where they read that slot last."""
+    item i - 1, where they read that slot last (in item 0 the slot is still unused)."""
     s = rem32(i + 1, 2)
     for slot in range(2):
       pl.when(s == slot)(lambda slot=slot: claim_next(counter, scratch.item_slots.at[slot]))
