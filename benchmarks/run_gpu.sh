@@ -277,9 +277,12 @@ for stage in $stages; do
       done ;;
     pytest)
       # Any tests: PYTEST_ARGS (e.g. "tests/test_norms.py -k 'online or rows'"), on the
-      # GPU; split into words as the shell splits a command line, quotes included.
+      # GPU; split into words as the shell splits a command line, quotes included. Each
+      # process allocates GPU memory as it goes, so that PYTEST_ARGS may take workers
+      # (-n 8 preallocating ran out of memory at collection on 2026-12-07).
       eval "pytest_args=(${PYTEST_ARGS:-})"
-      JAXSOFTMAX_TEST_TIMES=$out/pytest_times.log timeout ${TEST_TIMEOUT:-300} $python -m pytest -q -p no:cacheprovider -rfEs \
+      JAXSOFTMAX_TEST_TIMES=$out/pytest_times.log XLA_PYTHON_CLIENT_PREALLOCATE=false \
+        timeout ${TEST_TIMEOUT:-300} $python -m pytest -q -p no:cacheprovider -rfEs \
         "${pytest_args[@]}" 2>&1 | tee -a "$out/pytest.log" | tail -n 6 \
         | tee -a "$out/summary.log" ;;
     lce-tests)
