@@ -49,7 +49,8 @@ TILINGS = [dict(persistent=False), dict(persistent=True), dict(num_stages=3, per
            # The persistent launch with its items claimed from a counter, on the
            # default's tiles (`HopperBlockSizes.dynamic_schedule`).
            dict(persistent=True, dynamic_schedule=True),
-           dict(persistent=True, overlap_softmax=True, dynamic_schedule=True)]
+           dict(persistent=True, overlap_softmax=True, dynamic_schedule=True),
+           dict(num_stages=3, persistent=True, dynamic_schedule=True)]
 PEERS = ("cudnn", "fa3", "tokamax mosaic")
 # TUNE_TILINGS="0,4" keeps only those of TILINGS (by index), to fit a device call.
 if os.environ.get("TUNE_TILINGS"):
