@@ -30,10 +30,16 @@ deterministic`), beside our `deterministic=True`. The table ends with each shape
 ours to the fastest peer whose errors are finite (`vs_best_peer`). ATTN_ROWS
 (comma-separated row names, e.g. "jaxsoftmax mosaic_gpu,cudnn,fa3") keeps only those rows,
 in both dtypes, so that every target row fits one command on the GPU machine.
+HOPPER_FWD_SCHEDULES (comma-separated, e.g. "dynamic,persistent") adds a row of ours for
+each, "jaxsoftmax mosaic_gpu dynamic", whose Hopper forward takes its default tiles
+(`HopperBlockSizes.default`) with the +-joined flags of FORWARD_FLAGS set, and whose
+backward is the default: a forward schedule timed alone and under a gradient beside the
+default and the peers in one run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import warnings
@@ -44,7 +50,7 @@ import numpy as np
 
 import harness
 import jaxsoftmax as js
-from jaxsoftmax.attention import reference
+from jaxsoftmax.attention import HopperBlockSizes, reference
 
 # (B, T, N, K, H, causal[, Hv]): T == S; K the K/V heads; Hv the value head dim where it
 # is not H. The shapes the speed targets name
@@ -81,12 +87,35 @@ def _pallas_ops():
   return attention, attention_mgpu
 
 
+# HOPPER_FWD_SCHEDULES' flags: the `HopperBlockSizes` fields each one sets.
+FORWARD_FLAGS = {"persistent": dict(persistent=True),
+                 "dynamic": dict(persistent=True, dynamic_schedule=True),
+                 "stages3": dict(num_stages=3)}
+
+
+def forward_schedules(H: int, causal: bool) -> dict[str, HopperBlockSizes]:
+  """Row suffix -> the Hopper forward's tiles of each of HOPPER_FWD_SCHEDULES at head dim
+  ``H``: the default's, with its flags set."""
+  schedules = {}
+  for spec in filter(None, os.environ.get("HOPPER_FWD_SCHEDULES", "").split(",")):
+    unknown = set(spec.split("+")) - set(FORWARD_FLAGS)
+    if unknown:
+      raise ValueError(f"unknown forward flags {sorted(unknown)} in {spec!r}; known: "
+                       f"{sorted(FORWARD_FLAGS)}")
+    fields = {k: v for flag in spec.split("+") for k, v in FORWARD_FLAGS[flag].items()}
+    schedules[spec] = dataclasses.replace(HopperBlockSizes.default(H, causal), **fields)
+  return schedules
+
+
 def implementations(N: int, K: int, H: int, causal: bool):
   """name -> (attention(q, k, v), None) or (None, why it is not measured)."""
   scale = H ** -0.5
   ours = functools.partial(js.dot_product_attention, is_causal=causal)
   impls = {
       f"{OURS} mosaic_gpu": (functools.partial(ours, implementation="mosaic_gpu"), None),
+      **{f"{OURS} mosaic_gpu {spec}": (functools.partial(
+          ours, implementation="mosaic_gpu", block_sizes=blocks), None)
+         for spec, blocks in forward_schedules(H, causal).items()},
       f"{OURS} triton": (functools.partial(ours, implementation="triton"), None),
       # Bit-identical gradients: the Hopper backward with a dQ kernel of its own (the
       # Triton backward above head dim 128).

@@ -27,8 +27,10 @@
 #   attn-bench              bench_attention.py (ATTN_ONLY="0,1" picks shapes, ATTN_NAME
 #                           names the results, ATTN_MODES="fwd" measures the forward alone,
 #                           ATTN_ROWS="jaxsoftmax mosaic_gpu,cudnn" keeps only those rows;
-#                           ATTN_TIMEOUT, default 540 s, bounds it: its tables are
-#                           written row by row)
+#                           HOPPER_FWD_SCHEDULES="dynamic" adds rows of the Hopper
+#                           forward's schedules, "jaxsoftmax mosaic_gpu dynamic", which
+#                           ATTN_ROWS must name too where it is set; ATTN_TIMEOUT,
+#                           default 540 s, bounds it: its tables are written row by row)
 #   attn-bench-bwd          bench_attention_backward.py: the backwards alone (ATTN_ONLY;
 #                           HOPPER_BWD_SCHEDULES adds rows of the Hopper backward's
 #                           schedules, e.g. "stale,fa3,wide,stale+det"; BWD_ROWS keeps

@@ -310,6 +310,24 @@ def test_attn_rows_keeps_the_named_rows(monkeypatch):
   assert bench_attention.kept(impls, "BWD_ROWS") == {"cudnn": 2}
 
 
+def test_hopper_fwd_schedules_add_rows_of_ours(monkeypatch):
+  # Each schedule a row of ours whose forward takes the head dim's default tiles with
+  # the flags set (head dim 128 causal: 128-key blocks and the overlapped softmax).
+  bench_attention = _benchmark_module("bench_attention")
+  monkeypatch.setenv("HOPPER_FWD_SCHEDULES", "dynamic,persistent+stages3")
+  impls = bench_attention.implementations(16, 16, 128, True)
+  rows = {name: impl for name, (impl, _) in impls.items() if name.startswith("jaxsoftmax")}
+  default = bench_attention.HopperBlockSizes.default(128, True)
+  assert rows["jaxsoftmax mosaic_gpu dynamic"].keywords["block_sizes"] == dataclasses.replace(
+      default, persistent=True, dynamic_schedule=True)
+  assert rows["jaxsoftmax mosaic_gpu persistent+stages3"].keywords["block_sizes"] == (
+      dataclasses.replace(default, persistent=True, num_stages=3))
+  assert "block_sizes" not in rows["jaxsoftmax mosaic_gpu"].keywords
+  monkeypatch.setenv("HOPPER_FWD_SCHEDULES", "dynamic+fast")
+  with pytest.raises(ValueError, match=r"unknown forward flags \['fast'\]"):
+    bench_attention.implementations(16, 16, 128, True)
+
+
 def test_ncu_stalls_reads_a_source_table(tmp_path):
   # A loop body of two instructions run 1000 times, a barrier's retry loop of one run
   # 1500 times, and a prologue run once: the step count is the body's, and its shares are
