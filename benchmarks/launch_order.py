@@ -30,7 +30,7 @@ Two models, per shape and order:
 (a tile of 128 query rows of a head and batch row) as many steps as the key blocks of
 128 it walks causal (tile t: t + 1). The last CTA's finish against an even share, for
 the fixed share (`_Work.item`) and for items claimed in `_Work.item_at`'s order by
-whichever CTA is free first (`HopperBlockSizes.dynamic_schedule`), and how many heads'
+whichever CTA is free first (`HopperBlockSizes.dynamic_schedule`), and how many
 (batch row, query head) pairs the first wave of items walks (each pair reads its K/V
 head's K and V).
 """
