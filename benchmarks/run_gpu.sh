@@ -46,6 +46,8 @@
 #   attn-kernels            profile_attention_kernels.py: each implementation's kernels
 #                           per call, the attention kernels and those around them
 #                           (ATTN_ONLY, ATTN_MODES, ATTN_NAME; ATTN_IMPLS picks them)
+#   attn-delta              bench_delta.py: the backward's delta and zeroed dQ, by XLA
+#                           and by a Pallas kernel
 #   attn-ncu                Nsight Compute counters of one forward (NCU_SOURCE=1 adds the
 #                           per-instruction stall samples on the SASS, summed up by
 #                           ncu_stalls.py)
@@ -94,7 +96,7 @@
 set -uo pipefail
 stages=${STAGES:-tests tune bench}
 known="tests tune bench rows-profile attn-tests attn-tune attn-tune-hopper attn-bench
-  attn-bench-bwd attn-features attn-planes attn-kernels attn-ncu attn-resources pytest lce-tests lce-bench lce-profile lce-accuracy
+  attn-bench-bwd attn-features attn-planes attn-kernels attn-delta attn-ncu attn-resources pytest lce-tests lce-bench lce-profile lce-accuracy
   tune-lce norm-tests norm-bench tune-norms norm-ncu decode-tests decode-bench decode-ncu ring-tests
   ring-bench ring-profile ring-example accuracy-rows command-buffers example"
 if [ "${1:-}" = --help ] || [ "${1:-}" = -h ]; then
@@ -241,6 +243,9 @@ for stage in $stages; do
         ${ATTN_ONLY:+--only "$ATTN_ONLY"} ${ATTN_MODES:+--modes "$ATTN_MODES"} \
         ${ATTN_IMPLS:+--impls "$ATTN_IMPLS"} --name "${ATTN_NAME:-profile_attention_kernels}" \
         > "$out/attn_kernels.log" 2>&1; tail -n 3 "$out/attn_kernels.log" | tee -a "$out/summary.log" ;;
+    attn-delta)
+      timeout 120 $python benchmarks/bench_delta.py > "$out/attn_delta.log" 2>&1
+      cat "$out/attn_delta.log" | tee -a "$out/summary.log" ;;
     attn-planes)
       # The Triton forward's pipeline stages against a mask or bias tile
       # (plane_tile_stages.py; ATTN_ONLY picks shapes), with the trace timer as above.

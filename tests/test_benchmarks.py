@@ -239,6 +239,18 @@ def test_profile_attention_kernels_smoke(tmp_path):
   assert report.count("Not measured: no such implementation") == 2
 
 
+def test_bench_delta_smoke():
+  report = _run("benchmarks/bench_delta.py").stdout
+  # Every variant timed, each delta the einsum's up to float32 rounding of sums of
+  # size ~10, each zeroed dQ zero.
+  rows = [line for line in report.splitlines() if line.startswith("| ") and "---" not in line]
+  assert len(rows) == 1 + 6
+  assert "zeros not zero" not in report
+  for row in rows[1:]:
+    diff = row.split("|")[-2].strip()
+    assert diff == "-" or float(diff) < 1e-4, row
+
+
 def test_profile_rows_smoke(tmp_path):
   _run("benchmarks/profile_rows.py", "--smoke", "--ops", "softmax,logsumexp", "--out",
        str(tmp_path))
