@@ -32,7 +32,8 @@ ours to the fastest peer whose errors are finite (`vs_best_peer`). ATTN_ROWS
 in both dtypes, so that every target row fits one command on the GPU machine.
 HOPPER_FWD_SCHEDULES (comma-separated, e.g. "dynamic,persistent") adds a row of ours for
 each, "jaxsoftmax mosaic_gpu dynamic", whose Hopper forward takes its default tiles
-(`HopperBlockSizes.default`) with the +-joined flags of FORWARD_FLAGS set, and whose
+(`HopperBlockSizes.default` for an unknown count of (batch row, head) pairs) with the
++-joined flags of FORWARD_FLAGS set ("static": those tiles as they are), and whose
 backward is the default: a forward schedule timed alone and under a gradient beside the
 default and the peers in one run.
 """
@@ -90,6 +91,9 @@ def _pallas_ops():
 # HOPPER_FWD_SCHEDULES' flags: the `HopperBlockSizes` fields each one sets.
 FORWARD_FLAGS = {"persistent": dict(persistent=True),
                  "dynamic": dict(persistent=True, dynamic_schedule=True),
+                 # the default's tiles without claimed items, as a call of fewer
+                 # (batch row, head) pairs than `HopperBlockSizes.default` claims at
+                 "static": dict(dynamic_schedule=False),
                  "stages3": dict(num_stages=3)}
 
 

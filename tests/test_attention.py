@@ -27,6 +27,7 @@ from jaxsoftmax.attention.triton import tangent, tiling
 from jaxsoftmax.attention.call import AuxArrays, Call
 from jaxsoftmax.attention.logits import score_grad_term_count
 from jaxsoftmax.attention.masks import MaskSpec
+from jaxsoftmax.attention import mosaic_gpu as mosaic_attention
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
 from jaxprs import array_shapes, pallas_calls
@@ -1366,6 +1367,44 @@ def test_hopper_dynamic_schedule_gpu(key, H, blocks, options):
   second = _check(*inputs, backend="mosaic_gpu", blocks=blocks, interpret=False, **options,
                   **lengths)
   np.testing.assert_array_equal(first[0], second[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, T, S, N, K, H, options", [
+    *GPU_CASES,
+    pytest.param(2, 700, 700, 4, 2, 64, dict(is_causal=True, segments=True),
+                 id="causal-segments-H64")])
+def test_hopper_dynamic_schedule_cases_gpu(key, monkeypatch, B, T, S, N, K, H, options):
+  # The GPU cases (masks, ragged lengths, soft cap, head dims 64-256, one query row) and
+  # segment ids with claimed items (`dynamic_schedule`, the default of calls of many
+  # (batch row, head) pairs), on 3 CTAs, so that each claims many items and the last
+  # claims run past the end.
+  monkeypatch.setattr(mosaic_forward.pallas, "num_cores", lambda: 3)
+  options = dict(options)
+  if options.pop("segments", False):
+    options["segments"] = _segments(key, B, T, S)
+  blocks = dataclasses.replace(HopperBlockSizes.default(H, options.get("is_causal", False)),
+                               persistent=True, dynamic_schedule=True)
+  _check(*_inputs(key, B, T, S, N, K, H, jnp.bfloat16), backend="mosaic_gpu",
+         blocks=blocks, interpret=False, **options)
+
+
+def test_hopper_default_claims_items_of_many_pairs():
+  # `HopperBlockSizes.default` claims items (dynamic_schedule) where an H100 measured it
+  # faster: causal at head dims up to 128 and head dim 64 without a mask, from 64
+  # (batch row, query head) pairs; the calls of the public API pass theirs.
+  default = HopperBlockSizes.default
+  for H, causal in [(128, True), (64, True), (64, False)]:
+    assert default(H, causal, pairs=64).dynamic_schedule
+    assert default(H, causal, pairs=64).persistent
+    assert not default(H, causal, pairs=16).dynamic_schedule
+    assert not default(H, causal).dynamic_schedule
+  for H, causal in [(128, False), (256, True), (192, True)]:
+    assert not default(H, causal, pairs=1024).dynamic_schedule
+  call = Call(4, 128, 128, 16, 16, 128, "bfloat16", MaskSpec(128, 128, is_causal=True),
+              0.1, None, None, False)
+  assert mosaic_attention.blocks(call).dynamic_schedule
+  assert not mosaic_attention.blocks(dataclasses.replace(call, B=1)).dynamic_schedule
 
 
 # The Hopper backward's schedules other than the default (`HopperBackwardBlockSizes`),

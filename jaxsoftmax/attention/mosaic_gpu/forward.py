@@ -60,6 +60,8 @@ _CONSUMERS = 2
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
 _BLOCK_KV = (64, 128, 256)  # the key blocks the GPU tests run (`HopperBlockSizes`)
+# The (batch row, query head) pairs from which `HopperBlockSizes.default` claims items.
+_DYNAMIC_MIN_PAIRS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +97,8 @@ class HopperBlockSizes:
       (`_Work.item_at`), rather than a fixed share of the items: the persistent launch's
       overlap of one item's loads with the last's products, with the balance and the
       order of the grid's own scheduling (the fixed share lost 1-7% to the grid wherever
-      items differ in length: `default`). Not yet run on a GPU, so off; the producer's
-      loads then come from its whole warpgroup (not ``one_producer_warp``).
+      items differ in length). `default` takes it where it won on an H100; the
+      producer's loads then come from its whole warpgroup (not ``one_producer_warp``).
   """
 
   block_q: int = 64
@@ -130,29 +132,41 @@ class HopperBlockSizes:
                        "one_producer_warp=False")
 
   @classmethod
-  def default(cls, head_dim: int, is_causal: bool = False) -> "HopperBlockSizes":
+  def default(cls, head_dim: int, is_causal: bool = False,
+              pairs: int | None = None) -> "HopperBlockSizes":
     """Key blocks twice the query tile (one causal diagonal block per CTA), halved at
     head dim 256 so that two stages of K and V fit shared memory beside Q, doubled at
-    head dim 64 without a causal mask (below). From the H200
+    head dim 64 without a causal mask (below). ``pairs``: the call's (batch row, query
+    head) pairs, where the caller knows them (below). From the H200
     sweeps (benchmarks/results/tuning/: tune_attention_hopper.md,
     tune_attention_hopper_persistent.md, hopper_schedule_sweep.log):
     3 stages lose 1-7% and 64-key blocks 13-19% at head dim 128. The persistent launch
-    wins only at head dim 64 without a causal mask (444 against 404 TFLOP/s, with 3
-    stages): elsewhere it loses 1-7% to the hardware's own CTA scheduling (our reading,
-    not yet counted: that one balances uneven items and absorbs the SMs' differing
-    speeds, a static assignment cannot). There 256-key blocks with 3 stages run 9% faster
-    than 128-key ones on an H100 (486 against 447 TFLOP/s at 8x2048, cuDNN 473, tokamax
-    450, FA3 326 in the same run: tune_attention_hopper_h64_h100.md), so they are the
-    default. Under a causal mask they lost 4% in two runs, and the persistent launch won
-    3% in one (358 against 348) but lost 2-3% in two more (341 and 343 against 350; 3
-    stages 346 and 348: tune_attention_hopper_h64_causal_persistent_{a,b}_h100.md), so
-    the grid stays.
+    with a fixed share of the items wins only at head dim 64 without a causal mask (444
+    against 404 TFLOP/s, with 3 stages): elsewhere it loses 1-7% to the hardware's own
+    CTA scheduling, which balances uneven items. There 256-key blocks with 3 stages run
+    9% faster than 128-key ones on an H100 (486 against 447 TFLOP/s at 8x2048, cuDNN
+    473, tokamax 450, FA3 326 in the same run: tune_attention_hopper_h64_h100.md), so
+    they are the default. Under a causal mask they lost 4% in two runs, and the fixed
+    share lost 2-3% in two (tune_attention_hopper_h64_causal_persistent_{a,b}_h100.md).
     Above head dim 64 the softmax runs under the previous block's P V (overlap_softmax:
-    3-9% on an H100); at head dim 64 it lost up to 2% (same file)."""
+    3-9% on an H100); at head dim 64 it lost up to 2% (same file).
+
+    The claimed items (`dynamic_schedule`) beat both launches on an H100 wherever a
+    call has at least _DYNAMIC_MIN_PAIRS pairs, in one process beside the peers
+    (attention_dynamic_h100.md, tune_attention_hopper_dynamic_h100.md): causal
+    4x4096x16 645 against 626 TFLOP/s, GQA 32/8 668 against 633, 2x8192 GQA 32/4 700
+    against 683, head dim 64 causal 385-388 against 347-350 (cuDNN 384-387), head dim
+    64 without a mask 493 against the fixed share's 483. With 16 pairs (1x16384 and
+    1x32768 causal) it lost 1-3% (692 against 710, 633 against 639), for a reason not
+    yet counted, so those keep the grid. Above head dim 128, and without a causal mask
+    above head dim 64, it has not been measured, so the grid stays there."""
+    many_pairs = pairs is not None and pairs >= _DYNAMIC_MIN_PAIRS
     if head_dim <= 64 and not is_causal:
-      return cls(block_q=64, block_kv=256, num_stages=3, persistent=True)
+      return cls(block_q=64, block_kv=256, num_stages=3, persistent=True,
+                 dynamic_schedule=many_pairs)
+    dynamic = is_causal and many_pairs and head_dim <= 128
     return cls(block_q=64, block_kv=128 if head_dim <= 128 else 64, num_stages=2,
-               overlap_softmax=head_dim > 64)
+               overlap_softmax=head_dim > 64, persistent=dynamic, dynamic_schedule=dynamic)
 
   def smem_bytes(self, head_dim: int, itemsize: int, *, output_tiles: bool = False,
                  value_head_dim: int | None = None) -> int:
