@@ -1408,6 +1408,35 @@ def test_hopper_dynamic_schedule_cases_gpu(key, monkeypatch, B, T, S, N, K, H, o
       np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3 * np.abs(b).max(), err_msg=name)
 
 
+@pytest.mark.gpu
+def test_hopper_vmap_claims_items_gpu(key):
+  # vmap over calls whose default claims items (4 · 16 = 64 pairs a call): the mapped
+  # axis folds into the batch (`mosaic_forward.forward`), so that no element's items are
+  # claimed by another's CTAs; the outputs are each element's own call's, bit for bit,
+  # and so are dK and dV (dQ is summed by atomic adds).
+  q, k, v, do = _inputs(key, 2 * 4, 300, 300, 16, 4, 128, jnp.bfloat16)
+  q, k, v, do = (x.reshape((2, 4) + x.shape[1:]) for x in (q, k, v, do))
+  attention = functools.partial(js.dot_product_attention, is_causal=True,
+                                implementation="mosaic_gpu")
+  assert mosaic_attention.blocks(Call(4, 300, 300, 16, 4, 128, "bfloat16",
+                                      MaskSpec(300, 300, is_causal=True), 0.1, None, None,
+                                      False)).dynamic_schedule
+
+  def step(q, k, v, do):
+    o, vjp = jax.vjp(attention, q, k, v)
+    return (o, *vjp(do))
+
+  mapped = jax.jit(jax.vmap(step))(q, k, v, do)
+  for i in range(2):
+    for name, a, b in zip(("output", "dq", "dk", "dv"), mapped,
+                          jax.jit(step)(q[i], k[i], v[i], do[i])):
+      if name == "dq":
+        a, b = np.asarray(a[i], np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3 * np.abs(b).max())
+      else:
+        np.testing.assert_array_equal(a[i], b, err_msg=name)
+
+
 def test_hopper_default_claims_items_of_many_pairs():
   # `HopperBlockSizes.default` claims items (dynamic_schedule) where an H100 measured it
   # faster: causal at head dims up to 128 and head dim 64 without a mask, from 64
@@ -1737,6 +1766,36 @@ def test_hopper_forward_lowers_for_cuda(launch, H, Hv, options):
   # `dynamic_schedule`'s claims, in the one kernel's PTX, and only there.
   [module] = mosaic_core.KNOWN_KERNELS.values()
   assert (b"atom.relaxed.gpu.global.add" in module) == dynamic
+
+
+def test_hopper_forward_folds_vmap_into_the_batch():
+  # Under vmap (two, one of them over the queries and keys but not the key lengths) the
+  # Hopper forward runs one launch of its persistent grid on the folded batch, rather
+  # than Pallas' batching's extra grid axis, whose CTAs would share the claimed items'
+  # one counter (`mosaic_forward.forward`).
+  B, T, N, H = 2, 256, 4, 128
+  spec = MaskSpec(T, T, is_causal=True)
+  blocks = HopperBlockSizes(64, 128, 2, persistent=True, overlap_softmax=True,
+                            dynamic_schedule=True)
+
+  def forward(q, k, v, kv_len):
+    return mosaic_forward.forward(q, k, v, AuxArrays(None, kv_len, None, None), spec=spec,
+                                  blocks=blocks, scale=0.1, softcap=None,
+                                  float32_output=True)
+
+  bf16 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+  qkv = [bf16((5, 3, B, T, N, H))] * 3
+  mapped = jax.vmap(jax.vmap(forward, in_axes=(0, 0, 0, None)))
+  traced = jax.jit(mapped).trace(*qkv, jax.ShapeDtypeStruct((5, B), jnp.int32))
+  assert [o.shape for o in traced.out_info] == [
+      (5, 3, B, T, N, H), (5, 3, B, N, T), (5, 3, B, N, T), (5, 3, B, T, N, H)]
+  # The kernel's refs hold the folded batch, and its grid is the persistent CTAs alone
+  # (the printed jaxpr: the kernel is a pallas_call in JAX 0.11 and an mpmd_map since).
+  text = str(traced.jaxpr)
+  assert f"Ref<gmem>{{bf16[{5 * 3 * B},{T},{N},{H}]}}" in text
+  grids = re.findall(r"grid=\(([^)]*)\)", text)
+  assert grids and all(len(g.strip(",").split(",")) == 1 for g in grids), grids
+  assert "attention_forward_mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 # (deterministic, grad_dtype, ordered_dq_adds) of each design of dQ: atomic adds, the

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_batching import custom_vmap
 
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, claim_next, div32, pad_to, per_row, pl,
@@ -608,7 +609,43 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
   """(o (B, T, N, Hv), m (B, N, T), log2_l (B, N, T)[, o in float32]) for q (B, T, N, H),
   k (B, S, K, H) and v (B, S, K, Hv) in bfloat16 or float16; ``aux_arrays`` are (query lengths,
   key lengths, query segment ids, key segment ids), each None or an int32 array;
-  ``sinks`` None or (B, N) float32 logits joined in the epilogue (`logits.join_sink`)."""
+  ``sinks`` None or (B, N) float32 logits joined in the epilogue (`logits.join_sink`).
+
+  Under ``jax.vmap`` the mapped axes fold into the batch, so that one launch serves every
+  batch element. Pallas' own batching would add a grid axis instead, whose CTAs would all
+  claim items from the one counter of `dynamic_schedule` (a launch's ``pl.get_global``)
+  and so skip items of their own element; and a persistent launch per element is no
+  longer one CTA an SM."""
+  aux = aux_arrays.lengths_and_segments  # all the kernel reads, each with B leading
+  present = tuple(a is not None for a in aux)
+  run = custom_vmap(functools.partial(
+      _forward_arrays, present=present, with_sinks=sinks is not None, spec=spec,
+      blocks=blocks, scale=scale, softcap=softcap, float32_output=float32_output))
+
+  @run.def_vmap
+  def _fold_into_batch(axis_size, in_batched, *arrays):
+    folded = []
+    for a, batched in zip(arrays, in_batched):  # every array's leading axis is B
+      a = a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+      folded.append(a.reshape((-1,) + a.shape[2:]))
+    outs = tuple(x.reshape((axis_size, -1) + x.shape[1:]) for x in run(*folded))
+    return outs, (True,) * len(outs)
+
+  arrays = (q, k, v, *(a for a in aux if a is not None), *(() if sinks is None else (sinks,)))
+  return run(*arrays)
+
+
+def _forward_arrays(q, k, v, *arrays, present, with_sinks, **params):
+  """`forward` of its arrays in order: the lengths and segment ids that are ``present``,
+  then the sinks ``with_sinks``."""
+  arrays = iter(arrays)
+  aux = AuxArrays(*(next(arrays) if p else None for p in present))
+  return tuple(_forward(q, k, v, aux, sinks=next(arrays) if with_sinks else None, **params))
+
+
+def _forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, scale: float,
+             softcap: float | None, float32_output: bool, sinks):
+  """`forward` on arrays that no vmap maps."""
   B, T, N, H = q.shape
   S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
   H_pad, Hv_pad = wgmma_head_dim(H), wgmma_head_dim(Hv)
