@@ -326,7 +326,7 @@ def test_hopper_fwd_schedules_add_rows_of_ours(monkeypatch):
   # Each schedule a row of ours whose forward takes the head dim's default tiles with
   # the flags set (head dim 128 causal: 128-key blocks and the overlapped softmax).
   bench_attention = _benchmark_module("bench_attention")
-  monkeypatch.setenv("HOPPER_FWD_SCHEDULES", "dynamic,persistent+stages3")
+  monkeypatch.setenv("HOPPER_FWD_SCHEDULES", "dynamic,persistent+stages3,static")
   impls = bench_attention.implementations(16, 16, 128, True)
   rows = {name: impl for name, (impl, _) in impls.items() if name.startswith("jaxsoftmax")}
   default = bench_attention.HopperBlockSizes.default(128, True)
@@ -334,6 +334,9 @@ def test_hopper_fwd_schedules_add_rows_of_ours(monkeypatch):
       default, persistent=True, dynamic_schedule=True)
   assert rows["jaxsoftmax mosaic_gpu persistent+stages3"].keywords["block_sizes"] == (
       dataclasses.replace(default, persistent=True, num_stages=3))
+  # "static": the tiles of a call of few (batch row, head) pairs, which claim no items.
+  assert rows["jaxsoftmax mosaic_gpu static"].keywords["block_sizes"] == default
+  assert not default.dynamic_schedule
   assert "block_sizes" not in rows["jaxsoftmax mosaic_gpu"].keywords
   monkeypatch.setenv("HOPPER_FWD_SCHEDULES", "dynamic+fast")
   with pytest.raises(ValueError, match=r"unknown forward flags \['fast'\]"):
