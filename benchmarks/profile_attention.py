@@ -16,12 +16,16 @@ regex:backward|bprop|bwd for ours, cuDNN's and FA3's);
 relative-position bias; "mask": a (B, 1, T, S) mask array; triton and cudnn read both in
 their kernels); --schedule: the Hopper backward's schedule, as
 bench_attention_backward.py's HOPPER_BWD_SCHEDULES names one (e.g. stale+fa3; a "det"
-there is --impl deterministic here).
+there is --impl deterministic here); --forward: the Hopper forward's tiles for
+--impl mosaic_gpu, the head dim's default (`HopperBlockSizes.default` of a call of few
+(batch row, head) pairs) with bench_attention.py's FORWARD_FLAGS set, +-joined (e.g.
+"dynamic": claimed items where the call's own default would take the grid).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import jax
 
@@ -42,7 +46,13 @@ def main():
   parser.add_argument("--mode", default="fwd", choices=("fwd", "fwd+bwd"))
   parser.add_argument("--feature", choices=FEATURES[1:])
   parser.add_argument("--schedule", default="")
+  parser.add_argument("--forward", default="")
   args = parser.parse_args()
+  if args.forward:
+    if args.impl != "mosaic_gpu" or args.feature:
+      parser.error("--forward: for --impl mosaic_gpu without --feature")
+    os.environ["HOPPER_FWD_SCHEDULES"] = args.forward
+    args.impl = f"{OURS} mosaic_gpu {args.forward}"
   if args.schedule:
     mosaic_backward.BLOCKS, deterministic = parse_schedule(args.schedule)
     if deterministic:

@@ -169,7 +169,7 @@ counters() {
     $python benchmarks/ncu_stalls.py "${log%.log}.sass.log" > "${log%.log}.stalls.log" 2>&1
     sed -n '3,5p' "${log%.log}.stalls.log" | sed "s/^/$label: /" | tee -a "$out/summary.log"
   fi
-  grep -E "^  [a-z_]|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Issued Ipc|No Eligible|Stall|Tensor|Local|Achieved Occupancy" \
+  grep -E "^  [a-z_]|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Issued Ipc|No Eligible|Stall|Tensor|Local|Achieved Occupancy" \
     "$log" | head -n 30 | sed "s/^/$label: /" | tee -a "$out/summary.log"
 }
 
@@ -259,13 +259,15 @@ for stage in $stages; do
       # PROFILE_FEATURE names one of bench_attention_features.py's features ("alibi",
       # "bias heads", "mask", ...; logs named ncu_IMPL_bias_heads.log); PROFILE_SCHEDULE (e.g.
       # stale+fa3) picks the Hopper backward's schedule, and names the logs
-      # ncu_IMPL_stale_fa3.log.
-      tag=$(echo "${PROFILE_FEATURE:+_$PROFILE_FEATURE}${PROFILE_SCHEDULE:+_$PROFILE_SCHEDULE}" | tr '+ ' '__')
+      # ncu_IMPL_stale_fa3.log; PROFILE_FORWARD (e.g. dynamic) the Hopper forward's flags
+      # (profile_attention.py --forward; PROFILE_IMPLS=mosaic_gpu).
+      tag=$(echo "${PROFILE_FEATURE:+_$PROFILE_FEATURE}${PROFILE_SCHEDULE:+_$PROFILE_SCHEDULE}${PROFILE_FORWARD:+_$PROFILE_FORWARD}" | tr '+ ' '__')
       for impl in ${PROFILE_IMPLS:-mosaic_gpu cudnn}; do
         counters "$out/ncu_$impl$tag.log" "${PROFILE_KERNEL:-attention|fmha|flash|sm90}" "$impl" \
           $python benchmarks/profile_attention.py --impl "$impl" \
           --shape "${PROFILE_SHAPE:-4,4096,16,16,128,0}" --mode "${PROFILE_MODE:-fwd}" \
-          ${PROFILE_FEATURE:+--feature "$PROFILE_FEATURE"} ${PROFILE_SCHEDULE:+--schedule "$PROFILE_SCHEDULE"}
+          ${PROFILE_FEATURE:+--feature "$PROFILE_FEATURE"} ${PROFILE_SCHEDULE:+--schedule "$PROFILE_SCHEDULE"} \
+          ${PROFILE_FORWARD:+--forward "$PROFILE_FORWARD"}
       done ;;
     attn-resources)
       # ptxas' report (registers, spilled bytes) and the SASS of the Mosaic GPU kernels
