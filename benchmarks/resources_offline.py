@@ -13,7 +13,11 @@ sm_90a by the CUDA plugin's own pipeline (MosaicGpuCompile: the passes, LLVM's P
 ptxas), which stops at loading the binary, the one step that needs a device. ptxas'
 report, per kernel: registers, bytes of spill stores and loads. --lengths gives the call
 query and key lengths per batch row, as arrays (the kernels' ranges then come at run
-time).
+time). --loops also compiles each kernel's dumped PTX with ptxas and disassembles it
+(nvdisasm, from the triton wheel that resources_offline.sh installs), and prints the
+innermost loops that issue wgmma (HGMMA): their SASS instructions, HGMMAs, exp2s
+(MUFU.EX2) and barrier or synchronization instructions, so that two schedules' steady
+states compare without a GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import functools
 import glob
 import os
 import re
+import subprocess
 import tempfile
 
 import jax
@@ -72,6 +77,42 @@ def compile_module(module: bytes):
   compile_fn(ctypes.c_char_p(module), ctypes.c_int(len(module)))
 
 
+def innermost_wgmma_loops(sass: str) -> list[tuple[int, int, int, int]]:
+  """(instructions, HGMMA, MUFU.EX2, barrier or sync instructions) of each loop of
+  ``sass`` (nvdisasm's text) that issues HGMMA and holds no other loop: a backward
+  branch's span from its target label."""
+  labels, instructions = {}, []
+  for line in sass.splitlines():
+    label = re.match(r"\s*(\.L_x_\d+):", line)
+    if label:
+      labels[label.group(1)] = len(instructions)
+    elif re.search(r"/\*[0-9a-f]{4,}\*/", line):  # an instruction's address
+      instructions.append(line)
+  spans = []
+  for end, text in enumerate(instructions):
+    target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
+    if target and labels.get(target.group(1), end + 1) <= end:
+      spans.append((labels[target.group(1)], end))
+  loops = []
+  for start, end in spans:
+    if any(start <= s and e <= end and (s, e) != (start, end) for s, e in spans):
+      continue  # holds another loop
+    body = instructions[start:end + 1]
+    count = lambda *words: sum(any(w in line for w in words) for line in body)
+    if count("HGMMA"):
+      loops.append((len(body), count("HGMMA"), count("MUFU.EX2"), count("BAR", "SYNCS")))
+  return loops
+
+
+def disassemble(ptx_path: str) -> str:
+  """The SASS of one dumped PTX file, compiled for sm_90a as ptxas does by default."""
+  cubin = ptx_path[:-len(".ptx")] + ".cubin"
+  subprocess.run(["ptxas", "-arch=sm_90a", "-o", cubin, ptx_path], check=True,
+                 capture_output=True)
+  return subprocess.run(["nvdisasm", "-c", cubin], check=True, capture_output=True,
+                        text=True).stdout
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("shapes", nargs="+", help="B,T,N,K,H,causal[,Hv]")
@@ -83,6 +124,8 @@ def main():
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
   parser.add_argument("--lengths", action="store_true",
                       help="query and key lengths per batch row, known at run time")
+  parser.add_argument("--loops", action="store_true",
+                      help="the SASS of each kernel's innermost wgmma loops")
   args = parser.parse_args()
   deterministic = False
   if args.schedule:
@@ -99,7 +142,7 @@ def main():
   os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
   for shape in args.shapes:
     for module in kernel_modules(shape, deterministic, jnp.dtype(args.dtype), args.lengths):
-      for old in glob.glob(f"{dump}/*.ptxas"):
+      for old in glob.glob(f"{dump}/*.ptxas") + glob.glob(f"{dump}/*.ptx"):
         os.remove(old)
       compile_module(module)
       for path in glob.glob(f"{dump}/*.ptxas"):
@@ -115,6 +158,10 @@ def main():
               f"{' forward ' + args.forward if args.forward else ''} "
               f"{kernel}: {registers} registers, "
               f"spills {stores} bytes stored, {loads} loaded{serialized}", flush=True)
+        if args.loops:
+          for loop in innermost_wgmma_loops(disassemble(path[:-len(".ptxas")] + ".ptx")):
+            print("  loop: %d instructions, %d HGMMA, %d MUFU.EX2, %d barrier/sync" % loop,
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -51,12 +51,14 @@ fi
 nvidia=$("$dir/venv/bin/python" -c "import nvidia.cu13; print(nvidia.cu13.__path__[0])")
 log="$dir/last_run.log"
 status=0
-script=benchmarks/resources_offline.py report=" registers, spills "
+script=benchmarks/resources_offline.py report=" registers, spills |  loop: "
 if [ "${1:-}" = --pipelining ]; then
   shift
   script=benchmarks/pipelining_offline.py report=" cp.async "
 fi
-LD_LIBRARY_PATH="$dir" PATH="$nvidia/bin:$PATH" MOSAIC_GPU_CUDA_ROOT="$nvidia" \
+# ptxas from the CUDA wheel; nvdisasm (for --loops) from triton's.
+tools="$nvidia/bin:$dir/venv/lib/python3.12/site-packages/triton/backends/nvidia/bin"
+LD_LIBRARY_PATH="$dir" PATH="$tools:$PATH" MOSAIC_GPU_CUDA_ROOT="$nvidia" \
   JAX_PLATFORMS=cpu PYTHONPATH=".:benchmarks" \
   "$dir/venv/bin/python" "$script" "$@" > "$log" 2>&1 || status=$?
 grep -E "$report" "$log" || true

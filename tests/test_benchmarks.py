@@ -365,6 +365,27 @@ def test_ncu_stalls_reads_a_source_table(tmp_path):
   assert out.splitlines()[-2].split()[:2] == ["3", "59.4%"]  # the retry loop first
 
 
+def test_resources_offline_finds_the_innermost_wgmma_loops():
+  # nvdisasm's text: an outer loop holding an inner one; only the inner, which issues
+  # HGMMA, is reported, with its instruction counts.
+  resources_offline = _benchmark_module("resources_offline")
+  sass = """
+  .L_x_1:
+        /*0000*/   IADD3 R1, R1, 0x1, RZ ;
+  .L_x_2:
+        /*0010*/   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0020*/   MUFU.EX2 R2, R3 ;
+        /*0030*/   SYNCS.ARRIVE.TRANS64 RZ, [UR8], RZ ;
+        /*0040*/   @P0 BRA `(.L_x_2) ;
+        /*0050*/   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0060*/   @P1 BRA `(.L_x_1) ;
+        /*0070*/   BRA `(.L_x_3) ;
+  .L_x_3:
+        /*0080*/   EXIT ;
+"""
+  assert resources_offline.innermost_wgmma_loops(sass) == [(4, 1, 1, 1)]
+
+
 def test_launch_order_schedules_the_backward_ctas():
   # Two SMs and CTAs of 5, 3, 3 and 1 steps (+1 each) in that order: the first two start
   # at once, the third on the SM free at 4, the fourth on the one free at 6: finish 8.
