@@ -160,7 +160,8 @@ class HopperBlockSizes:
     64 without a mask 493 against the fixed share's 483. With 16 pairs (1x16384 and
     1x32768 causal) it lost 1-3% (692 against 710, 633 against 639), for a reason not
     yet counted, so those keep the grid. Above head dim 128, and without a causal mask
-    above head dim 64, it has not been measured, so the grid stays there."""
+    above head dim 64, it has not been timed, so the grid stays there (at head dim 256
+    ptxas spills with it: ptxas_attention_offline.md)."""
     many_pairs = pairs is not None and pairs >= _DYNAMIC_MIN_PAIRS
     if head_dim <= 64 and not is_causal:
       return cls(block_q=64, block_kv=256, num_stages=3, persistent=True,
