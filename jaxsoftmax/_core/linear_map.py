@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["LinearMap", "kernel_jaxpr"]
+__all__ = ["LinearMap", "kernel_jaxpr", "fold_mapped_axis", "unfold_mapped_axis"]
 
 _BY_PRIMITIVE: dict = {}
 
@@ -189,15 +189,24 @@ class LinearMap:
                                if d is not None])
       return list(outs), [0] * len(outs)
     # Every array is row by row: the mapped axis folds into the rows.
-    flat = []
-    for a, d in zip(args, dims):
-      a = (jnp.broadcast_to(a, (size,) + a.shape) if d is None
-           else jnp.moveaxis(a, d, 0))
-      flat.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
+    flat = [fold_mapped_axis(a, size, d) for a, d in zip(args, dims)]
     arrays, t = self._split(flat, present)
     outs = self(self._restore(arrays, present), t, **params)
-    return [o.reshape((size, -1) + o.shape[1:]) for o in outs], [0] * len(outs)
+    return [unfold_mapped_axis(o, size) for o in outs], [0] * len(outs)
 
+
+
+def fold_mapped_axis(a, size: int, axis: int | None):
+  """``a`` with vmap's mapped axis (``axis``, of ``size``; None: ``a`` is not mapped, so
+  it is broadcast) folded into its leading axis, which a batched map's rows or a
+  kernel's batch then hold: (size · a.shape[0 or 1], ...)."""
+  a = jnp.broadcast_to(a, (size,) + a.shape) if axis is None else jnp.moveaxis(a, axis, 0)
+  return a.reshape((size * a.shape[1],) + a.shape[2:])
+
+
+def unfold_mapped_axis(x, size: int):
+  """The inverse of `fold_mapped_axis` on a result: the mapped axis leading again."""
+  return x.reshape((size, -1) + x.shape[1:])
 
 
 def _shaped_array(o) -> jax.core.ShapedArray:

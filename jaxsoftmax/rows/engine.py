@@ -53,6 +53,7 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 
 from jaxsoftmax._core import pallas
+from jaxsoftmax._core.linear_map import fold_mapped_axis, unfold_mapped_axis
 from jaxsoftmax._core.pallas import pl
 from jaxsoftmax._core.state import (LOG2E, merge_moments, reduce_moments, reduce_states,
                                     safe_shift)
@@ -751,11 +752,9 @@ def row_call(op: RowOp, inputs: Sequence[jax.Array], row_inputs: Sequence[jax.Ar
               "supported; map over the rows' inputs only")
         flat.append(a)
         continue
-      if not is_batched:
-        a = jnp.broadcast_to(a, (axis_size,) + a.shape)
-      flat.append(a.reshape((-1,) + a.shape[2:]))
+      flat.append(fold_mapped_axis(a, axis_size, 0 if is_batched else None))
     out, stats, col_sums = run(*flat)
-    unfold = lambda v: None if v is None else v.reshape((axis_size, -1) + v.shape[1:])
+    unfold = lambda v: None if v is None else unfold_mapped_axis(v, axis_size)
     result = (jax.tree.map(unfold, out), tuple(unfold(s) for s in stats), col_sums)
     return result, jax.tree.map(lambda _: True, result)
 

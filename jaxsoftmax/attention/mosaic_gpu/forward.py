@@ -45,6 +45,7 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 
 from jaxsoftmax._core import pallas
+from jaxsoftmax._core.linear_map import fold_mapped_axis, unfold_mapped_axis
 from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, claim_next, div32, pad_to, per_row, pl,
                                         plgpu, producer_loads, rem32,
                                         warp_specialized_kernel, wgmma_iota)
@@ -625,12 +626,10 @@ def forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, sc
 
   @run.def_vmap
   def _fold_into_batch(axis_size, in_batched, *arrays):
-    folded = []
-    for a, batched in zip(arrays, in_batched):  # every array's leading axis is B
-      a = a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
-      folded.append(a.reshape((-1,) + a.shape[2:]))
-    outs = tuple(x.reshape((axis_size, -1) + x.shape[1:]) for x in run(*folded))
-    return outs, (True,) * len(outs)
+    # Every array's leading axis is B; custom_vmap puts a mapped axis first.
+    outs = run(*(fold_mapped_axis(a, axis_size, 0 if batched else None)
+                 for a, batched in zip(arrays, in_batched)))
+    return tuple(unfold_mapped_axis(x, axis_size) for x in outs), (True,) * len(outs)
 
   arrays = (q, k, v, *(a for a in aux if a is not None), *(() if sinks is None else (sinks,)))
   return run(*arrays)
