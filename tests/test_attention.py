@@ -1369,6 +1369,17 @@ def test_hopper_dynamic_schedule_gpu(key, H, blocks, options):
   np.testing.assert_array_equal(first[0], second[0])
 
 
+def _assert_same_schedule_results(names, got, want):
+  """Two runs of the same products in another order of items: every result bit for bit,
+  but dQ, which atomic adds sum in whatever order they land (one bfloat16 rounding)."""
+  for name, a, b in zip(names, got, want):
+    if name == "dq":
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3 * np.abs(b).max(), err_msg=name)
+    else:
+      np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B, T, S, N, K, H, options", [
     *GPU_CASES,
@@ -1403,13 +1414,9 @@ def test_hopper_dynamic_schedule_cases_gpu(key, monkeypatch, B, T, S, N, K, H, o
     (o, lse), vjp = jax.vjp(attention, q, k, v)
     return (o, lse, *vjp((do, jnp.zeros_like(lse))))
 
-  claimed = run(dataclasses.replace(fixed, dynamic_schedule=True))
-  for name, a, b in zip(("output", "lse", "dq", "dk", "dv"), claimed, run(fixed)):
-    if name != "dq":  # dQ is summed by atomic adds, in whatever order they land
-      np.testing.assert_array_equal(a, b, err_msg=name)
-    else:
-      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-      np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3 * np.abs(b).max(), err_msg=name)
+  _assert_same_schedule_results(("output", "lse", "dq", "dk", "dv"),
+                                run(dataclasses.replace(fixed, dynamic_schedule=True)),
+                                run(fixed))
 
 
 @pytest.mark.gpu
@@ -1432,13 +1439,8 @@ def test_hopper_vmap_claims_items_gpu(key):
 
   mapped = jax.jit(jax.vmap(step))(q, k, v, do)
   for i in range(2):
-    for name, a, b in zip(("output", "dq", "dk", "dv"), mapped,
-                          jax.jit(step)(q[i], k[i], v[i], do[i])):
-      if name == "dq":
-        a, b = np.asarray(a[i], np.float32), np.asarray(b, np.float32)
-        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3 * np.abs(b).max())
-      else:
-        np.testing.assert_array_equal(a[i], b, err_msg=name)
+    _assert_same_schedule_results(("output", "dq", "dk", "dv"), [x[i] for x in mapped],
+                                  jax.jit(step)(q[i], k[i], v[i], do[i]))
 
 
 def test_hopper_default_claims_items_of_many_pairs():
