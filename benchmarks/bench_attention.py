@@ -99,7 +99,8 @@ FORWARD_FLAGS = {"persistent": dict(persistent=True),
 
 def forward_schedules(H: int, causal: bool) -> dict[str, HopperBlockSizes]:
   """Row suffix -> the Hopper forward's tiles of each of HOPPER_FWD_SCHEDULES at head dim
-  ``H``: the default's, with its flags set."""
+  ``H`` (the larger of the query's and the value's, as the kernel's own default takes):
+  the default's, with its flags set."""
   schedules = {}
   for spec in filter(None, os.environ.get("HOPPER_FWD_SCHEDULES", "").split(",")):
     unknown = set(spec.split("+")) - set(FORWARD_FLAGS)
@@ -111,15 +112,16 @@ def forward_schedules(H: int, causal: bool) -> dict[str, HopperBlockSizes]:
   return schedules
 
 
-def implementations(N: int, K: int, H: int, causal: bool):
-  """name -> (attention(q, k, v), None) or (None, why it is not measured)."""
+def implementations(N: int, K: int, H: int, causal: bool, Hv: int | None = None):
+  """name -> (attention(q, k, v), None) or (None, why it is not measured); ``Hv``: the
+  value head dim where it is not ``H``."""
   scale = H ** -0.5
   ours = functools.partial(js.dot_product_attention, is_causal=causal)
   impls = {
       f"{OURS} mosaic_gpu": (functools.partial(ours, implementation="mosaic_gpu"), None),
       **{f"{OURS} mosaic_gpu {spec}": (functools.partial(
           ours, implementation="mosaic_gpu", block_sizes=blocks), None)
-         for spec, blocks in forward_schedules(H, causal).items()},
+         for spec, blocks in forward_schedules(max(H, Hv or H), causal).items()},
       f"{OURS} triton": (functools.partial(ours, implementation="triton"), None),
       # Bit-identical gradients: the Hopper backward with a dQ kernel of its own (the
       # Triton backward above head dim 128).
@@ -270,7 +272,7 @@ def bench_shape(report: harness.Report, case, dtype):
   B, T, N, K, H, causal, Hv = dims(case)
   part_q, part_kv, compare_bwd, ref = truth_slices(case)
 
-  runs = [(dtype, kept(implementations(N, K, H, causal)), report.modes)]
+  runs = [(dtype, kept(implementations(N, K, H, causal, Hv)), report.modes)]
   if "fwd" in report.modes:
     runs.append((jnp.float16, kept(float16_implementations(N, K, H, causal, Hv)), ("fwd",)))
   for run_dtype, impls, modes in runs:
@@ -336,7 +338,7 @@ def vs_best_peer(rows) -> str:
 def _rows(case, dtype, modes):
   # bench_shape's rows: each implementation in each mode, and float16's in the forward.
   _, _, N, K, H, causal, Hv = dims(case)
-  return (len(kept(implementations(N, K, H, causal))) * len(modes)
+  return (len(kept(implementations(N, K, H, causal, Hv))) * len(modes)
           + len(kept(float16_implementations(N, K, H, causal, Hv))) * ("fwd" in modes))
 
 
