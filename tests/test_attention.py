@@ -1445,15 +1445,15 @@ def test_hopper_vmap_claims_items_gpu(key):
 
 def test_hopper_default_claims_items_of_many_pairs():
   # `HopperBlockSizes.default` claims items (dynamic_schedule) where an H100 measured it
-  # faster: causal at head dims up to 128 and head dim 64 without a mask, from 64
-  # (batch row, query head) pairs; the calls of the public API pass theirs.
+  # faster or level: at head dims up to 128, from 64 (batch row, query head) pairs,
+  # with a causal mask or without; the calls of the public API pass theirs.
   default = HopperBlockSizes.default
-  for H, causal in [(128, True), (64, True), (64, False)]:
+  for H, causal in [(128, True), (128, False), (96, False), (64, True), (64, False)]:
     assert default(H, causal, pairs=64).dynamic_schedule
     assert default(H, causal, pairs=64).persistent
     assert not default(H, causal, pairs=16).dynamic_schedule
     assert not default(H, causal).dynamic_schedule
-  for H, causal in [(128, False), (256, True), (192, True)]:
+  for H, causal in [(256, False), (256, True), (192, True), (192, False)]:
     assert not default(H, causal, pairs=1024).dynamic_schedule
   call = Call(4, 128, 128, 16, 16, 128, "bfloat16", MaskSpec(128, 128, is_causal=True),
               0.1, None, None, False)

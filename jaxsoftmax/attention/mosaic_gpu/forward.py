@@ -154,20 +154,26 @@ class HopperBlockSizes:
     3-9% on an H100); at head dim 64 it lost up to 2% (same file).
 
     The claimed items (`dynamic_schedule`) beat both launches on an H100 wherever a
-    call has at least _DYNAMIC_MIN_PAIRS pairs, in one process beside the peers
-    (attention_dynamic_h100.md, tune_attention_hopper_dynamic_h100.md): causal
-    4x4096x16 645 against 626 TFLOP/s, GQA 32/8 668 against 633, 2x8192 GQA 32/4 700
+    call has at least _DYNAMIC_MIN_PAIRS pairs at head dims up to 128, in one process
+    beside the peers (attention_dynamic_h100.md, attention_schedules_{a,b}_h100.md,
+    tune_attention_hopper_dynamic_h100.md): causal 4x4096x16 645 against 626 TFLOP/s,
+    GQA 32/8 668 against 633 (710 against 689 without a mask), 2x8192 GQA 32/4 700
     against 683, head dim 64 causal 385-388 against 347-350 (cuDNN 384-387), head dim
-    64 without a mask 493 against the fixed share's 483. With 16 pairs (1x16384 and
-    1x32768 causal) it lost 1-3% (692 against 710, 633 against 639), for a reason not
-    yet counted, so those keep the grid. Above head dim 128, and without a causal mask
-    above head dim 64, it has not been timed, so the grid stays there (at head dim 256
-    ptxas spills with it: ptxas_attention_offline.md)."""
+    64 without a mask 493 against the fixed share's 483; 4x4096x16 without a mask, at
+    head dims 128 and 96, ran level (678 against 679, 434 against 434). With 16 pairs
+    they lost 3-5% (1x16384: causal 681 against 700, 692 against 710 in another run;
+    without a mask 683 against 717), so those keep the grid. There Nsight Compute
+    counted 1.4% fewer cycles than the grid's but a slower SM clock (1.65 against 1.71
+    GHz) beside an L2 hit rate of 77% against 94% and 4.5x the DRAM bytes
+    (ncu_attention_forward_16k_causal_{claimed,grid}_h100.log; docs/kernels.md).
+    Above head dim 128 they lost (MLA's 192 / 128: 599 against 606 causal, 611 against
+    650 without a mask) and ptxas spills at head dim 256 (ptxas_attention_offline.md),
+    so the grid stays there."""
     many_pairs = pairs is not None and pairs >= _DYNAMIC_MIN_PAIRS
     if head_dim <= 64 and not is_causal:
       return cls(block_q=64, block_kv=256, num_stages=3, persistent=True,
                  dynamic_schedule=many_pairs)
-    dynamic = is_causal and many_pairs and head_dim <= 128
+    dynamic = many_pairs and head_dim <= 128
     return cls(block_q=64, block_kv=128 if head_dim <= 128 else 64, num_stages=2,
                overlap_softmax=head_dim > 64, persistent=dynamic, dynamic_schedule=dynamic)
 
