@@ -196,7 +196,10 @@ class HopperBackwardBlockSizes:
       timed 0.92x on an H100 (`attention_backward_writer_h100.md`). Wave-sized ones
       timed 0.93x on GQA 32/8, 0.97-0.99x on the other causal rows but 1.03x at 1x16384
       (`attention_backward_l2_waves_h100.md`): the kernel is not waiting on memory
-      (docs/kernels.md, `l2_sections`), so False.
+      (docs/kernels.md, `l2_sections`), so False. Both orders above are as the
+      design meant them, the grid's first axis fastest; the lowering launches its last
+      axis fastest (batch rows, then key tiles, heads slowest), so the timings stand but
+      the orders they timed were not these (docs/kernels.md, the CTAs' order).
     late_dq: in the split-keys design with the consumers' own dQ reductions, at head dim
       128 (one chunk each a step), without a causal mask or a window
       (`takes_late_dq`), each consumer computes its chunk of a step's dQ in the next
@@ -1325,7 +1328,8 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
     statics.update(key_tiles=n_kv_tiles, dq_order_shape=(B, N, T_pad // bq))
     order_inputs = (last_key_tiles(spec, keys_per_tile, bq, n_kv_tiles, T_pad // bq,
                                    kv_len, q_len, B),)
-  # The grid's first axis is the fastest in launch order.
+  # Pallas' Mosaic GPU lowering launches the grid's last axis fastest (CUDA's x): batch
+  # rows, then key tiles, heads slowest (docs/kernels.md, the CTAs' order).
   grid = (("heads", grid_heads), ("kv_tiles", n_kv_tiles), ("batch", B))
   section = None
   if blocks.l2_sections:

@@ -95,8 +95,8 @@ class HopperBlockSizes:
       `default` turns it on above head dim 64 (at head dim 64 it lost up to 2%, with
       either launch: `benchmarks/results/tuning/tune_attention_hopper_h64_h100.md`).
     dynamic_schedule: with ``persistent``, each CTA takes its next item from a counter
-      in global memory as it starts loading the one before, in the grid's order
-      (`_Work.item_at`), rather than a fixed share of the items: the persistent launch's
+      in global memory as it starts loading the one before, in `_Work.item_at`'s order
+      (heads fastest), rather than a fixed share of the items: the persistent launch's
       overlap of one item's loads with the last's products, with the balance and the
       order of the grid's own scheduling (the fixed share lost 1-7% to the grid wherever
       items differ in length). `default` takes it where it won on an H100; the
@@ -271,14 +271,18 @@ class _Work:
     return self.item_at(w)
 
   def item_at(self, w):
-    """(b, n, tile) of item w in the grid's launch order: heads fastest, then query
-    tiles (under a causal mask the longest first), then batch rows. The CTAs that claim
-    their items (`dynamic`) take them in this order too, so that those at work together
-    walk a batch row's few heads, whose K and V L2 holds, and each row's shortest tiles
-    come last. By the key blocks alone (`benchmarks/launch_order.py --forward`, 132
-    SMs, issue 30's causal rows) the last claiming CTA ends within 1.6% of an even
-    share, and the first wave walks 16-32 (batch row, head) pairs; the fixed share's
-    causal order ends within 3.1%, its first wave walking up to 128 pairs."""
+    """(b, n, tile) of item w: heads fastest, then query tiles (under a causal mask the
+    longest first), then batch rows. The CTAs that claim their items (`dynamic`) take
+    them in this order, so that each row's shortest tiles come last. By the key blocks
+    alone (`benchmarks/launch_order.py --forward`, 132 SMs, issue 30's causal rows) the
+    last claiming CTA ends within 1.6% of an even share; the fixed share's causal order
+    ends within 3.1%. This was meant as the grid's launch order, but Pallas' Mosaic GPU
+    lowering puts the grid's last axis on CUDA's x, launched fastest
+    (jax/_src/pallas/mosaic_gpu/lowering.py; Nsight Compute reads the grid as (batch,
+    tiles, heads)), so the grid goes batch rows fastest and heads slowest: its CTAs at
+    work together share one head's K and V. With 16 pairs this order walks all 16 heads
+    at once, 128 MiB of K and V at 1x16384, and L2 misses (docs/kernels.md, claimed
+    items)."""
     n, rest = rem32(w, self.heads), div32(w, self.heads)
     tile = rem32(rest, self.q_tiles)
     if self.causal:
