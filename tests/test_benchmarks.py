@@ -407,10 +407,16 @@ def test_launch_order_schedules_the_backward_ctas():
   assert launch_order.l2_hits(one_head, 2, 2**30, 64) == 1 - 8 / 20
   assert launch_order.l2_hits(one_head, 2, 0, 64) == 0
   # The forward, causal 1x512 with 2 heads on 3 SMs: 4 tiles of 4, 3, 2 and 1 key blocks
-  # a head, 20 in all, 20 / 3 an even share. Claimed in the grid's order (4, 4, 3, 3, 2,
+  # a head, 20 in all, 20 / 3 an even share. Claimed in item_at's order (4, 4, 3, 3, 2,
   # 2, 1, 1), the SMs end at 7, 6 and 7; the fixed share's snake gives 4 + 2 + 1, 4 + 2 +
   # 1 and 3 + 3. Either first wave walks both heads of the one batch row.
   assert launch_order.forward_orders(1, 512, 2, 3) == (7 / (20 / 3), 7 / (20 / 3), 2, 2)
+  # The forward's K and V through L2: two items of one head, 3 and 2 key blocks, on two
+  # SMs read blocks 0 and 1 together (one misses, one hits) and block 2 alone: 2 hits
+  # of 5, in 3 ticks; one SM walking two heads' items, 5 ticks, misses every block.
+  assert launch_order.forward_l2_hits([(0, 0, 2), (0, 0, 1)], 2, 2, 2, 2**30) == (2 / 5, 3)
+  assert launch_order.forward_l2_hits([(0, 0, 2), (0, 1, 1)], 2, 2, 1, 2**30) == (0, 5)
+  assert launch_order.forward_l2_hits([(0, 0, 2), (0, 0, 1)], 2, 2, 2, 0) == (0, 3)
 
 
 def test_tune_linear_cross_entropy_smoke(tmp_path):
