@@ -101,6 +101,12 @@ class HopperBlockSizes:
       order of the grid's own scheduling (the fixed share lost 1-7% to the grid wherever
       items differ in length). `default` takes it where it won on an H100; the
       producer's loads then come from its whole warpgroup (not ``one_producer_warp``).
+    launch_order: with ``persistent``, the items in the grid's own launch order, batch
+      rows fastest, then query tiles (under a causal mask the longest first), heads
+      slowest, rather than heads fastest (`_Work.item_at`): the CTAs at work together
+      then walk the query tiles of one or a few heads, whose K and V L2 holds, as the
+      grid's CTAs do. At 16 pairs the claimed items in heads-fastest order read 4.5x
+      the grid's DRAM bytes (docs/kernels.md, claimed items). Not yet run on a GPU.
   """
 
   block_q: int = 64
@@ -110,6 +116,7 @@ class HopperBlockSizes:
   one_producer_warp: bool = False
   overlap_softmax: bool = False
   dynamic_schedule: bool = False
+  launch_order: bool = False
 
   def __post_init__(self):
     if not (isinstance(self.block_q, int) and self.block_q > 0 and self.block_q % 64 == 0):
@@ -125,13 +132,17 @@ class HopperBlockSizes:
     if not (isinstance(self.num_stages, int) and self.num_stages >= 2):
       raise ValueError(f"HopperBlockSizes.num_stages must be an int >= 2, got "
                        f"{self.num_stages!r}")
-    for name in ("persistent", "one_producer_warp", "overlap_softmax", "dynamic_schedule"):
+    for name in ("persistent", "one_producer_warp", "overlap_softmax", "dynamic_schedule",
+                 "launch_order"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"HopperBlockSizes.{name} must be a bool, got "
                          f"{getattr(self, name)!r}")
     if self.dynamic_schedule and (not self.persistent or self.one_producer_warp):
       raise ValueError("HopperBlockSizes.dynamic_schedule takes persistent=True and "
                        "one_producer_warp=False")
+    if self.launch_order and not self.persistent:
+      raise ValueError("HopperBlockSizes.launch_order orders the persistent launch's "
+                       "items: it takes persistent=True")
 
   @classmethod
   def default(cls, head_dim: int, is_causal: bool = False,
@@ -213,6 +224,8 @@ class _Work:
   # Persistent CTAs claiming their items after the first from a counter
   # (`HopperBlockSizes.dynamic_schedule`), in the order of `item_at`.
   dynamic: bool = False
+  # `item_at` in the grid's launch order (`HopperBlockSizes.launch_order`).
+  launch_order: bool = False
 
   @property
   def count(self) -> int:
@@ -282,12 +295,17 @@ class _Work:
     tiles, heads)), so the grid goes batch rows fastest and heads slowest: its CTAs at
     work together share one head's K and V. With 16 pairs this order walks all 16 heads
     at once, 128 MiB of K and V at 1x16384, and L2 misses (docs/kernels.md, claimed
-    items)."""
-    n, rest = rem32(w, self.heads), div32(w, self.heads)
-    tile = rem32(rest, self.q_tiles)
+    items). With ``launch_order``, the grid's launch order instead: batch rows fastest,
+    then query tiles (the longest first under a causal mask), heads slowest."""
+    if self.launch_order:
+      b, rest = rem32(w, self.batch), div32(w, self.batch)
+      tile, n = rem32(rest, self.q_tiles), div32(rest, self.q_tiles)
+    else:
+      n, rest = rem32(w, self.heads), div32(w, self.heads)
+      tile, b = rem32(rest, self.q_tiles), div32(rest, self.q_tiles)
     if self.causal:
       tile = self.q_tiles - 1 - tile
-    return div32(rest, self.q_tiles), n, tile
+    return b, n, tile
 
 
 class _Scratch(NamedTuple):
@@ -679,7 +697,8 @@ def _forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, s
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages
   work = _Work(B, N, n_q_tiles, spec.is_causal,
-               pallas.num_cores() if blocks.persistent else None, blocks.dynamic_schedule)
+               pallas.num_cores() if blocks.persistent else None, blocks.dynamic_schedule,
+               blocks.launch_order)
   # A persistent CTA refills its query tiles while the previous item finishes, so its
   # outputs need tiles of their own, where shared memory has room for them; so does an
   # output of another head dim than the queries'.
