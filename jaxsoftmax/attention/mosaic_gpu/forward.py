@@ -97,9 +97,9 @@ class HopperBlockSizes:
     dynamic_schedule: with ``persistent``, each CTA takes its next item from a counter
       in global memory as it starts loading the one before, in `_Work.item_at`'s order
       (heads fastest), rather than a fixed share of the items: the persistent launch's
-      overlap of one item's loads with the last's products, with the balance and the
-      order of the grid's own scheduling (the fixed share lost 1-7% to the grid wherever
-      items differ in length). `default` takes it where it won on an H100; the
+      overlap of one item's loads with the last's products, with the balance of the
+      grid's own scheduling (the fixed share lost 1-7% to the grid wherever items differ
+      in length). `default` takes it where it won on an H100; the
       producer's loads then come from its whole warpgroup (not ``one_producer_warp``).
     launch_order: with ``persistent``, the items in the grid's own launch order, batch
       rows fastest, then query tiles (under a causal mask the longest first), heads
