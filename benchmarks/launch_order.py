@@ -4,14 +4,11 @@ last SM finishes, and how much of what the resident CTAs read L2 holds.
 Each dK/dV CTA (a key tile of a batch row, for the query heads of its K/V head's group
 that it walks: `group_split`) takes a step for every query block its keys see
 (`masks.query_block_ranges`) of each of its query heads, head by head. The CTAs start
-in the order the grid was designed for, its first axis fastest: the grid's heads (K/V
-heads times the group's split), key tiles, batch; with `l2_sections`, a section's heads
-(`l2_section`), key tiles, then sections and batch rows. (Pallas' Mosaic GPU lowering in
-fact launches the grid's last axis fastest: batch rows, then key tiles, heads slowest.
-In that order this model gives 94% hits on causal GQA 32/8, where Nsight Compute read
-81%: its agreement below with the order as designed was chance, and the model
-overstates hits; docs/kernels.md, the CTAs' order.) Each starts on the first SM to
-free up, one CTA an SM (384 threads at 168 registers).
+in the grid's launch order, its last axis fastest (Pallas' Mosaic GPU lowering puts it
+on CUDA's x): batch rows, then key tiles, then the grid's heads (K/V heads times the
+group's split); with `l2_sections`, the sections of a batch row, batch rows, key tiles,
+then a section's heads (`l2_section`). Each starts on the first SM to free up, one CTA
+an SM (384 threads at 168 registers).
 
 Two models, per shape and order:
 
@@ -20,11 +17,13 @@ Two models, per shape and order:
   causal backward; a ratio near 1 says no.
 - L2: every SM takes one step a tick, and each step reads the Q and dO block of its
   query rows and adds into their float32 dQ block, through an LRU cache of L2's size;
-  the share of those bytes it finds there. FlashAttention-3's order (a query head's key
-  blocks fastest, one head a CTA) comes out at 94% on causal GQA 32/8 and ours at 79%,
-  as Nsight Compute read 91% and 81% on an H100
+  the share of those bytes it finds there. Ours comes out at 94% on causal GQA 32/8,
+  as does FlashAttention-3's order (a query head's key blocks fastest, one head a CTA),
+  where Nsight Compute read 81% and 91% on an H100
   (`benchmarks/results/tuning/ncu_attention_backward_gqa32x8_defaults_h100.log`,
-  `ncu_attention_backward_gqa_fa3_h100.log`).
+  `ncu_attention_backward_gqa_fa3_h100.log`): the model overstates the hits and does
+  not tell the two apart. (Before 2026-12-07 it took the grid's first axis as the
+  fastest, which gave ours 79%; docs/kernels.md, the CTAs' order.)
 
     python3 benchmarks/launch_order.py [--sms 132] [--overhead 4] [--l2-mib 50]
 
@@ -92,12 +91,15 @@ def ctas(B: int, T: int, N: int, K: int, causal: bool = True, blocks=None,
   ranges = [query_block_ranges(spec, tile * keys, bq, keys, None, None, -(-T // bq))
             for tile in range(tiles)]
   walked = group // split
+  # The grid (a section's heads, key tiles, batch rows times sections) launches its last
+  # axis fastest: the sections of a batch row, then the batch rows, then key tiles, then
+  # a section's heads (see the module's docstring).
   order = []
-  for b in range(B):
-    for first in range(0, grid_heads, section):
-      for lo, _, _, hi in ranges:
-        for head in range(first, first + section):
-          kv_head, share = divmod(head, split)
+  for head_in_section in range(section):
+    for lo, _, _, hi in ranges:
+      for b in range(B):
+        for first in range(0, grid_heads, section):
+          kv_head, share = divmod(first + head_in_section, split)
           heads = tuple(kv_head * group + share * walked + j for j in range(walked))
           order.append(Cta(b, heads, int(lo), int(hi)))
   return order
@@ -237,7 +239,7 @@ def main():
   print("B, T, N/K causal, order: CTAs, finish / max(steps / SMs, longest CTA) in steps; "
         "L2 hits of Q, dO and dQ")
   for B, T, N, K in SHAPES:
-    for name, sections in (("heads fastest", False), ("l2_sections", True)):
+    for name, sections in (("default", False), ("l2_sections", True)):
       blocks = dataclasses.replace(mosaic_backward.BLOCKS, l2_sections=sections)
       order = ctas(B, T, N, K, blocks=blocks, sms=args.sms)
       steps = [cta.steps for cta in order]
