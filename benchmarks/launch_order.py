@@ -39,7 +39,8 @@ head's K and V). Then the L2 hits of K and V (`forward_l2_hits`) with the items 
 `_Work.item_at`'s order and in the grid's launch order: 88% against 98% at 1x16384x16,
 equal on the rows of 64 or more pairs, as Nsight Compute read 77% for the claimed items
 against the grid's 94% at 1x16384 causal
-(`benchmarks/results/tuning/ncu_attention_forward_16k_causal_{claimed,grid}_h100.log`).
+(`benchmarks/results/tuning/ncu_attention_forward_16k_causal_claimed_h100.log`,
+`ncu_attention_forward_16k_causal_grid_h100.log`).
 """
 
 from __future__ import annotations
