@@ -122,11 +122,34 @@ def finish(steps: list[int], sms: int, overhead: int) -> int:
   return end
 
 
+class Lru:
+  """An LRU cache of ``capacity`` bytes that counts the bytes read and those it held."""
+
+  def __init__(self, capacity: int):
+    self.capacity, self.blocks, self.held, self.hit, self.total = (
+        capacity, collections.OrderedDict(), 0, 0, 0)
+
+  def read(self, key, size: int):
+    self.total += size
+    if key in self.blocks:
+      self.blocks.move_to_end(key)
+      self.hit += size
+      return
+    self.blocks[key] = size
+    self.held += size
+    while self.held > self.capacity:
+      self.held -= self.blocks.popitem(last=False)[1]
+
+  @property
+  def hits(self) -> float:
+    return self.hit / max(self.total, 1)
+
+
 def l2_hits(order: list[Cta], sms: int, l2_bytes: int, block_q: int) -> float:
   """The share of the bytes of Q, dO and dQ that the steps find in an LRU cache of
   ``l2_bytes``, every SM taking one step a tick and a CTA starting on an SM the tick
   after the last one there ended."""
-  cache, held, hit, total = collections.OrderedDict(), 0, 0, 0
+  cache = Lru(l2_bytes)
   waiting = collections.deque(order)
   running = [None] * sms
   while True:
@@ -143,18 +166,9 @@ def l2_hits(order: list[Cta], sms: int, l2_bytes: int, block_q: int) -> float:
       busy = True
       b, n, i = running[sm].popleft()
       for kind, row_bytes in STEP_BYTES.items():
-        key, size = (kind, b, n, i), row_bytes * block_q
-        total += size
-        if key in cache:
-          cache.move_to_end(key)
-          hit += size
-          continue
-        cache[key] = size
-        held += size
-        while held > l2_bytes:
-          held -= cache.popitem(last=False)[1]
+        cache.read((kind, b, n, i), row_bytes * block_q)
     if not busy:
-      return hit / max(total, 1)
+      return cache.hits
 
 
 def forward_orders(B: int, T: int, N: int, sms: int) -> tuple[float, float, int, int]:
@@ -182,7 +196,7 @@ def forward_l2_hits(order: list[tuple[int, int, int]], N: int, K: int, sms: int,
   items = collections.deque(order)
   rng = np.random.default_rng(seed)
   block_bytes = 2 * 128 * HEAD_DIM * 2
-  cache, held, hit, total, tick = collections.OrderedDict(), 0, 0, 0, 0
+  cache, tick = Lru(l2_bytes), 0
   running = [collections.deque() for _ in range(sms)]
   while True:
     busy = False
@@ -193,18 +207,9 @@ def forward_l2_hits(order: list[tuple[int, int, int]], N: int, K: int, sms: int,
       if not running[sm]:
         continue
       busy = True
-      key = running[sm].popleft()
-      total += block_bytes
-      if key in cache:
-        cache.move_to_end(key)
-        hit += block_bytes
-        continue
-      cache[key] = block_bytes
-      held += block_bytes
-      while held > l2_bytes:
-        held -= cache.popitem(last=False)[1]
+      cache.read(running[sm].popleft(), block_bytes)
     if not busy:
-      return hit / max(total, 1), tick
+      return cache.hits, tick
     tick += 1
 
 
