@@ -171,6 +171,11 @@ def l2_hits(order: list[Cta], sms: int, l2_bytes: int, block_q: int) -> float:
       return cache.hits
 
 
+def items_at(work) -> list[tuple[int, int, int]]:
+  """(b, n, tile) of each of the forward's items in `_Work.item_at`'s order."""
+  return [tuple(int(x) for x in work.item_at(w)) for w in range(work.count)]
+
+
 def forward_orders(B: int, T: int, N: int, sms: int) -> tuple[float, float, int, int]:
   """The causal forward at (B, T, N) on ``sms`` SMs: the last CTA's finish over an even
   share for the fixed share and for claimed items, and the (batch row, query head) pairs
@@ -180,7 +185,7 @@ def forward_orders(B: int, T: int, N: int, sms: int) -> tuple[float, float, int,
   even = B * N * tiles * (tiles + 1) / 2 / work.ctas
   fixed = max(sum(int(work.item(cta, i)[2]) + 1 for i in range(int(work.item_count(cta))))
               for cta in range(work.ctas))
-  claimed = [tuple(int(x) for x in work.item_at(w)) for w in range(work.count)]
+  claimed = items_at(work)
   end = finish([t + 1 for _, _, t in claimed], work.ctas, 0)
   first_fixed = {tuple(int(x) for x in work.item(cta, 0)[:2]) for cta in range(work.ctas)}
   first_claimed = {(b, n) for b, n, _ in claimed[:work.ctas]}
@@ -229,16 +234,14 @@ def main():
             flush=True)
     print("B, T, N/K causal: L2 hits of K and V and finish / even share, items in "
           "_Work.item_at's order (heads fastest), then in the grid's launch order (batch "
-          "rows fastest, then query tiles, heads slowest)")
+          "rows fastest, then query tiles, heads slowest: HopperBlockSizes.launch_order)")
     for B, T, N, K in SHAPES:
       tiles = -(-T // 128)
       work = mosaic_forward._Work(B, N, tiles, True, args.sms)
       even = B * N * tiles * (tiles + 1) / 2 / args.sms
-      item_at = [tuple(int(x) for x in work.item_at(w)) for w in range(work.count)]
-      launch = [(b, n, tiles - 1 - t) for n in range(N) for t in range(tiles)
-                for b in range(B)]
-      cells = [forward_l2_hits(order, N, K, args.sms, args.l2_mib * 2**20)
-               for order in (item_at, launch)]
+      cells = [forward_l2_hits(items_at(dataclasses.replace(work, launch_order=launch)),
+                               N, K, args.sms, args.l2_mib * 2**20)
+               for launch in (False, True)]
       print(f"{B}, {T}, {N}/{K}: " + "; ".join(f"{h:.1%}, {end / even:.3f}"
                                                for h, end in cells), flush=True)
     return
