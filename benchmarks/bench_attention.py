@@ -94,9 +94,7 @@ FORWARD_FLAGS = {"persistent": dict(persistent=True),
                  # the default's tiles without claimed items, as a call of fewer
                  # (batch row, head) pairs than `HopperBlockSizes.default` claims at
                  "static": dict(dynamic_schedule=False),
-                 "stages3": dict(num_stages=3),
-                 # the persistent launch's items in the grid's launch order
-                 "launch": dict(launch_order=True)}
+                 "stages3": dict(num_stages=3)}
 
 
 def forward_schedules(H: int, causal: bool) -> dict[str, HopperBlockSizes]:

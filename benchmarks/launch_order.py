@@ -35,12 +35,24 @@ Two models, per shape and order:
 the fixed share (`_Work.item`) and for items claimed in `_Work.item_at`'s order by
 whichever CTA is free first (`HopperBlockSizes.dynamic_schedule`), and how many
 (batch row, query head) pairs the first wave of items walks (each pair reads its K/V
-head's K and V). Then the L2 hits of K and V (`forward_l2_hits`) with the items in
-`_Work.item_at`'s order and in the grid's launch order: 88% against 98% at 1x16384x16,
-equal on the rows of 64 or more pairs, as Nsight Compute read 77% for the claimed items
-against the grid's 94% at 1x16384 causal
-(`benchmarks/results/tuning/ncu_attention_forward_16k_causal_claimed_h100.log`,
-`ncu_attention_forward_16k_causal_grid_h100.log`).
+head's K and V). Then, for `_Work.item_at`'s order (the grid's launch order) and the
+heads-fastest order it had until 2026-12-07 (`heads_fastest`): the L2 hits of K and V
+(`forward_l2_hits`), and the finish with each item claimed as an SM frees up and with
+each CTA claiming its next item as it starts one (`finish_claiming_ahead`, where the
+kernel's claim sat until then).
+
+- L2: 98% against 88% at 1x16384x16, equal on the rows of 64 or more pairs. Nsight
+  Compute read 94.8% for the launch order, 77% heads fastest and 94% for the grid at
+  1x16384 causal (`benchmarks/results/tuning/ncu_attention_forward_16k_causal_launch_h100.log`,
+  `ncu_attention_forward_16k_causal_claimed_h100.log`,
+  `ncu_attention_forward_16k_causal_grid_h100.log`).
+- Claiming ahead, the launch order ends 1.085 and 1.086 an even share at 1x16384 and
+  4x4096 (a CTA that starts one of a head's longest tiles holds the next long one too),
+  against 1.003 and 1.016 heads fastest; Nsight Compute read elapsed cycles 1.093 and
+  1.098 the SMs' active cycles for the launch order, 1.011 and 1.034 heads fastest
+  (`ncu_attention_forward_4k_causal_launch_h100.log`,
+  `ncu_attention_forward_4k_causal_claimed_h100.log`). Claimed as an SM frees up, both
+  orders end within 1.6%.
 """
 
 from __future__ import annotations
@@ -122,6 +134,24 @@ def finish(steps: list[int], sms: int, overhead: int) -> int:
   return end
 
 
+def finish_claiming_ahead(steps: list[int], sms: int) -> int:
+  """The last SM's finish when each CTA starts with item ``cta`` of ``steps`` and claims
+  its next item as it starts the one before, as the Hopper forward's claimed items did
+  until 2026-12-07 (the claim sat among the item's first loads): a CTA that starts a
+  long item holds the next one too, however long."""
+  later = iter(steps[sms:])
+  # (end of the CTA's current item, the CTA, the steps of the item it has claimed)
+  ends = [(s, cta, next(later, None)) for cta, s in enumerate(steps[:sms])]
+  heapq.heapify(ends)
+  end = 0
+  while ends:
+    t, cta, claimed = heapq.heappop(ends)
+    end = max(end, t)
+    if claimed is not None:
+      heapq.heappush(ends, (t + claimed, cta, next(later, None)))
+  return end
+
+
 class Lru:
   """An LRU cache of ``capacity`` bytes that counts the bytes read and those it held."""
 
@@ -174,6 +204,13 @@ def l2_hits(order: list[Cta], sms: int, l2_bytes: int, block_q: int) -> float:
 def items_at(work) -> list[tuple[int, int, int]]:
   """(b, n, tile) of each of the forward's items in `_Work.item_at`'s order."""
   return [tuple(int(x) for x in work.item_at(w)) for w in range(work.count)]
+
+
+def heads_fastest(work) -> list[tuple[int, int, int]]:
+  """(b, n, tile) of each of the forward's causal items heads fastest, then query tiles
+  (the longest first), then batch rows: `_Work.item_at`'s order until 2026-12-07."""
+  tiles = range(work.q_tiles - 1, -1, -1)
+  return [(b, n, t) for b in range(work.batch) for t in tiles for n in range(work.heads)]
 
 
 def forward_orders(B: int, T: int, N: int, sms: int) -> tuple[float, float, int, int]:
@@ -232,18 +269,21 @@ def main():
       fixed, claimed, heads_fixed, heads_claimed = forward_orders(B, T, N, args.sms)
       print(f"{B}, {T}, {N}: {fixed:.3f}, {claimed:.3f}; {heads_fixed}, {heads_claimed}",
             flush=True)
-    print("B, T, N/K causal: L2 hits of K and V and finish / even share, items in "
-          "_Work.item_at's order (heads fastest), then in the grid's launch order (batch "
-          "rows fastest, then query tiles, heads slowest: HopperBlockSizes.launch_order)")
+    print("B, T, N/K causal: L2 hits of K and V, and the finish / even share with each "
+          "item claimed as its SM frees up and with the next claimed as an item starts "
+          "(finish_claiming_ahead); items in _Work.item_at's order (the grid's launch "
+          "order: batch rows fastest, then query tiles, heads slowest), then heads "
+          "fastest (heads_fastest)")
     for B, T, N, K in SHAPES:
       tiles = -(-T // 128)
       work = mosaic_forward._Work(B, N, tiles, True, args.sms)
       even = B * N * tiles * (tiles + 1) / 2 / args.sms
-      cells = [forward_l2_hits(items_at(dataclasses.replace(work, launch_order=launch)),
-                               N, K, args.sms, args.l2_mib * 2**20)
-               for launch in (False, True)]
-      print(f"{B}, {T}, {N}/{K}: " + "; ".join(f"{h:.1%}, {end / even:.3f}"
-                                               for h, end in cells), flush=True)
+      cells = []
+      for order in (items_at(work), heads_fastest(work)):
+        hits, end = forward_l2_hits(order, N, K, args.sms, args.l2_mib * 2**20)
+        ahead = finish_claiming_ahead([t + 1 for _, _, t in order], args.sms)
+        cells.append(f"{hits:.1%}, {end / even:.3f}, {ahead / even:.3f}")
+      print(f"{B}, {T}, {N}/{K}: " + "; ".join(cells), flush=True)
     return
   print("B, T, N/K causal, order: CTAs, finish / max(steps / SMs, longest CTA) in steps; "
         "L2 hits of Q, dO and dQ")

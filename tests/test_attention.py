@@ -1354,11 +1354,9 @@ def test_hopper_block_sizes_gpu(key, H, blocks):
                  dict(is_causal=True), id="causal-H64"),
     pytest.param(64, HopperBlockSizes(64, 256, 3, persistent=True, dynamic_schedule=True),
                  {}, id="H64-kv256-3stages"),
-    pytest.param(128, HopperBlockSizes(64, 128, 2, persistent=True, overlap_softmax=True,
-                                       dynamic_schedule=True, launch_order=True),
-                 dict(is_causal=True), id="causal-H128-launch-order"),
-    pytest.param(64, HopperBlockSizes(64, 256, 3, persistent=True, launch_order=True),
-                 {}, id="H64-kv256-fixed-share-launch-order"),
+    # The fixed share, whose items come in `_Work.item_at`'s order without a mask.
+    pytest.param(64, HopperBlockSizes(64, 256, 3, persistent=True), {},
+                 id="H64-kv256-fixed-share"),
 ])
 def test_hopper_dynamic_schedule_gpu(key, H, blocks, options):
   # Items claimed from a counter (`dynamic_schedule`): 3 · 8 · 16 = 384 items, more than
@@ -1654,14 +1652,11 @@ def test_persistent_ctas_take_every_item_once(batch, heads, q_tiles, sms, causal
   if causal:  # the snake: a CTA walks at most about a tile's worth more key blocks
     blocks = [sum(t + 1 for _, _, t in items) for items in taken.values()]
     assert max(blocks) - min(blocks) <= q_tiles
-  # The claimed items' order (`dynamic_schedule`): every item once, heads fastest, then
-  # tiles (the longest first under a causal mask), then batch rows; with launch_order,
-  # the grid's launch order, batch rows fastest, then tiles, heads slowest.
+  # The claimed items' order (`dynamic_schedule`), the grid's launch order: every item
+  # once, batch rows fastest, then tiles (the longest first under a causal mask), heads
+  # slowest.
   claimed = [tuple(int(x) for x in work.item_at(jnp.int32(w))) for w in range(work.count)]
   tiles = range(q_tiles - 1, -1, -1) if causal else range(q_tiles)
-  assert claimed == [(b, n, t) for b in range(batch) for t in tiles for n in range(heads)]
-  work = dataclasses.replace(work, launch_order=True)
-  claimed = [tuple(int(x) for x in work.item_at(jnp.int32(w))) for w in range(work.count)]
   assert claimed == [(b, n, t) for n in range(heads) for t in tiles for b in range(batch)]
 
 
@@ -2330,10 +2325,6 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="dynamic_schedule takes persistent=True and "
                                          "one_producer_warp=False"):
       HopperBlockSizes(dynamic_schedule=True, **launch)
-  with pytest.raises(ValueError, match="launch_order orders the persistent launch's items"):
-    HopperBlockSizes(launch_order=True)
-  with pytest.raises(ValueError, match="launch_order must be a bool"):
-    HopperBlockSizes(persistent=True, launch_order="yes")
   with pytest.raises(TypeError, match="block_sizes must be a BlockSizes or a HopperBlock"):
     attention(q, kv, kv, block_sizes=(64, 64))
 

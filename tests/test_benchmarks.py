@@ -407,10 +407,19 @@ def test_launch_order_schedules_the_backward_ctas():
   assert launch_order.l2_hits(one_head, 2, 2**30, 64) == 1 - 8 / 20
   assert launch_order.l2_hits(one_head, 2, 0, 64) == 0
   # The forward, causal 1x512 with 2 heads on 3 SMs: 4 tiles of 4, 3, 2 and 1 key blocks
-  # a head, 20 in all, 20 / 3 an even share. Claimed in item_at's order (4, 4, 3, 3, 2,
-  # 2, 1, 1), the SMs end at 7, 6 and 7; the fixed share's snake gives 4 + 2 + 1, 4 + 2 +
-  # 1 and 3 + 3. Either first wave walks both heads of the one batch row.
-  assert launch_order.forward_orders(1, 512, 2, 3) == (7 / (20 / 3), 7 / (20 / 3), 2, 2)
+  # a head, 20 in all, 20 / 3 an even share. Claimed in item_at's order, a head at a
+  # time (4, 3, 2, 1, 4, 3, 2, 1), the SMs end at 6, 7 and 7; the fixed share's snake
+  # gives 4 + 2 + 1, 4 + 2 + 1 and 3 + 3. The fixed share's first wave walks both heads,
+  # the claimed items' head 0 alone.
+  assert launch_order.forward_orders(1, 512, 2, 3) == (7 / (20 / 3), 7 / (20 / 3), 2, 1)
+  work = launch_order.mosaic_forward._Work(1, 2, 4, True, 3)
+  assert launch_order.heads_fastest(work)[:3] == [(0, 0, 3), (0, 1, 3), (0, 0, 2)]
+  # Items of 4, 1, 3 and 1 steps on two SMs. Each claimed as its SM frees up: the second
+  # SM takes the 3 at 1 and the last 1 at 4, finish 5. Each CTA claiming its next item as
+  # it starts one: the first holds the 3 from the start, finish 4 + 3 = 7.
+  assert launch_order.finish([4, 1, 3, 1], sms=2, overhead=0) == 5
+  assert launch_order.finish_claiming_ahead([4, 1, 3, 1], sms=2) == 7
+  assert launch_order.finish_claiming_ahead([2, 2], sms=4) == 2  # fewer items than SMs
   # The forward's K and V through L2: two items of one head, 3 and 2 key blocks, on two
   # SMs read blocks 0 and 1 together (one misses, one hits) and block 2 alone: 2 hits
   # of 5, in 3 ticks; one SM walking two heads' items, 5 ticks, misses every block.

@@ -95,18 +95,12 @@ class HopperBlockSizes:
       `default` turns it on above head dim 64 (at head dim 64 it lost up to 2%, with
       either launch: `benchmarks/results/tuning/tune_attention_hopper_h64_h100.md`).
     dynamic_schedule: with ``persistent``, each CTA takes its next item from a counter
-      in global memory as it starts loading the one before, in `_Work.item_at`'s order
-      (heads fastest), rather than a fixed share of the items: the persistent launch's
-      overlap of one item's loads with the last's products, with the balance of the
-      grid's own scheduling (the fixed share lost 1-7% to the grid wherever items differ
-      in length). `default` takes it where it won on an H100; the
+      in global memory once it has loaded the one before, in `_Work.item_at`'s order
+      (the grid's launch order), rather than a fixed share of the items: the persistent
+      launch's overlap of one item's loads with the last's products, with the balance
+      of the grid's own scheduling (the fixed share lost 1-7% to the grid wherever
+      items differ in length). `default` takes it where it won on an H100; the
       producer's loads then come from its whole warpgroup (not ``one_producer_warp``).
-    launch_order: with ``persistent``, the items in the grid's own launch order, batch
-      rows fastest, then query tiles (under a causal mask the longest first), heads
-      slowest, rather than heads fastest (`_Work.item_at`): the CTAs at work together
-      then walk the query tiles of one or a few heads, whose K and V L2 holds, as the
-      grid's CTAs do. At 16 pairs the claimed items in heads-fastest order read 4.5x
-      the grid's DRAM bytes (docs/kernels.md, claimed items). Not yet run on a GPU.
   """
 
   block_q: int = 64
@@ -116,7 +110,6 @@ class HopperBlockSizes:
   one_producer_warp: bool = False
   overlap_softmax: bool = False
   dynamic_schedule: bool = False
-  launch_order: bool = False
 
   def __post_init__(self):
     if not (isinstance(self.block_q, int) and self.block_q > 0 and self.block_q % 64 == 0):
@@ -132,17 +125,13 @@ class HopperBlockSizes:
     if not (isinstance(self.num_stages, int) and self.num_stages >= 2):
       raise ValueError(f"HopperBlockSizes.num_stages must be an int >= 2, got "
                        f"{self.num_stages!r}")
-    for name in ("persistent", "one_producer_warp", "overlap_softmax", "dynamic_schedule",
-                 "launch_order"):
+    for name in ("persistent", "one_producer_warp", "overlap_softmax", "dynamic_schedule"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"HopperBlockSizes.{name} must be a bool, got "
                          f"{getattr(self, name)!r}")
     if self.dynamic_schedule and (not self.persistent or self.one_producer_warp):
       raise ValueError("HopperBlockSizes.dynamic_schedule takes persistent=True and "
                        "one_producer_warp=False")
-    if self.launch_order and not self.persistent:
-      raise ValueError("HopperBlockSizes.launch_order orders the persistent launch's "
-                       "items: it takes persistent=True")
 
   @classmethod
   def default(cls, head_dim: int, is_causal: bool = False,
@@ -171,12 +160,13 @@ class HopperBlockSizes:
     GQA 32/8 668 against 633 (710 against 689 without a mask), 2x8192 GQA 32/4 700
     against 683, head dim 64 causal 385-388 against 347-350 (cuDNN 384-387), head dim
     64 without a mask 493 against the fixed share's 483; 4x4096x16 without a mask, at
-    head dims 128 and 96, ran level (678 against 679, 434 against 434). With 16 pairs
-    they lost 3-5% (1x16384: causal 681 against 700, 692 against 710 in another run;
-    without a mask 683 against 717), so those keep the grid. There Nsight Compute
-    counted 1.4% fewer cycles than the grid's but a slower SM clock (1.65 against 1.71
-    GHz) beside an L2 hit rate of 77% against 94% and 4.5x the DRAM bytes
-    (ncu_attention_forward_16k_causal_{claimed,grid}_h100.log; docs/kernels.md).
+    head dims 128 and 96, ran level (678 against 679, 434 against 434). Those runs
+    took the items heads fastest, each claimed as the item before started. In the
+    launch order, claimed after the item before's last load (`_Work.item_at`, the
+    claim), they ran 657 against heads fastest's 648 at 4x4096x16 causal in one run,
+    level on the other rows (attention_claim_late_h100.md). With 16 pairs they run level
+    with the grid (1x16384: 708 against 707 causal, 692 against 692 without a mask;
+    heads fastest had lost 3-5%), so those keep the grid.
     Above head dim 128 they lost (MLA's 192 / 128: 599 against 606 causal, 611 against
     650 without a mask) and ptxas spills at head dim 256 (ptxas_attention_offline.md),
     so the grid stays there."""
@@ -224,8 +214,6 @@ class _Work:
   # Persistent CTAs claiming their items after the first from a counter
   # (`HopperBlockSizes.dynamic_schedule`), in the order of `item_at`.
   dynamic: bool = False
-  # `item_at` in the grid's launch order (`HopperBlockSizes.launch_order`).
-  launch_order: bool = False
 
   @property
   def count(self) -> int:
@@ -284,25 +272,17 @@ class _Work:
     return self.item_at(w)
 
   def item_at(self, w):
-    """(b, n, tile) of item w: heads fastest, then query tiles (under a causal mask the
-    longest first), then batch rows. The CTAs that claim their items (`dynamic`) take
-    them in this order, so that each row's shortest tiles come last. By the key blocks
-    alone (`benchmarks/launch_order.py --forward`, 132 SMs, issue 30's causal rows) the
-    last claiming CTA ends within 1.6% of an even share; the fixed share's causal order
-    ends within 3.1%. This was meant as the grid's launch order, but Pallas' Mosaic GPU
+    """(b, n, tile) of item w in the grid's launch order: batch rows fastest, then query
+    tiles (under a causal mask the longest first), heads slowest. Pallas' Mosaic GPU
     lowering puts the grid's last axis on CUDA's x, launched fastest
     (jax/_src/pallas/mosaic_gpu/lowering.py; Nsight Compute reads the grid as (batch,
-    tiles, heads)), so the grid goes batch rows fastest and heads slowest: its CTAs at
-    work together share one head's K and V. With 16 pairs this order walks all 16 heads
-    at once, 128 MiB of K and V at 1x16384, and L2 misses (docs/kernels.md, claimed
-    items). With ``launch_order``, the grid's launch order instead: batch rows fastest,
-    then query tiles (the longest first under a causal mask), heads slowest."""
-    if self.launch_order:
-      b, rest = rem32(w, self.batch), div32(w, self.batch)
-      tile, n = rem32(rest, self.q_tiles), div32(rest, self.q_tiles)
-    else:
-      n, rest = rem32(w, self.heads), div32(w, self.heads)
-      tile, b = rem32(rest, self.q_tiles), div32(rest, self.q_tiles)
+    tiles, heads)). So the CTAs at work together walk the tiles of one or a few heads,
+    whose K and V L2 holds, and each head's shortest tiles come last. Heads fastest, as
+    until 2026-12-07, walked all 16 heads of 1x16384 at once (128 MiB of K and V): L2
+    hits 77% against the grid's 94%, and 3-5% slower than it (docs/kernels.md, claimed
+    items)."""
+    b, rest = rem32(w, self.batch), div32(w, self.batch)
+    tile, n = rem32(rest, self.q_tiles), div32(rest, self.q_tiles)
     if self.causal:
       tile = self.q_tiles - 1 - tile
     return b, n, tile
@@ -359,8 +339,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
 
   def claim(i):
     """The producer claims the CTA's item i + 1 into slot (i + 1) % 2. Called in item
-    i once both consumers have freed their query tiles, so they are past the start of
-    item i - 1, where they read that slot last (in item 0 the slot is still unused)."""
+    i after its loads, which waited for both consumers to free their query tiles, so
+    they are past the start of item i - 1, where they read that slot last (in item 0
+    the slot is still unused)."""
     s = rem32(i + 1, 2)
     for slot in range(2):
       pl.when(s == slot)(lambda slot=slot: claim_next(counter, scratch.item_slots.at[slot]))
@@ -623,9 +604,15 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
         pl.when(i > 0)(functools.partial(plgpu.barrier_wait, q_free.at[c]))
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0 + c * bq, bq), n], q_smem.at[c],
                                 q_loaded.at[c])
-      if work.dynamic:  # early, so that the claim's round trip hides under the loads
-        claim(i)
       pl.loop(lo + 1, hi)(load_kv)
+      # The claim comes after the item's last load, a ring's worth of key blocks before
+      # its consumers finish, so that the next item goes to a CTA about to be free. Made
+      # among the item's first loads, as until 2026-12-07, it tied each CTA's next item
+      # to the start of the one before: with the longest tiles of a head claimed
+      # together, one CTA took two of them, and SMs sat idle at the end for 9-10% of the
+      # elapsed cycles (docs/kernels.md, claimed items).
+      if work.dynamic:
+        claim(i)
       return issued + (hi - lo)
 
     def loads():  # returns nothing, as a warp's branch must
@@ -697,8 +684,7 @@ def _forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, s
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages
   work = _Work(B, N, n_q_tiles, spec.is_causal,
-               pallas.num_cores() if blocks.persistent else None, blocks.dynamic_schedule,
-               blocks.launch_order)
+               pallas.num_cores() if blocks.persistent else None, blocks.dynamic_schedule)
   # A persistent CTA refills its query tiles while the previous item finishes, so its
   # outputs need tiles of their own, where shared memory has room for them; so does an
   # output of another head dim than the queries'.
