@@ -609,8 +609,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
       # its consumers finish, so that the next item goes to a CTA about to be free. Made
       # among the item's first loads, as until 2026-12-07, it tied each CTA's next item
       # to the start of the one before: with the longest tiles of a head claimed
-      # together, one CTA took two of them, and SMs sat idle at the end for 9-10% of the
-      # elapsed cycles (docs/kernels.md, claimed items).
+      # together, one CTA took two of them, and the kernel ran 9-10% past the SMs'
+      # average active cycles (docs/kernels.md, claimed items).
       if work.dynamic:
         claim(i)
       return issued + (hi - lo)
