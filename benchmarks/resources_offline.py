@@ -77,10 +77,10 @@ def compile_module(module: bytes):
   compile_fn(ctypes.c_char_p(module), ctypes.c_int(len(module)))
 
 
-def innermost_wgmma_loops(sass: str) -> list[tuple[int, int, int, int]]:
-  """(instructions, HGMMA, MUFU.EX2, barrier or sync instructions) of each loop of
-  ``sass`` (nvdisasm's text) that issues HGMMA and holds no other loop: a backward
-  branch's span from its target label."""
+def innermost_wgmma_loops(sass: str) -> list[tuple[int, int, int, int, int, int]]:
+  """(instructions, HGMMA, MUFU.EX2, barrier or sync instructions, local loads LDL and
+  local stores STL: spills) of each loop of ``sass`` (nvdisasm's text) that issues
+  HGMMA and holds no other loop: a backward branch's span from its target label."""
   labels, instructions = {}, []
   for line in sass.splitlines():
     label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -100,7 +100,8 @@ def innermost_wgmma_loops(sass: str) -> list[tuple[int, int, int, int]]:
     body = instructions[start:end + 1]
     count = lambda *words: sum(any(w in line for w in words) for line in body)
     if count("HGMMA"):
-      loops.append((len(body), count("HGMMA"), count("MUFU.EX2"), count("BAR", "SYNCS")))
+      loops.append((len(body), count("HGMMA"), count("MUFU.EX2"), count("BAR", "SYNCS"),
+                    count("LDL"), count("STL")))
   return loops
 
 
@@ -160,7 +161,8 @@ def main():
               f"spills {stores} bytes stored, {loads} loaded{serialized}", flush=True)
         if args.loops:
           for loop in innermost_wgmma_loops(disassemble(path[:-len(".ptxas")] + ".ptx")):
-            print("  loop: %d instructions, %d HGMMA, %d MUFU.EX2, %d barrier/sync" % loop,
+            print("  loop: %d instructions, %d HGMMA, %d MUFU.EX2, %d barrier/sync, "
+                  "%d LDL, %d STL" % loop,
                   flush=True)
 
 

@@ -367,7 +367,7 @@ def test_ncu_stalls_reads_a_source_table(tmp_path):
 
 def test_resources_offline_finds_the_innermost_wgmma_loops():
   # nvdisasm's text: an outer loop holding an inner one; only the inner, which issues
-  # HGMMA, is reported, with its instruction counts.
+  # HGMMA, is reported, with its instruction counts (a spill's reload among them).
   resources_offline = _benchmark_module("resources_offline")
   sass = """
   .L_x_1:
@@ -376,6 +376,7 @@ def test_resources_offline_finds_the_innermost_wgmma_loops():
         /*0010*/   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
         /*0020*/   MUFU.EX2 R2, R3 ;
         /*0030*/   SYNCS.ARRIVE.TRANS64 RZ, [UR8], RZ ;
+        /*0038*/   LDL R4, [R1+0x10] ;
         /*0040*/   @P0 BRA `(.L_x_2) ;
         /*0050*/   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
         /*0060*/   @P1 BRA `(.L_x_1) ;
@@ -383,7 +384,7 @@ def test_resources_offline_finds_the_innermost_wgmma_loops():
   .L_x_3:
         /*0080*/   EXIT ;
 """
-  assert resources_offline.innermost_wgmma_loops(sass) == [(4, 1, 1, 1)]
+  assert resources_offline.innermost_wgmma_loops(sass) == [(5, 1, 1, 1, 1, 0)]
 
 
 def test_launch_order_schedules_the_backward_ctas():
