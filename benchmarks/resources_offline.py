@@ -16,8 +16,9 @@ query and key lengths per batch row, as arrays (the kernels' ranges then come at
 time). --loops also compiles each kernel's dumped PTX with ptxas and disassembles it
 (nvdisasm, from the triton wheel that resources_offline.sh installs), and prints the
 innermost loops that issue wgmma (HGMMA): their SASS instructions, HGMMAs, exp2s
-(MUFU.EX2) and barrier or synchronization instructions, so that two schedules' steady
-states compare without a GPU.
+(MUFU.EX2), barrier or synchronization instructions, and local loads and stores (LDL,
+STL: the spills that sit in the loop), so that two schedules' steady states compare
+without a GPU.
 """
 
 from __future__ import annotations
