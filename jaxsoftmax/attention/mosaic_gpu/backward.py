@@ -111,7 +111,9 @@ class HopperBackwardBlockSizes:
       the H200 this took the causal and GQA backwards from 384-531 to 524-618 TFLOP/s.
       The wide design addresses its tiles as they are: at MLA's head dims, where it
       spills nothing either way, fresh addresses measured 4% slower causal; at head dim
-      256 they would remove 16 bytes of spills, untimed.
+      256 they remove every spill offline (168 / 200 bytes causal) and timed level on an
+      H100 (362 against 364 TFLOP/s causal, 314 against 311 on GQA 32/8:
+      benchmarks/results/tuning/attention_backward_wide_fresh_h256_h100.md).
     fresh_mask_offsets: in the split-keys design, a masked step's element mask takes the
       consumer's first key through an optimization barrier too, so that the keys'
       offsets are computed in the step. Otherwise, on GQA, LLVM hoists them out of the
