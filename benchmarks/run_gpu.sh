@@ -87,10 +87,10 @@
 # it to the machine); they are installed under /tmp for the run.
 #
 # A change against the code before it, in one call on one machine: BASELINE=baseline
-# has the benchmark scripts import jaxsoftmax from that folder, not the repo's
-# (git-ignored; write it with `rm -rf baseline && mkdir baseline && git archive REF
-# jaxsoftmax | tar -x -C baseline` and carry it), with its own OUT so that the two
-# archives both come back:
+# has the benchmark scripts and the test stages import jaxsoftmax from that folder, not
+# the repo's (git-ignored; write it with `rm -rf baseline && mkdir baseline && git
+# archive REF jaxsoftmax | tar -x -C baseline` and carry it), with its own OUT so that
+# the two archives both come back:
 #   STAGES=attn-bench ATTN_NAME=x_new OUT=$OUT/new bash benchmarks/run_gpu.sh
 #   BASELINE=baseline STAGES=attn-bench ATTN_NAME=x_base OUT=$OUT/base bash benchmarks/run_gpu.sh
 set -uo pipefail
@@ -120,6 +120,9 @@ if [ "${PACK_ONLY:-0}" = 1 ]; then out=$(mktemp -d); else out=$top/run; fi
 mkdir -p "$top" "$out"
 python=${PYTHON:-python3}
 export PYTHONPATH=${BASELINE:+$(realpath "$BASELINE"):}$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
+# pytest (python -m) and its xdist workers (python -c) put the working directory, and so
+# the repo's jaxsoftmax, ahead of PYTHONPATH; PYTHONSAFEPATH (Python 3.11+) leaves it off.
+if [ -n "${BASELINE:-}" ]; then export PYTHONSAFEPATH=1; fi
 export PYTHONUNBUFFERED=1
 
 {
