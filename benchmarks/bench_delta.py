@@ -7,13 +7,18 @@ Why: on an H100 at 4x4096x16x128 causal the delta fusion took 67.8 us and zeroin
 (`benchmarks/results/tuning/kernels_ncu_4x4096_causal_h100.md`); delta reads 134 MB,
 which is 40 us at 3.35 TB/s.
 
-    python3 benchmarks/bench_delta.py [--shape B,T,N,H ...]
+    python3 benchmarks/bench_delta.py [--shape B,T,N,H ...] [--o-dtype float32]
 
 Rows: "einsum bnt" (`logits.row_delta` as the backward calls it), "sum btn then
-transpose", "pallas delta" (a Triton Pallas kernel writing delta alone), the zeros alone,
-"einsum + zeros" and "pallas delta + zeros" (one kernel writing both). Each row: median
-device time (us), end-to-end (us), GB/s of the bytes it must move, and the max abs
-difference from the einsum's delta.
+transpose", "pallas delta" (a Triton Pallas kernel writing delta alone; T a multiple of
+its 64 rows), the zeros alone, "einsum + zeros" and "pallas delta + zeros" (one kernel
+writing both). Each row: median device time (us), end-to-end (us), GB/s of the bytes it
+must move, the max abs difference from the einsum's delta, and whether `jax.vmap` over
+two such inputs gives the first one's delta bit for bit ("vmap same"): under vmap the
+backward computes delta over arrays with one more axis, and a reduction that XLA tiles
+by the arrays' shape may round otherwise. --o-dtype float32 takes O as the Hopper
+backward does for 16-bit inputs (the forward's float32 O, `api._forward`); dO stays
+bfloat16.
 """
 
 from __future__ import annotations
@@ -86,7 +91,10 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shape", action="append",
                       help="B,T,N,H (default 4,4096,16,128 and 1,16384,32,128)")
+  parser.add_argument("--o-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                      help="O's dtype (the Hopper backward reads a float32 O)")
   args = parser.parse_args()
+  o_dtype = jnp.dtype(args.o_dtype)
   shapes = [tuple(int(x) for x in s.split(",")) for s in
             (args.shape or ["4,4096,16,128", "1,16384,32,128"])]
   if jax.default_backend() != "gpu":
@@ -95,25 +103,36 @@ def main():
   for shape in shapes:
     B, T, N, H = shape
     sets = []
-    in_bytes = 2 * np.prod(shape) * 2
-    for i in range(harness.rotations(in_bytes)):
+    in_bytes = np.prod(shape) * (o_dtype.itemsize + 2)
+    for i in range(max(2, harness.rotations(in_bytes))):  # two at least, for vmap
       ko, kd = jax.random.split(jax.random.key(i))
-      sets.append((jax.random.normal(ko, shape, jnp.bfloat16),
+      sets.append((jax.random.normal(ko, shape, jnp.float32).astype(o_dtype),
                    jax.random.normal(kd, shape, jnp.bfloat16)))
     truth = jax.jit(row_delta)(*sets[0])
-    print(f"\n## B, T, N, H = {shape}, bfloat16\n")
-    print("| variant | device us | end-to-end us | GB/s | max abs diff from einsum |")
-    print("|---|---|---|---|---|")
+    pair = tuple(jnp.stack(x) for x in zip(sets[0], sets[1]))  # two inputs on a new axis
+    print(f"\n## B, T, N, H = {shape}, O {o_dtype.name}, dO bfloat16\n")
+    print("| variant | device us | end-to-end us | GB/s | max abs diff from einsum "
+          "| vmap same |")
+    print("|---|---|---|---|---|---|")
     for name, (fn, writes_zeros) in VARIANTS.items():
+      if name.startswith("pallas") and shape[1] % _BLOCK_T:
+        print(f"| {name} | | | | (T not a multiple of {_BLOCK_T}) | |")
+        continue
       moved = (0 if name == "zeros" else in_bytes) + (4 * np.prod(shape) if writes_zeros else 0)
+      first = lambda out: out[0] if isinstance(out, tuple) else out
       out = jax.jit(fn)(*sets[0])
-      delta = out[0] if isinstance(out, tuple) else out
+      delta = first(out)
       diff = "-" if name == "zeros" else f"{float(jnp.max(jnp.abs(delta - truth))):.2e}"
       if isinstance(out, tuple) and not bool(jnp.all(out[1] == 0)):
         diff += " (zeros not zero)"
+      same = "-"
+      if name != "zeros":
+        mapped = first(jax.jit(jax.vmap(fn))(*pair))[0]
+        mismatches = int(jnp.sum(mapped != delta))
+        same = "yes" if mismatches == 0 else f"no: {mismatches} of {delta.size} differ"
       device, wall, timer = harness.time_call(fn, sets)
-      print(f"| {name} | {device:.1f} | {wall:.1f} | {moved / device / 1e3:.0f} | {diff} |",
-            flush=True)
+      print(f"| {name} | {device:.1f} | {wall:.1f} | {moved / device / 1e3:.0f} | {diff} "
+            f"| {same} |", flush=True)
     print(f"\n(timer: {timer})")
 
 

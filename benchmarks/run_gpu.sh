@@ -47,7 +47,8 @@
 #                           per call, the attention kernels and those around them
 #                           (ATTN_ONLY, ATTN_MODES, ATTN_NAME; ATTN_IMPLS picks them)
 #   attn-delta              bench_delta.py: the backward's delta and zeroed dQ, by XLA
-#                           and by a Pallas kernel
+#                           and by a Pallas kernel, and whether each is the same under
+#                           vmap (DELTA_ARGS: its arguments)
 #   attn-ncu                Nsight Compute counters of one forward (NCU_SOURCE=1 adds the
 #                           per-instruction stall samples on the SASS, summed up by
 #                           ncu_stalls.py)
@@ -247,7 +248,9 @@ for stage in $stages; do
         ${ATTN_IMPLS:+--impls "$ATTN_IMPLS"} --name "${ATTN_NAME:-profile_attention_kernels}" \
         > "$out/attn_kernels.log" 2>&1; tail -n 3 "$out/attn_kernels.log" | tee -a "$out/summary.log" ;;
     attn-delta)
-      timeout 120 $python benchmarks/bench_delta.py > "$out/attn_delta.log" 2>&1
+      # DELTA_ARGS: its arguments, e.g. "--shape 4,300,16,128 --o-dtype float32".
+      eval "delta_args=(${DELTA_ARGS:-})"
+      timeout 120 $python benchmarks/bench_delta.py "${delta_args[@]}" > "$out/attn_delta.log" 2>&1
       cat "$out/attn_delta.log" | tee -a "$out/summary.log" ;;
     attn-planes)
       # The Triton forward's pipeline stages against a mask or bias tile

@@ -242,13 +242,15 @@ def test_profile_attention_kernels_smoke(tmp_path):
 def test_bench_delta_smoke():
   report = _run("benchmarks/bench_delta.py").stdout
   # Every variant timed, each delta the einsum's up to float32 rounding of sums of
-  # size ~10, each zeroed dQ zero.
+  # size ~10, each zeroed dQ zero, and each delta's vmap compared with it.
   rows = [line for line in report.splitlines() if line.startswith("| ") and "---" not in line]
   assert len(rows) == 1 + 6
   assert "zeros not zero" not in report
   for row in rows[1:]:
-    diff = row.split("|")[-2].strip()
+    diff, same = (cell.strip() for cell in row.split("|")[-3:-1])
     assert diff == "-" or float(diff) < 1e-4, row
+    assert (diff == "-") == (same == "-"), row  # the zeros alone have neither
+    assert same in ("-", "yes") or re.fullmatch(r"no: \d+ of \d+ differ", same), row
 
 
 def test_profile_rows_smoke(tmp_path):
