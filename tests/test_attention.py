@@ -1432,9 +1432,18 @@ def test_hopper_vmap_claims_items_gpu(key):
   q, k, v, do = (x.reshape((2, 4) + x.shape[1:]) for x in (q, k, v, do))
   attention = functools.partial(js.dot_product_attention, is_causal=True,
                                 implementation="mosaic_gpu")
-  assert mosaic_attention.blocks(Call(4, 300, 300, 16, 4, 128, "bfloat16",
-                                      MaskSpec(300, 300, is_causal=True), 0.1, None, None,
-                                      False)).dynamic_schedule
+  call = Call(4, 300, 300, 16, 4, 128, "bfloat16", MaskSpec(300, 300, is_causal=True),
+              128 ** -0.5, None, None, False)
+  assert mosaic_attention.blocks(call).dynamic_schedule
+  # The forward's residuals first, the float32 O that the backward's delta reads among
+  # them: so that a gradient that differs tells whether the forward or the backward did.
+  forward = functools.partial(mosaic_attention.fwd, aux_arrays=AuxArrays(), call=call,
+                              float32_output=True)
+  mapped = jax.jit(jax.vmap(forward))(q, k, v)
+  for i in range(2):
+    own = jax.jit(forward)(q[i], k[i], v[i])
+    for name, a, b in zip(("o", "m", "log2_l", "o32"), mapped, own):
+      np.testing.assert_array_equal(a[i], b, err_msg=name)
 
   def step(q, k, v, do):
     o, vjp = jax.vjp(attention, q, k, v)
