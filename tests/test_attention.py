@@ -23,16 +23,16 @@ import jaxsoftmax as js
 from jaxsoftmax.attention import reference
 from jaxsoftmax._core import mosaic_gpu as mosaic_device
 from jaxsoftmax.attention import BlockSizes, HopperBlockSizes, api
-from jaxsoftmax.attention.triton import tangent, tiling
+from jaxsoftmax.attention.triton import delta as triton_delta, tangent, tiling
 from jaxsoftmax.attention.call import AuxArrays, Call
-from jaxsoftmax.attention.logits import score_grad_term_count
+from jaxsoftmax.attention.logits import row_delta, score_grad_term_count
 from jaxsoftmax.attention.masks import MaskSpec
 from jaxsoftmax.attention import mosaic_gpu as mosaic_attention
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
 from jaxprs import array_shapes, pallas_calls
 from flash_form import flash_form_gradients
-from tolerance import assert_2x_or_kernel_form, truth
+from tolerance import assert_2x, assert_2x_or_kernel_form, truth
 
 SMALL_BLOCKS = BlockSizes(16, 16, 16, 16, 16, 16, num_warps=4, num_warps_bwd=4)
 BACKENDS = [backend.NAME for backend in api.BACKENDS]
@@ -1440,10 +1440,30 @@ def test_hopper_vmap_claims_items_gpu(key):
   forward = functools.partial(mosaic_attention.fwd, aux_arrays=AuxArrays(), call=call,
                               float32_output=True)
   mapped = jax.jit(jax.vmap(forward))(q, k, v)
+  own = [jax.jit(forward)(q[i], k[i], v[i]) for i in range(2)]
   for i in range(2):
-    own = jax.jit(forward)(q[i], k[i], v[i])
-    for name, a, b in zip(("o", "m", "log2_l", "o32"), mapped, own):
+    for name, a, b in zip(("o", "m", "log2_l", "o32"), mapped, own[i]):
       np.testing.assert_array_equal(a[i], b, err_msg=name)
+  # Then the backward alone, as vmap runs it (the two elements folded into one batch of
+  # 8 rows) against each element's own call, from the same residuals: with delta from
+  # XLA's reduction inside the backward, and with delta given (the same numbers in both
+  # runs), so that a difference tells whether the reduction over the larger array
+  # rounds otherwise or the kernel or lse₂ does. Every count is reported at once.
+  backward = jax.jit(functools.partial(mosaic_attention.bwd, aux_arrays=AuxArrays(),
+                                       call=call))
+  # The backward's residuals are the float32 O, m and log2_l.
+  inputs = [(q[i], k[i], v[i], own[i][3], own[i][1], own[i][2], do[i]) for i in range(2)]
+  folded_inputs = [jnp.concatenate(pair) for pair in zip(*inputs)]
+  differing = {}
+  for given in (False, True):
+    deltas = [row_delta(own[i][3], do[i]) if given else None for i in range(2)]
+    folded = backward(*folded_inputs, delta=jnp.concatenate(deltas) if given else None)
+    for i in range(2):
+      one = backward(*inputs[i], delta=deltas[i])
+      for name, a, b in zip(("dk", "dv"), folded[1:], one[1:]):
+        differing[f"{name}[{i}], delta {'given' if given else 'computed'}"] = int(
+            jnp.sum(a[4 * i:4 * i + 4] != b))
+  assert not any(differing.values()), differing
 
   def step(q, k, v, do):
     o, vjp = jax.vjp(attention, q, k, v)
@@ -1453,6 +1473,41 @@ def test_hopper_vmap_claims_items_gpu(key):
   for i in range(2):
     _assert_same_schedule_results(("output", "dq", "dk", "dv"), [x[i] for x in mapped],
                                   jax.jit(step)(q[i], k[i], v[i], do[i]))
+
+
+@pytest.mark.parametrize("B, T, N, Hv, rows", [(2, 100, 3, 96, 128), (1, 7, 2, 80, 64),
+                                             (1, 128, 1, 256, 128)])
+def test_delta_kernel(B, T, N, Hv, rows):
+  # delta = rowsum(dO ∘ O) from `triton.delta` (the Hopper backward's), interpreted:
+  # the 2x rule against float64 at lengths and head dims that are not powers of two,
+  # the rows past T zero, and a NaN in O kept in its own row.
+  ko, kd = jax.random.split(jax.random.key(1))
+  o = jax.random.normal(ko, (B, T, N, Hv), jnp.float32).at[0, T // 2, 0, 3].set(jnp.nan)
+  do = jax.random.normal(kd, (B, T, N, Hv), jnp.bfloat16)
+  got = np.asarray(triton_delta.row_delta(o, do, rows=rows, interpret=True))
+  assert got.shape == (B, N, rows)
+  np.testing.assert_array_equal(got[..., T:], 0)
+  assert np.isnan(got[0, 0, T // 2]) and np.isnan(got).sum() == 1
+  assert_2x(got[..., :T], row_delta(o, do), truth(row_delta, o, do), what="delta")
+  with pytest.raises(ValueError, match="rows must be a multiple of 64"):
+    triton_delta.row_delta(o, do, rows=rows + 1, interpret=True)
+
+
+@pytest.mark.gpu
+def test_delta_kernel_same_in_any_batch_gpu(key):
+  # Compiled: the rows of two inputs folded into one batch, as the Hopper backward
+  # receives them under vmap (`_core.linear_map`), are each input's own call's bit for
+  # bit, and close to XLA's einsum.
+  ko, kd = jax.random.split(key)
+  o = jax.random.normal(ko, (2, 4, 300, 16, 128), jnp.float32)
+  do = jax.random.normal(kd, (2, 4, 300, 16, 128), jnp.bfloat16)
+  delta = jax.jit(functools.partial(triton_delta.row_delta, rows=384))
+  folded = delta(o.reshape((8,) + o.shape[2:]), do.reshape((8,) + do.shape[2:]))
+  for i in range(2):
+    own = delta(o[i], do[i])
+    np.testing.assert_array_equal(folded[4 * i:4 * i + 4], own)
+    np.testing.assert_allclose(own[..., :300], row_delta(o[i], do[i]), rtol=1e-5,
+                               atol=1e-4)
 
 
 def test_hopper_default_claims_items_of_many_pairs():

@@ -64,11 +64,12 @@ from jaxsoftmax._core.mosaic_gpu import (SMEM_BYTES, div32, on_warps, pad_to, pe
                                         warp_specialized_kernel, wgmma_iota)
 from jaxsoftmax._core.pallas import num_cores
 from jaxsoftmax.attention.call import AuxArrays
-from jaxsoftmax.attention.logits import (LOG2E, Logits, row_delta, score_grad,
+from jaxsoftmax.attention.logits import (LOG2E, Logits, score_grad,
                                          score_grad_term_count, score_grad_terms)
 from jaxsoftmax.attention.masks import (MaskSpec, element_mask, key_block_ranges,
                                         query_block_ranges, walk_block_ranges)
 from jaxsoftmax.attention.mosaic_gpu.forward import wgmma_head_dim
+from jaxsoftmax.attention.triton.delta import row_delta
 
 # One value per row, and per column, of a wgmma tile: the dK/dV kernel works on
 # Sᵀ = K Qᵀ (a row per key, a column per query), the dQ kernel on S = Q Kᵀ.
@@ -1258,11 +1259,12 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   keys_per_tile = blocks.keys_per_tile(wide)
   key_blocks = keys_per_tile // bkv
   logits = Logits(scale, softcap, fused=True)
-  # delta = rowsum(dO ∘ O) and lse₂ in one fused XLA pass each, padded to whole tiles
-  # of queries: the padding rows have lse₂ = +inf, so they take no part.
+  # delta = rowsum(dO ∘ O) from a kernel whose sums round alike whatever the batch
+  # (`triton.delta`: under vmap, too), and lse₂ in one fused XLA pass, padded to whole
+  # tiles of queries: the padding rows have lse₂ = +inf, so they take no part.
   T_pad = pl.cdiv(T, _CONSUMERS * bq) * _CONSUMERS * bq
   if delta is None:
-    delta = row_delta(o, do)
+    delta = row_delta(o, do, rows=T_pad)
   c = logits.factor * LOG2E
   lse2 = jnp.where(m == -jnp.inf, jnp.inf, m * c + log2_l)
   delta, lse2 = pad_to(delta, 2, T_pad), pad_to(lse2, 2, T_pad, jnp.inf)
