@@ -9,14 +9,15 @@ which is 40 us at 3.35 TB/s.
 
     python3 benchmarks/bench_delta.py [--shape B,T,N,H ...] [--o-dtype float32]
 
-Rows: "einsum bnt" (`logits.row_delta` as the backward calls it), "sum btn then
-transpose", "pallas delta" (a Triton Pallas kernel writing delta alone; T a multiple of
-its 64 rows), the zeros alone, "einsum + zeros" and "pallas delta + zeros" (one kernel
-writing both). Each row: median device time (us), end-to-end (us), GB/s of the bytes it
-must move, the max abs difference from the einsum's delta, and whether `jax.vmap` over
-two such inputs gives the first one's delta bit for bit ("vmap same"): under vmap the
-backward computes delta over arrays with one more axis, and a reduction that XLA tiles
-by the arrays' shape may round otherwise. --o-dtype float32 takes O as the Hopper
+Rows: "einsum bnt" (`logits.row_delta`, the Triton backward's), "sum btn then
+transpose", "pallas delta" (`triton.delta.row_delta`, the Hopper backward's, its rows
+padded to a multiple of 64), the zeros alone, "einsum + zeros" and "pallas delta +
+zeros" (a prototype kernel writing both; T a multiple of its 64 rows). Each row: median
+device time (us), end-to-end (us), GB/s of the bytes it must move, the max abs
+difference from the einsum's delta, and whether two such inputs folded into one batch
+give the first one's delta bit for bit ("vmap same"): under vmap the backward runs on
+the mapped elements folded into the batch (`_core.linear_map`), and a reduction that XLA
+tiles by the arrays' shape may round otherwise. --o-dtype float32 takes O as the Hopper
 backward does for 16-bit inputs (the forward's float32 O, `api._forward`); dO stays
 bfloat16.
 """
@@ -24,7 +25,6 @@ bfloat16.
 from __future__ import annotations
 
 import argparse
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,9 @@ import harness
 from jaxsoftmax._core import pallas
 from jaxsoftmax._core.pallas import pl
 from jaxsoftmax.attention.logits import row_delta
+from jaxsoftmax.attention.triton import delta as delta_kernel
 
-_BLOCK_T = 64
+_BLOCK_T = delta_kernel.BLOCK_ROWS
 
 
 def _sum_then_transpose(o, do):
@@ -43,29 +44,34 @@ def _sum_then_transpose(o, do):
   return d.transpose(0, 2, 1)
 
 
-def _pallas_delta(o, do, *, zeros: bool):
-  """delta (B, N, T), and with ``zeros`` a zeroed float32 array of o's shape, from
-  one kernel: a program per head, block of _BLOCK_T rows and batch row. T must be a
-  multiple of _BLOCK_T and H a power of two (a prototype: no masks)."""
+def _kernel_delta(o, do):
+  """The Hopper backward's delta kernel, its padding rows cut off."""
+  T = o.shape[1]
+  rows = pl.cdiv(T, _BLOCK_T) * _BLOCK_T
+  return delta_kernel.row_delta(o, do, rows=rows,
+                                interpret=pallas.resolve_interpret(None))[..., :T]
+
+
+def _pallas_delta_and_zeros(o, do):
+  """delta (B, N, T) and a zeroed float32 array of o's shape from one kernel: a
+  program per head, block of _BLOCK_T rows and batch row. T must be a multiple of
+  _BLOCK_T and H a power of two (a prototype: no masks)."""
   B, T, N, H = o.shape
   rows = pl.BlockSpec((None, _BLOCK_T, None, H), lambda n, t, b: (b, t, n, 0))
-  out_specs = [pl.BlockSpec((None, None, _BLOCK_T), lambda n, t, b: (b, n, t))]
-  out_shape = [jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
-  if zeros:
-    out_specs.append(rows)
-    out_shape.append(jax.ShapeDtypeStruct(o.shape, jnp.float32))
+  out_specs = [pl.BlockSpec((None, None, _BLOCK_T), lambda n, t, b: (b, n, t)), rows]
+  out_shape = [jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+               jax.ShapeDtypeStruct(o.shape, jnp.float32)]
 
-  def kernel(o_ref, do_ref, delta_ref, *zero_ref):
+  def kernel(o_ref, do_ref, delta_ref, zero_ref):
     prod = o_ref[...].astype(jnp.float32) * do_ref[...].astype(jnp.float32)
     delta_ref[...] = jnp.sum(prod, axis=1)
-    for ref in zero_ref:
-      ref[...] = jnp.zeros(ref.shape, jnp.float32)
+    zero_ref[...] = jnp.zeros(zero_ref.shape, jnp.float32)
 
   outs = pallas.pallas_call(
       kernel, name="delta_pallas", grid=(N, T // _BLOCK_T, B), in_specs=[rows, rows],
       out_specs=out_specs, out_shape=out_shape, num_warps=4, num_stages=2,
       interpret=pallas.resolve_interpret(None))(o, do)
-  return tuple(outs) if zeros else outs[0]
+  return tuple(outs)
 
 
 def _delta(out):
@@ -85,10 +91,10 @@ def _einsum_and_zeros(o, do):
 VARIANTS = {
     "einsum bnt": (row_delta, False),
     "sum btn then transpose": (_sum_then_transpose, False),
-    "pallas delta": (functools.partial(_pallas_delta, zeros=False), False),
+    "pallas delta": (_kernel_delta, False),
     "zeros": (_zeros, True),
     "einsum + zeros": (_einsum_and_zeros, True),
-    "pallas delta + zeros": (functools.partial(_pallas_delta, zeros=True), True),
+    "pallas delta + zeros": (_pallas_delta_and_zeros, True),
 }
 
 
@@ -114,13 +120,13 @@ def main():
       sets.append((jax.random.normal(ko, shape, jnp.float32).astype(o_dtype),
                    jax.random.normal(kd, shape, jnp.bfloat16)))
     truth = jax.jit(row_delta)(*sets[0])
-    pair = tuple(jnp.stack(x) for x in zip(sets[0], sets[1]))  # two inputs on a new axis
+    folded = tuple(jnp.concatenate(x) for x in zip(sets[0], sets[1]))  # 2B batch rows
     print(f"\n## B, T, N, H = {shape}, O {o_dtype.name}, dO bfloat16\n")
     print("| variant | device us | end-to-end us | GB/s | max abs diff from einsum "
           "| vmap same |")
     print("|---|---|---|---|---|---|")
     for name, (fn, writes_zeros) in VARIANTS.items():
-      if name.startswith("pallas") and shape[1] % _BLOCK_T:
+      if name == "pallas delta + zeros" and shape[1] % _BLOCK_T:
         print(f"| {name} | | | | (T not a multiple of {_BLOCK_T}) | |")
         continue
       moved = (0 if name == "zeros" else in_bytes) + (4 * np.prod(shape) if writes_zeros else 0)
@@ -131,7 +137,7 @@ def main():
         diff += " (zeros not zero)"
       same = "-"
       if name != "zeros":
-        mapped = _delta(jax.jit(jax.vmap(fn))(*pair))[0]
+        mapped = _delta(jax.jit(fn)(*folded))[:B]
         mismatches = int(jnp.sum(mapped != delta))
         same = "yes" if mismatches == 0 else f"no: {mismatches} of {delta.size} differ"
       device, wall, timer = harness.time_call(fn, sets)
