@@ -46,6 +46,20 @@ ITERATIONS = 20
 WARMUP = 3
 
 
+def lower_as_if_on_an_h200():
+  """Pallas' Triton lowering asks the device for its compute capability: from here on
+  it answers as an H200's, so that the offline tools lower for CUDA without a GPU (as
+  tests/conftest.py's ``as_if_on_an_h200``; the module that answers is Pallas' own up
+  to JAX 0.12.0, JAX's from 0.12.1)."""
+  try:
+    from jax._src import gpu_info
+  except ImportError:
+    from jax._src.pallas.triton import gpu_info
+  if hasattr(gpu_info, "GpuVersion"):
+    gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(
+        gpu_info.GpuVersion.H200)
+
+
 # --- timing ----------------------------------------------------------------------------
 
 

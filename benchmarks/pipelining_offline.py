@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 import jaxsoftmax as js
 from jaxsoftmax.attention import BlockSizes
+import harness
 from bench_attention_features import FEATURES, feature_arrays
 
 
@@ -38,10 +39,8 @@ def triton_modules(shape: str, feature: str | None, mode: str,
   at ``shape`` (B,T,N,K,H,causal) lowers to, in the lowered program's order;
   ``forward_tiles`` ("block_q,block_k,num_warps,num_stages") replaces the forward's
   default tiles."""
-  from jax._src.pallas.triton import gpu_info, lowering
-  if hasattr(gpu_info, "GpuVersion"):  # the device's compute capability, as an H200's
-    gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(
-        gpu_info.GpuVersion.H200)
+  from jax._src.pallas.triton import lowering
+  harness.lower_as_if_on_an_h200()
   modules = []
   lower = lowering.lower_jaxpr_to_triton_module
 

@@ -41,6 +41,7 @@ import jaxsoftmax as js
 from jaxsoftmax._core import mosaic_gpu as mosaic_device
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
+import harness
 from bench_attention_backward import parse_schedule
 
 
@@ -138,8 +139,10 @@ def main():
     default = mosaic_forward.HopperBlockSizes.default
     mosaic_forward.HopperBlockSizes.default = staticmethod(
         lambda *a, **k: dataclasses.replace(default(*a, **k), **switches))
-  # Dispatch as on an H200: the kernels are lowered here, never run.
+  # Dispatch and lower as on an H200 (the backward's delta kernel is Triton's,
+  # `triton.delta`): the kernels are lowered here, never run.
   mosaic_device.hopper_device = lambda: True
+  harness.lower_as_if_on_an_h200()
   dump = tempfile.mkdtemp(prefix="ptxas")
   os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
   for shape in args.shapes:

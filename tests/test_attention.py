@@ -1688,7 +1688,8 @@ def test_hopper_backward_split_keys_mla_gpu(key, monkeypatch, options):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
-def test_hopper_backward_split_keys_at_mla_dims_lower_for_cuda(dtype, monkeypatch):
+def test_hopper_backward_split_keys_at_mla_dims_lower_for_cuda(as_if_on_an_h200, dtype,
+                                                              monkeypatch):
   # The default takes MLA's 192 / 128 into the split-keys design where its shared memory
   # fits (bfloat16, with 1 KiB to spare), with FlashAttention-3's step order, and leaves
   # float16, whose dS takes two terms, in the wide design; split_keys_width=256 takes
@@ -1913,7 +1914,8 @@ HOPPER_BACKWARD_MODES = {"atomic": (False, None, None), "deterministic": (True, 
     pytest.param("deterministic-dq-kernel", (64, 128), jnp.float16, {},
                  id="64-128-float16-deterministic-dq-kernel"),
 ])
-def test_hopper_backward_lowers_for_cuda(mode, H, dtype, options, monkeypatch):
+def test_hopper_backward_lowers_for_cuda(as_if_on_an_h200, mode, H, dtype, options,
+                                        monkeypatch):
   # As the forward above: the Hopper backward lowers for CUDA on any machine (above head
   # dim 128 its wide design; deterministic calls by default in the dQ kernel up to head
   # dim 128 and by the ordered adds above). H may be a pair (query and key, value head
@@ -1954,7 +1956,8 @@ def _schedule_lowering(schedule):
 
 @pytest.mark.parametrize("schedule, H, dtype, options",
                          [_schedule_lowering(schedule) for schedule in BACKWARD_SCHEDULES])
-def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, monkeypatch):
+def test_hopper_backward_schedules_lower_for_cuda(as_if_on_an_h200, H, dtype, options, schedule,
+                                                  monkeypatch):
   # The schedules test_hopper_backward_schedules_gpu runs, lowered on any machine.
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
       mosaic_backward.BLOCKS, **BACKWARD_SCHEDULES[schedule]))
@@ -1962,7 +1965,7 @@ def test_hopper_backward_schedules_lower_for_cuda(H, dtype, options, schedule, m
   _lower_backward(H, H, dtype, options)
 
 
-def test_heads_per_cta_float32_grads_lower_for_cuda(monkeypatch):
+def test_heads_per_cta_float32_grads_lower_for_cuda(as_if_on_an_h200, monkeypatch):
   # One query head a CTA with float32 gradients (context parallelism's partial sums):
   # the group's partial dK and dV added into (B, S, K, H).
   monkeypatch.setattr(mosaic_backward, "BLOCKS", dataclasses.replace(
@@ -1979,7 +1982,8 @@ def test_heads_per_cta_float32_grads_lower_for_cuda(monkeypatch):
     pytest.param(128, jnp.bfloat16, dict(is_causal=True), 2, id="128-causal-2"),
     pytest.param((64, 128), jnp.bfloat16, dict(is_causal=True), 1, id="64-128-causal-1"),
 ])
-def test_dq_writer_ordered_lowers_for_cuda(H, dtype, options, tiles, monkeypatch):
+def test_dq_writer_ordered_lowers_for_cuda(as_if_on_an_h200, H, dtype, options, tiles,
+                                          monkeypatch):
   # The ordered adds sent by the writer warp (test_hopper_deterministic_backward_gpu's
   # "ordered-writer"), lowered on any machine: one chunk a step between the consumers at
   # head dim 64, one each at 128; from one staging tile per consumer, or two.
@@ -2120,7 +2124,8 @@ def test_dq_writer_takes_even_chunk_counts():
 
 def _lower_backward(H, Hv, dtype, options, **kwargs):
   """Lowers the Hopper backward for CUDA at head dims H (query, key) and Hv (value),
-  ``kwargs`` passed on to it. Four query heads a group, so that the schedules that split
+  ``kwargs`` passed on to it (as_if_on_an_h200 in its callers: delta's kernel is
+  Triton's, `triton.delta`). Four query heads a group, so that the schedules that split
   a group between CTAs (``heads_per_cta``) or change what a CTA walking several heads
   keeps (``fresh_mask_offsets``) lower a program of their own."""
   B, T, S, N, K = 2, 1000, 777, 8, 2
