@@ -1489,6 +1489,9 @@ def test_delta_kernel(B, T, N, Hv, rows):
   np.testing.assert_array_equal(got[..., T:], 0)
   assert np.isnan(got[0, 0, T // 2]) and np.isnan(got).sum() == 1
   assert_2x(got[..., :T], row_delta(o, do), truth(row_delta, o, do), what="delta")
+  with jax.enable_x64(True):  # the same numbers with 64-bit Python scalars and indices
+    np.testing.assert_array_equal(triton_delta.row_delta(o, do, rows=rows, interpret=True),
+                                  got)
   with pytest.raises(ValueError, match="rows must be a multiple of 64"):
     triton_delta.row_delta(o, do, rows=rows + 1, interpret=True)
 

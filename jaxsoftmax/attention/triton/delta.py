@@ -45,8 +45,8 @@ def row_delta(o, do, *, rows: int, interpret: bool = False):
   block = pl.BlockSpec((None, BLOCK_ROWS, None, width), lambda n, t, b: (b, t, n, 0))
 
   def kernel(o_ref, do_ref, delta_ref):
-    row = pl.program_id(1) * BLOCK_ROWS + jnp.arange(BLOCK_ROWS)
-    inside = (row < T)[:, None] & (jnp.arange(width) < Hv)[None, :]
+    row = pl.program_id(1) * BLOCK_ROWS + jnp.arange(BLOCK_ROWS, dtype=jnp.int32)
+    inside = (row < T)[:, None] & (jnp.arange(width, dtype=jnp.int32) < Hv)[None, :]
     o_tile = pallas.load(o_ref, mask=inside, other=0).astype(jnp.float32)
     do_tile = pallas.load(do_ref, mask=inside, other=0).astype(jnp.float32)
     delta_ref[...] = jnp.sum(jnp.where(inside, o_tile * do_tile, 0.0), axis=1)
