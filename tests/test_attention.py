@@ -1787,6 +1787,26 @@ def test_hopper_forward_lowers_for_cuda(launch, H, Hv, options):
   assert (b"atom.relaxed.gpu.global.add" in module) == dynamic
 
 
+@pytest.mark.parametrize("H, padded", [(40, 64), (80, 96), (96, 96), (160, 160), (192, 192)])
+def test_hopper_forward_pads_head_dims_to_32(H, padded):
+  # The forward pads head dims to a multiple of 32 (`mosaic_forward.forward_head_dim`),
+  # its tiles under the 64-byte swizzle where 64 does not divide them: head dim 96 takes
+  # 96 columns of products, not 128. No array of the call is wider.
+  B, T, N = 1, 64, 2
+  spec = MaskSpec(T, T)
+
+  def forward(q, k, v):
+    return mosaic_forward.forward(q, k, v, AuxArrays(), spec=spec,
+                                  blocks=HopperBlockSizes.default(H, False), scale=0.1,
+                                  softcap=None, float32_output=True)
+
+  x = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  shapes = array_shapes(jax.make_jaxpr(forward)(x, x, x).jaxpr)
+  assert (B, T, N, padded) in shapes
+  assert max(shape[-1] for shape in shapes if len(shape) == 4) == padded
+  assert mosaic_forward.smem_transforms(padded)[1].swizzle == (128 if padded % 64 == 0 else 64)
+
+
 def test_hopper_forward_folds_vmap_into_the_batch():
   # Under vmap (two, one of them over the queries and keys but not the key lengths) the
   # Hopper forward runs one launch of its persistent grid on the folded batch, rather

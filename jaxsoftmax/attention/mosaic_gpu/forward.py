@@ -180,11 +180,11 @@ class HopperBlockSizes:
 
   def smem_bytes(self, head_dim: int, itemsize: int, *, output_tiles: bool = False,
                  value_head_dim: int | None = None) -> int:
-    """Shared memory the forward needs at these head dims (padded to 64; the values'
-    ``value_head_dim`` is ``head_dim`` unless given): the two query tiles, the two
-    output tiles (the query tiles serve unless it has ``output_tiles``, or the value
-    head dim differs), the K and V ring, the row statistics, and 1 KiB for the barriers
-    and alignment."""
+    """Shared memory the forward needs at these head dims (as `forward_head_dim` pads
+    them; the values' ``value_head_dim`` is ``head_dim`` unless given): the two query
+    tiles, the two output tiles (the query tiles serve unless it has ``output_tiles``,
+    or the value head dim differs), the K and V ring, the row statistics, and 1 KiB for
+    the barriers and alignment."""
     hv = head_dim if value_head_dim is None else value_head_dim
     rows = _CONSUMERS * self.block_q
     tiles = (rows * head_dim + rows * hv * (output_tiles or hv != head_dim)
@@ -193,9 +193,27 @@ class HopperBlockSizes:
 
 
 def wgmma_head_dim(head_dim: int) -> int:
-  """The head dim padded to a multiple of 64: wgmma takes 64-element (128-byte swizzled)
-  slices of it."""
+  """The backward's head dim, padded to a multiple of 64: its tiles are rows of 64
+  elements under the 128-byte swizzle, and its dQ goes out in 64-column chunks. The
+  forward pads less (`forward_head_dim`)."""
   return -(-head_dim // 64) * 64
+
+
+def forward_head_dim(head_dim: int) -> int:
+  """The forward's head dim, padded to a multiple of 32: its tiles are rows of 64
+  elements under the 128-byte swizzle where that divides them, else rows of 32 under the
+  64-byte one (`smem_transforms`). Padded to 128, as the backward pads it, head dim 96
+  cost the forward a third more products: 434 TFLOP/s against tokamax's 586 on an H100
+  (benchmarks/results/tuning/attention_schedules_b_h100.md)."""
+  return -(-head_dim // 32) * 32
+
+
+def smem_transforms(width: int) -> tuple:
+  """The shared-memory layout of 16-bit tiles ``width`` (`forward_head_dim`) elements
+  wide: (8, 64) tiles under the 128-byte swizzle where 64 divides the width, else (8,
+  32) tiles under the 64-byte one; wgmma and TMA take either."""
+  columns = 64 if width % 64 == 0 else 32
+  return plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(2 * columns)
 
 
 
@@ -663,10 +681,10 @@ def _forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, s
   """`forward` on arrays that no vmap maps."""
   B, T, N, H = q.shape
   S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
-  H_pad, Hv_pad = wgmma_head_dim(H), wgmma_head_dim(Hv)
-  # TMA moves the (8, 64) tiles of the shared-memory layout: sequences are padded to a
-  # multiple of 8 rows (a copy only for such lengths), the head dim to one of 64; the
-  # zeros change no product, and the padding keys are masked.
+  H_pad, Hv_pad = forward_head_dim(H), forward_head_dim(Hv)
+  # TMA moves the (8, 64) or (8, 32) tiles of the shared-memory layout: sequences are
+  # padded to a multiple of 8 rows (a copy only for such lengths), the head dims to one
+  # of 32; the zeros change no product, and the padding keys are masked.
   T8, S8 = -(-T // 8) * 8, -(-S // 8) * 8
   q = pad_to(pad_to(q, 1, T8), 3, H_pad)
   k, v = pad_to(pad_to(k, 1, S8), 3, H_pad), pad_to(pad_to(v, 1, S8), 3, Hv_pad)
@@ -681,7 +699,6 @@ def _forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, s
     kv_seg = pad_to(kv_seg, 1, pl.cdiv(S, bkv) * bkv, -2)
   aux = AuxArrays(q_len, kv_len, q_seg, kv_seg)
 
-  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages
   work = _Work(B, N, n_q_tiles, spec.is_causal,
                pallas.num_cores() if blocks.persistent else None, blocks.dynamic_schedule)
@@ -690,13 +707,14 @@ def _forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, s
   # output of another head dim than the queries'.
   output_tiles = Hv_pad != H_pad or (blocks.persistent and blocks.smem_bytes(
       H_pad, q.dtype.itemsize, output_tiles=True) <= SMEM_BYTES)
-  tile = lambda width: plgpu.SMEM((_CONSUMERS, bq, width), q.dtype, transforms=tiled)
+  tile = lambda width: plgpu.SMEM((_CONSUMERS, bq, width), q.dtype,
+                                  transforms=smem_transforms(width))
   # In allocation order (what `_Scratch` says each holds).
   scratch = dict(
       q_smem=tile(H_pad),
       **(dict(o_smem=tile(Hv_pad)) if output_tiles else {}),
-      k_smem=plgpu.SMEM((stages, bkv, H_pad), k.dtype, transforms=tiled),
-      v_smem=plgpu.SMEM((stages, bkv, Hv_pad), v.dtype, transforms=tiled),
+      k_smem=plgpu.SMEM((stages, bkv, H_pad), k.dtype, transforms=smem_transforms(H_pad)),
+      v_smem=plgpu.SMEM((stages, bkv, Hv_pad), v.dtype, transforms=smem_transforms(Hv_pad)),
       stat_smem=plgpu.SMEM((2, _CONSUMERS, bq), jnp.float32),
       q_loaded=plgpu.Barrier(num_barriers=_CONSUMERS),
       q_free=plgpu.Barrier(num_barriers=_CONSUMERS),
