@@ -1455,6 +1455,23 @@ def test_hopper_vmap_claims_items_gpu(key):
                                   jax.jit(step)(q[i], k[i], v[i], do[i]))
 
 
+def test_hopper_default_mla_blocks():
+  # MLA's 192 / 128 takes 128-key blocks, its outputs in a union with the query tiles
+  # (`mosaic_forward._forward`), where two stages of them fit shared memory; wider
+  # values, or values as wide as the queries above 128, keep 64-key blocks.
+  for causal in (True, False):
+    mla = HopperBlockSizes.default(192, causal, value_head_dim=128)
+    assert mla.block_kv == 128
+    limit = mosaic_forward.SMEM_BYTES
+    assert mla.smem_bytes(192, 2, value_head_dim=128) <= limit
+    assert mla.smem_bytes(192, 2, value_head_dim=128, output_tiles=True) > limit
+    for H, Hv in [(192, None), (256, 128), (256, None)]:
+      assert HopperBlockSizes.default(H, causal, value_head_dim=Hv).block_kv == 64
+  call = Call(2, 100, 100, 4, 4, 192, "bfloat16", MaskSpec(100, 100), 0.1, None, None, False,
+              Hv=128)
+  assert mosaic_attention.blocks(call).block_kv == 128
+
+
 def test_hopper_default_claims_items_of_many_pairs():
   # `HopperBlockSizes.default` claims items (dynamic_schedule) where an H100 measured it
   # faster or level: at head dims up to 128, from 64 (batch row, query head) pairs,
@@ -1761,8 +1778,11 @@ def test_hopper_forward_lowers_for_cuda(launch, H, Hv, options):
   persistent, one_warp, overlap, dynamic = HOPPER_LAUNCHES[launch]
   B, T, S, N, K = 2, 1000, 777, 4, 2
   spec = MaskSpec(T, S, **options)
-  # The defaults of the wider head dim, as `mosaic_gpu.blocks` takes them.
-  blocks = dataclasses.replace(HopperBlockSizes.default(max(H, Hv), spec.is_causal),
+  # The defaults of the wider head dim and of the values', as `mosaic_gpu.blocks` takes
+  # them (MLA's: 128-key blocks, outputs in a union with the query tiles).
+  default = HopperBlockSizes.default(max(H, Hv), spec.is_causal,
+                                     value_head_dim=Hv if Hv != H else None)
+  blocks = dataclasses.replace(default,
                                persistent=persistent, one_producer_warp=one_warp,
                                overlap_softmax=overlap, dynamic_schedule=dynamic)
   i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)

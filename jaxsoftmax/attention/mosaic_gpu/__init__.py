@@ -61,12 +61,13 @@ def defers(call: Call) -> str | None:
 
 def blocks(call: Call) -> HopperBlockSizes:
   """The caller's Hopper tiles, else the defaults for the wider of the call's head dims
-  (whose tiles take the most shared memory and registers) and its (batch row, query
-  head) pairs."""
+  (whose tiles take the most shared memory and registers), the values' where they
+  differ, and its (batch row, query head) pairs."""
   if isinstance(call.block_sizes, HopperBlockSizes):
     return call.block_sizes
   return HopperBlockSizes.default(max(call.H, call.Hv), call.spec.is_causal,
-                                  pairs=call.B * call.N)
+                                  pairs=call.B * call.N,
+                                  value_head_dim=call.Hv if call.Hv != call.H else None)
 
 
 def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):
