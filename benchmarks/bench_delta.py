@@ -68,6 +68,11 @@ def _pallas_delta(o, do, *, zeros: bool):
   return tuple(outs) if zeros else outs[0]
 
 
+def _delta(out):
+  """A variant's delta: its output, or the first of its outputs."""
+  return out[0] if isinstance(out, tuple) else out
+
+
 def _zeros(o, do):
   del do
   return jnp.zeros(o.shape, jnp.float32)
@@ -119,15 +124,14 @@ def main():
         print(f"| {name} | | | | (T not a multiple of {_BLOCK_T}) | |")
         continue
       moved = (0 if name == "zeros" else in_bytes) + (4 * np.prod(shape) if writes_zeros else 0)
-      first = lambda out: out[0] if isinstance(out, tuple) else out
       out = jax.jit(fn)(*sets[0])
-      delta = first(out)
+      delta = _delta(out)
       diff = "-" if name == "zeros" else f"{float(jnp.max(jnp.abs(delta - truth))):.2e}"
       if isinstance(out, tuple) and not bool(jnp.all(out[1] == 0)):
         diff += " (zeros not zero)"
       same = "-"
       if name != "zeros":
-        mapped = first(jax.jit(jax.vmap(fn))(*pair))[0]
+        mapped = _delta(jax.jit(jax.vmap(fn))(*pair))[0]
         mismatches = int(jnp.sum(mapped != delta))
         same = "yes" if mismatches == 0 else f"no: {mismatches} of {delta.size} differ"
       device, wall, timer = harness.time_call(fn, sets)
