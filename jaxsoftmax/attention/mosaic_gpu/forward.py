@@ -306,13 +306,13 @@ class _Work:
   def item_at(self, w):
     """(b, n, tile) of item w in the grid's launch order: batch rows fastest, then query
     tiles (under a causal mask the longest first), heads slowest. Pallas' Mosaic GPU
-    lowering puts the grid's last axis on CUDA's x, launched fastest
-    (jax/_src/pallas/mosaic_gpu/lowering.py; Nsight Compute reads the grid as (batch,
-    tiles, heads)). So the CTAs at work together walk the tiles of one or a few heads,
-    whose K and V L2 holds, and each head's shortest tiles come last. Heads fastest, as
-    until 2026-12-07, walked all 16 heads of 1x16384 at once (128 MiB of K and V): L2
-    hits 77% against the grid's 94%, and 3-5% slower than it (docs/kernels.md, claimed
-    items)."""
+    lowering puts the grid's last axis on CUDA's x, launched fastest: Nsight Compute
+    reads the grid as (batch, tiles, heads) in
+    benchmarks/results/tuning/ncu_attention_forward_16k_causal_grid_h100.log. So the
+    CTAs at work together walk the tiles of one or a few heads, whose K and V L2 holds,
+    and each head's shortest tiles come last. Heads fastest, as until 2026-12-07,
+    walked all 16 heads of 1x16384 at once (128 MiB of K and V): L2 hits 77% against
+    the grid's 94%, and 3-5% slower than it (docs/kernels.md, claimed items)."""
     b, rest = rem32(w, self.batch), div32(w, self.batch)
     tile, n = rem32(rest, self.q_tiles), div32(rest, self.q_tiles)
     if self.causal:
