@@ -94,13 +94,16 @@ FORWARD_FLAGS = {"persistent": dict(persistent=True),
                  # the default's tiles without claimed items, as a call of fewer
                  # (batch row, head) pairs than `HopperBlockSizes.default` claims at
                  "static": dict(dynamic_schedule=False),
-                 "stages3": dict(num_stages=3)}
+                 "stages3": dict(num_stages=3),
+                 # 64-key blocks: MLA's before its default took 128-key ones
+                 "kv64": dict(block_kv=64)}
 
 
-def forward_schedules(H: int, causal: bool) -> dict[str, HopperBlockSizes]:
+def forward_schedules(H: int, causal: bool,
+                      Hv: int | None = None) -> dict[str, HopperBlockSizes]:
   """Row suffix -> the Hopper forward's tiles of each of HOPPER_FWD_SCHEDULES at head dim
-  ``H`` (the larger of the query's and the value's, as the kernel's own default takes):
-  the default's, with its flags set."""
+  ``H`` (the larger of the query's and the value's) and the values' ``Hv`` where it
+  differs, as the kernel's own default takes them: the default's, with its flags set."""
   schedules = {}
   for spec in filter(None, os.environ.get("HOPPER_FWD_SCHEDULES", "").split(",")):
     unknown = set(spec.split("+")) - set(FORWARD_FLAGS)
@@ -108,7 +111,8 @@ def forward_schedules(H: int, causal: bool) -> dict[str, HopperBlockSizes]:
       raise ValueError(f"unknown forward flags {sorted(unknown)} in {spec!r}; known: "
                        f"{sorted(FORWARD_FLAGS)}")
     fields = {k: v for flag in spec.split("+") for k, v in FORWARD_FLAGS[flag].items()}
-    schedules[spec] = dataclasses.replace(HopperBlockSizes.default(H, causal), **fields)
+    schedules[spec] = dataclasses.replace(
+        HopperBlockSizes.default(H, causal, value_head_dim=Hv), **fields)
   return schedules
 
 
@@ -121,7 +125,8 @@ def implementations(N: int, K: int, H: int, causal: bool, Hv: int | None = None)
       f"{OURS} mosaic_gpu": (functools.partial(ours, implementation="mosaic_gpu"), None),
       **{f"{OURS} mosaic_gpu {spec}": (functools.partial(
           ours, implementation="mosaic_gpu", block_sizes=blocks), None)
-         for spec, blocks in forward_schedules(max(H, Hv or H), causal).items()},
+         for spec, blocks in forward_schedules(
+             max(H, Hv or H), causal, Hv if Hv not in (None, H) else None).items()},
       f"{OURS} triton": (functools.partial(ours, implementation="triton"), None),
       # Bit-identical gradients: the Hopper backward with a dQ kernel of its own (the
       # Triton backward above head dim 128).

@@ -1513,6 +1513,23 @@ def test_delta_kernel_same_in_any_batch_gpu(key):
                                atol=1e-4)
 
 
+def test_hopper_default_mla_blocks():
+  # MLA's 192 / 128 takes 128-key blocks, its outputs in a union with the query tiles
+  # (`mosaic_forward._forward`), where two stages of them fit shared memory; wider
+  # values, or values as wide as the queries above 128, keep 64-key blocks.
+  for causal in (True, False):
+    mla = HopperBlockSizes.default(192, causal, value_head_dim=128)
+    assert mla.block_kv == 128
+    limit = mosaic_forward.SMEM_BYTES
+    assert mla.smem_bytes(192, 2, value_head_dim=128) <= limit
+    assert mla.smem_bytes(192, 2, value_head_dim=128, output_tiles=True) > limit
+    for H, Hv in [(192, None), (256, 128), (256, None)]:
+      assert HopperBlockSizes.default(H, causal, value_head_dim=Hv).block_kv == 64
+  call = Call(2, 100, 100, 4, 4, 192, "bfloat16", MaskSpec(100, 100), 0.1, None, None, False,
+              Hv=128)
+  assert mosaic_attention.blocks(call).block_kv == 128
+
+
 def test_hopper_default_claims_items_of_many_pairs():
   # `HopperBlockSizes.default` claims items (dynamic_schedule) where an H100 measured it
   # faster or level: at head dims up to 128, from 64 (batch row, query head) pairs,
@@ -1820,8 +1837,11 @@ def test_hopper_forward_lowers_for_cuda(launch, H, Hv, options):
   persistent, one_warp, overlap, dynamic = HOPPER_LAUNCHES[launch]
   B, T, S, N, K = 2, 1000, 777, 4, 2
   spec = MaskSpec(T, S, **options)
-  # The defaults of the wider head dim, as `mosaic_gpu.blocks` takes them.
-  blocks = dataclasses.replace(HopperBlockSizes.default(max(H, Hv), spec.is_causal),
+  # The defaults of the wider head dim and of the values', as `mosaic_gpu.blocks` takes
+  # them (MLA's: 128-key blocks, outputs in a union with the query tiles).
+  default = HopperBlockSizes.default(max(H, Hv), spec.is_causal,
+                                     value_head_dim=Hv if Hv != H else None)
+  blocks = dataclasses.replace(default,
                                persistent=persistent, one_producer_warp=one_warp,
                                overlap_softmax=overlap, dynamic_schedule=dynamic)
   i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
@@ -1844,6 +1864,26 @@ def test_hopper_forward_lowers_for_cuda(launch, H, Hv, options):
   # `dynamic_schedule`'s claims, in the one kernel's PTX, and only there.
   [module] = mosaic_core.KNOWN_KERNELS.values()
   assert (b"atom.relaxed.gpu.global.add" in module) == dynamic
+
+
+@pytest.mark.parametrize("H, padded", [(40, 64), (80, 96), (96, 96), (160, 160), (192, 192)])
+def test_hopper_forward_pads_head_dims_to_32(H, padded):
+  # The forward pads head dims to a multiple of 32 (`mosaic_forward.forward_head_dim`),
+  # its tiles under the 64-byte swizzle where 64 does not divide them: head dim 96 takes
+  # 96 columns of products, not 128. No array of the call is wider.
+  B, T, N = 1, 64, 2
+  spec = MaskSpec(T, T)
+
+  def forward(q, k, v):
+    return mosaic_forward.forward(q, k, v, AuxArrays(), spec=spec,
+                                  blocks=HopperBlockSizes.default(H, False), scale=0.1,
+                                  softcap=None, float32_output=True)
+
+  x = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  shapes = array_shapes(jax.make_jaxpr(forward)(x, x, x).jaxpr)
+  assert (B, T, N, padded) in shapes
+  assert max(shape[-1] for shape in shapes if len(shape) == 4) == padded
+  assert mosaic_forward.smem_transforms(padded)[1].swizzle == (128 if padded % 64 == 0 else 64)
 
 
 def test_hopper_forward_folds_vmap_into_the_batch():

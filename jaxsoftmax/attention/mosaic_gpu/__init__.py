@@ -16,7 +16,7 @@ from jaxsoftmax._core.mosaic_gpu import SMEM_BYTES
 from jaxsoftmax.attention.call import Call
 from jaxsoftmax.attention.mosaic_gpu import backward as _backward
 from jaxsoftmax.attention.mosaic_gpu import forward as _forward
-from jaxsoftmax.attention.mosaic_gpu.forward import HopperBlockSizes, wgmma_head_dim
+from jaxsoftmax.attention.mosaic_gpu.forward import HopperBlockSizes, forward_head_dim
 
 NAME = "mosaic_gpu"
 MAX_HEAD_DIM = 256
@@ -39,8 +39,8 @@ def unsupported(call: Call) -> str | None:
   if call.block_sizes is not None and not isinstance(call.block_sizes, HopperBlockSizes):
     return (f"block_sizes is a {type(call.block_sizes).__name__}; the Mosaic GPU kernel "
             "takes jaxsoftmax.HopperBlockSizes")
-  needed = blocks(call).smem_bytes(wgmma_head_dim(call.H), call.itemsize,
-                                   value_head_dim=wgmma_head_dim(call.Hv))
+  needed = blocks(call).smem_bytes(forward_head_dim(call.H), call.itemsize,
+                                   value_head_dim=forward_head_dim(call.Hv))
   if needed > SMEM_BYTES:
     return (f"{blocks(call)} need {needed} bytes of shared memory at head dims {call.H} "
             f"(query, key) and {call.Hv} (value), more than the {SMEM_BYTES} a block may "
@@ -61,12 +61,13 @@ def defers(call: Call) -> str | None:
 
 def blocks(call: Call) -> HopperBlockSizes:
   """The caller's Hopper tiles, else the defaults for the wider of the call's head dims
-  (whose tiles take the most shared memory and registers) and its (batch row, query
-  head) pairs."""
+  (whose tiles take the most shared memory and registers), the values' where they
+  differ, and its (batch row, query head) pairs."""
   if isinstance(call.block_sizes, HopperBlockSizes):
     return call.block_sizes
   return HopperBlockSizes.default(max(call.H, call.Hv), call.spec.is_causal,
-                                  pairs=call.B * call.N)
+                                  pairs=call.B * call.N,
+                                  value_head_dim=call.Hv if call.Hv != call.H else None)
 
 
 def fwd(q, k, v, aux_arrays, call: Call, *, float32_output: bool, sinks=None):

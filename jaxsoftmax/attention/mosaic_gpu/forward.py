@@ -20,7 +20,8 @@ past T, and keys past S, are outside the tensors: TMA reads them as zeros and ne
 writes them, and the key padding is masked like any other key.
 
 The value head dim Hv may differ from the queries' H (MLA's 192 / 128): the V ring and
-the accumulator take its width, and the output its own shared-memory tiles.
+the accumulator take its width, and the output tiles too, which without a persistent
+CTA's room for tiles of their own share the query tiles' memory (a union).
 
 Outputs: o (B, T, N, Hv) in the input dtype through shared memory and TMA; the row
 statistics m (in x's units) and log2(l) as the Triton forward writes them, (B, N, T)
@@ -135,10 +136,15 @@ class HopperBlockSizes:
 
   @classmethod
   def default(cls, head_dim: int, is_causal: bool = False,
-              pairs: int | None = None) -> "HopperBlockSizes":
-    """Key blocks twice the query tile (one causal diagonal block per CTA), halved at
-    head dim 256 so that two stages of K and V fit shared memory beside Q, doubled at
-    head dim 64 without a causal mask (below). ``pairs``: the call's (batch row, query
+              pairs: int | None = None, value_head_dim: int | None = None
+              ) -> "HopperBlockSizes":
+    """Key blocks twice the query tile (one causal diagonal block per CTA), halved
+    above head dim 128 (``head_dim``: the wider of the queries' and the values') so
+    that two stages of K and V fit shared memory beside Q, doubled at head dim 64
+    without a causal mask (below). MLA's 192 / 128 (``value_head_dim``: the values'
+    head dim, where it differs) keeps 128-key blocks: its output accumulator is no
+    wider than at head dim 128, and with the outputs in the query tiles' memory (a
+    union) two stages fit; not yet timed. ``pairs``: the call's (batch row, query
     head) pairs, where the caller knows them (below). From the H200
     sweeps (benchmarks/results/tuning/: tune_attention_hopper.md,
     tune_attention_hopper_persistent.md, hopper_schedule_sweep.log):
@@ -175,27 +181,53 @@ class HopperBlockSizes:
       return cls(block_q=64, block_kv=256, num_stages=3, persistent=True,
                  dynamic_schedule=many_pairs)
     dynamic = many_pairs and head_dim <= 128
-    return cls(block_q=64, block_kv=128 if head_dim <= 128 else 64, num_stages=2,
-               overlap_softmax=head_dim > 64, persistent=dynamic, dynamic_schedule=dynamic)
+    blocks = cls(block_q=64, block_kv=128, num_stages=2, overlap_softmax=head_dim > 64,
+                 persistent=dynamic, dynamic_schedule=dynamic)
+    if head_dim <= 128:
+      return blocks
+    # Values of head dim 128 or less under wider queries (16-bit, 2 bytes an element).
+    if value_head_dim is not None and value_head_dim <= 128 and blocks.smem_bytes(
+        forward_head_dim(head_dim), 2,
+        value_head_dim=forward_head_dim(value_head_dim)) <= SMEM_BYTES:
+      return blocks
+    return dataclasses.replace(blocks, block_kv=64)
 
   def smem_bytes(self, head_dim: int, itemsize: int, *, output_tiles: bool = False,
                  value_head_dim: int | None = None) -> int:
-    """Shared memory the forward needs at these head dims (padded to 64; the values'
-    ``value_head_dim`` is ``head_dim`` unless given): the two query tiles, the two
-    output tiles (the query tiles serve unless it has ``output_tiles``, or the value
-    head dim differs), the K and V ring, the row statistics, and 1 KiB for the barriers
-    and alignment."""
+    """Shared memory the forward needs at these head dims (as `forward_head_dim` pads
+    them; the values' ``value_head_dim`` is ``head_dim`` unless given): the two query
+    tiles, the two output tiles (with ``output_tiles``; else the outputs share the
+    query tiles' memory, the wider of the two), the K and V ring, the row statistics,
+    and 1 KiB for the barriers and alignment."""
     hv = head_dim if value_head_dim is None else value_head_dim
     rows = _CONSUMERS * self.block_q
-    tiles = (rows * head_dim + rows * hv * (output_tiles or hv != head_dim)
-             + self.num_stages * self.block_kv * (head_dim + hv))
+    io = rows * (head_dim + hv) if output_tiles else rows * max(head_dim, hv)
+    tiles = io + self.num_stages * self.block_kv * (head_dim + hv)
     return tiles * itemsize + 2 * rows * 4 + 1024
 
 
 def wgmma_head_dim(head_dim: int) -> int:
-  """The head dim padded to a multiple of 64: wgmma takes 64-element (128-byte swizzled)
-  slices of it."""
+  """The backward's head dim, padded to a multiple of 64: its tiles are rows of 64
+  elements under the 128-byte swizzle, and its dQ goes out in 64-column chunks. The
+  forward pads less (`forward_head_dim`)."""
   return -(-head_dim // 64) * 64
+
+
+def forward_head_dim(head_dim: int) -> int:
+  """The forward's head dim, padded to a multiple of 32: its tiles are rows of 64
+  elements under the 128-byte swizzle where that divides them, else rows of 32 under the
+  64-byte one (`smem_transforms`). Padded to 128, as the backward pads it, head dim 96
+  cost the forward a third more products: 434 TFLOP/s against tokamax's 586 on an H100
+  (benchmarks/results/tuning/attention_schedules_b_h100.md)."""
+  return -(-head_dim // 32) * 32
+
+
+def smem_transforms(width: int) -> tuple:
+  """The shared-memory layout of 16-bit tiles ``width`` (`forward_head_dim`) elements
+  wide: (8, 64) tiles under the 128-byte swizzle where 64 divides the width, else (8,
+  32) tiles under the 64-byte one; wgmma and TMA take either."""
+  columns = 64 if width % 64 == 0 else 32
+  return plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(2 * columns)
 
 
 
@@ -289,10 +321,9 @@ class _Work:
 
 
 class _Scratch(NamedTuple):
-  """The forward's shared memory and barriers, by name (`forward` allocates them in the
-  order it lists them)."""
+  """The forward's shared memory and barriers, by name (`_forward` allocates those a
+  call needs, in its own order; the others are None)."""
 
-  q_smem: Any  # the consumers' query tiles (and their outputs, without output tiles)
   k_smem: Any  # the K ring
   v_smem: Any  # the V ring
   stat_smem: Any  # m and log2(l) on their way out
@@ -307,7 +338,13 @@ class _Scratch(NamedTuple):
   # completes once a block when it has issued its products.
   schedule: Any = None
   turns: Any = None
-  o_smem: Any = None  # the consumers' output tiles, where a persistent CTA has room
+  # The consumers' query tiles (q_smem), through which their outputs go out unless they
+  # have output tiles of their own (o_smem: where a persistent CTA has room); or, where
+  # the value head dim differs and they have none, query and output tiles of one
+  # memory (qo_smem, a `plgpu.RefUnion`).
+  q_smem: Any = None
+  o_smem: Any = None
+  qo_smem: Any = None
   # With `HopperBlockSizes.dynamic_schedule`: the claimed indices of the CTA's next
   # items, (2, 1) int32 taken in turn, and a barrier a slot that the producer arrives on
   # once the claim is in.
@@ -324,8 +361,11 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
   o_ref, m_ref, log2_l_ref, *refs = refs
   o32_ref = refs.pop(0) if float32_output else None
   scratch = _Scratch(**dict(zip(scratch_names, refs, strict=True)))
-  q_smem, k_smem, v_smem, stat_smem = (scratch.q_smem, scratch.k_smem, scratch.v_smem,
-                                       scratch.stat_smem)
+  k_smem, v_smem, stat_smem = scratch.k_smem, scratch.v_smem, scratch.stat_smem
+  if scratch.qo_smem is None:
+    q_smem = out_smem = scratch.q_smem
+  else:
+    q_smem, out_smem = scratch.qo_smem
   q_loaded, q_free, k_loaded, v_loaded = (scratch.q_loaded, scratch.q_free,
                                           scratch.k_loaded, scratch.v_loaded)
   k_free, v_free, schedule, turns, o_smem = (scratch.k_free, scratch.v_free,
@@ -370,7 +410,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, aux_present, spec: MaskSpec, blocks, log
   def _consumer():
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
     q_tile = q_smem.at[wg]
-    out_tile = q_tile if o_smem is None else o_smem.at[wg]
+    out_tile = (out_smem if o_smem is None else o_smem).at[wg]
     m_smem, log2_l_smem = stat_smem.at[0, wg], stat_smem.at[1, wg]
 
     def item_body(_, item, consumed):
@@ -663,10 +703,10 @@ def _forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, s
   """`forward` on arrays that no vmap maps."""
   B, T, N, H = q.shape
   S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
-  H_pad, Hv_pad = wgmma_head_dim(H), wgmma_head_dim(Hv)
-  # TMA moves the (8, 64) tiles of the shared-memory layout: sequences are padded to a
-  # multiple of 8 rows (a copy only for such lengths), the head dim to one of 64; the
-  # zeros change no product, and the padding keys are masked.
+  H_pad, Hv_pad = forward_head_dim(H), forward_head_dim(Hv)
+  # TMA moves the (8, 64) or (8, 32) tiles of the shared-memory layout: sequences are
+  # padded to a multiple of 8 rows (a copy only for such lengths), the head dims to one
+  # of 32; the zeros change no product, and the padding keys are masked.
   T8, S8 = -(-T // 8) * 8, -(-S // 8) * 8
   q = pad_to(pad_to(q, 1, T8), 3, H_pad)
   k, v = pad_to(pad_to(k, 1, S8), 3, H_pad), pad_to(pad_to(v, 1, S8), 3, Hv_pad)
@@ -681,22 +721,26 @@ def _forward(q, k, v, aux_arrays, *, spec: MaskSpec, blocks: HopperBlockSizes, s
     kv_seg = pad_to(kv_seg, 1, pl.cdiv(S, bkv) * bkv, -2)
   aux = AuxArrays(q_len, kv_len, q_seg, kv_seg)
 
-  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   stages = blocks.num_stages
   work = _Work(B, N, n_q_tiles, spec.is_causal,
                pallas.num_cores() if blocks.persistent else None, blocks.dynamic_schedule)
   # A persistent CTA refills its query tiles while the previous item finishes, so its
-  # outputs need tiles of their own, where shared memory has room for them; so does an
-  # output of another head dim than the queries'.
-  output_tiles = Hv_pad != H_pad or (blocks.persistent and blocks.smem_bytes(
-      H_pad, q.dtype.itemsize, output_tiles=True) <= SMEM_BYTES)
-  tile = lambda width: plgpu.SMEM((_CONSUMERS, bq, width), q.dtype, transforms=tiled)
+  # outputs need tiles of their own, where shared memory has room for them. Elsewhere
+  # the outputs take the query tiles' memory once their products are done, through a
+  # union where the value head dim differs (MLA's 192 / 128: that leaves room for
+  # 128-key blocks, `HopperBlockSizes.default`).
+  output_tiles = blocks.persistent and blocks.smem_bytes(
+      H_pad, q.dtype.itemsize, output_tiles=True, value_head_dim=Hv_pad) <= SMEM_BYTES
+  tile = lambda width: plgpu.SMEM((_CONSUMERS, bq, width), q.dtype,
+                                  transforms=smem_transforms(width))
+  shared_tiles = not output_tiles and Hv_pad != H_pad
   # In allocation order (what `_Scratch` says each holds).
   scratch = dict(
-      q_smem=tile(H_pad),
+      **(dict(qo_smem=plgpu.RefUnion(tile(H_pad), tile(Hv_pad))) if shared_tiles
+         else dict(q_smem=tile(H_pad))),
       **(dict(o_smem=tile(Hv_pad)) if output_tiles else {}),
-      k_smem=plgpu.SMEM((stages, bkv, H_pad), k.dtype, transforms=tiled),
-      v_smem=plgpu.SMEM((stages, bkv, Hv_pad), v.dtype, transforms=tiled),
+      k_smem=plgpu.SMEM((stages, bkv, H_pad), k.dtype, transforms=smem_transforms(H_pad)),
+      v_smem=plgpu.SMEM((stages, bkv, Hv_pad), v.dtype, transforms=smem_transforms(Hv_pad)),
       stat_smem=plgpu.SMEM((2, _CONSUMERS, bq), jnp.float32),
       q_loaded=plgpu.Barrier(num_barriers=_CONSUMERS),
       q_free=plgpu.Barrier(num_barriers=_CONSUMERS),
