@@ -230,8 +230,6 @@ def smem_transforms(width: int) -> tuple:
   return plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(2 * columns)
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class _Work:
   """The CTAs' work items, one per (batch row, query head, query tile), and the order in
