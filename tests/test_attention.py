@@ -1445,10 +1445,11 @@ def test_hopper_vmap_claims_items_gpu(key):
     for name, a, b in zip(("o", "m", "log2_l", "o32"), mapped, own[i]):
       np.testing.assert_array_equal(a[i], b, err_msg=name)
   # Then the backward alone, as vmap runs it (the two elements folded into one batch of
-  # 8 rows) against each element's own call, from the same residuals: with delta from
-  # XLA's reduction inside the backward, and with delta given (the same numbers in both
-  # runs), so that a difference tells whether the reduction over the larger array
-  # rounds otherwise or the kernel or lse₂ does. Every count is reported at once.
+  # 8 rows) against each element's own call, from the same residuals: with delta
+  # computed inside the backward (by its kernel, `triton.delta`), and with delta given
+  # (XLA's, the same numbers in both runs), so that a difference tells whether delta's
+  # sums over the larger batch round otherwise or the dK/dV kernel or lse₂ does. Every
+  # count is reported at once.
   backward = jax.jit(functools.partial(mosaic_attention.bwd, aux_arrays=AuxArrays(),
                                        call=call))
   # The backward's residuals are the float32 O, m and log2_l.
