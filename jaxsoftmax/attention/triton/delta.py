@@ -38,9 +38,9 @@ def row_delta(o, do, *, rows: int, interpret: bool = False):
   if rows < T or rows % BLOCK_ROWS:
     raise ValueError(f"rows must be a multiple of {BLOCK_ROWS} and at least T={T}, "
                      f"got {rows}")
-  # Triton's blocks are powers of two: the head dim's block is padded past Hv, whose
-  # columns (and the rows past T) the loads mask (the lowering's bounds masks), and
-  # their values are replaced by zeros before they are summed.
+  # Triton's blocks are powers of two: the head dim's block is padded past Hv, and the
+  # loads read those columns and the rows past T as zeros (the mask's `other`), so that
+  # they add nothing to a row's sum and the rows past T sum to zero.
   width = pl.next_power_of_2(Hv)
   block = pl.BlockSpec((None, BLOCK_ROWS, None, width), lambda n, t, b: (b, t, n, 0))
 
@@ -49,7 +49,7 @@ def row_delta(o, do, *, rows: int, interpret: bool = False):
     inside = (row < T)[:, None] & (jnp.arange(width, dtype=jnp.int32) < Hv)[None, :]
     o_tile = pallas.load(o_ref, mask=inside, other=0).astype(jnp.float32)
     do_tile = pallas.load(do_ref, mask=inside, other=0).astype(jnp.float32)
-    delta_ref[...] = jnp.sum(jnp.where(inside, o_tile * do_tile, 0.0), axis=1)
+    delta_ref[...] = jnp.sum(o_tile * do_tile, axis=1)
 
   return pallas.pallas_call(
       kernel, name="attention_delta", grid=(N, rows // BLOCK_ROWS, B),
