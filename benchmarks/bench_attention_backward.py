@@ -18,7 +18,8 @@ walking a head group costs the Hopper backward from what every step costs; then 
 8,9) MLA's head dims (H 192, Hv 128), causal and not, where the split-keys design runs
 unless the schedule has "wide" (`split_keys_width`); then (--only 10,11,12) head dim 64
 causal, GQA 32/8 without a mask and GQA 32/4 causal at 2x8192; then (--only 13-18) the
-GQA sweep of `heads_per_cta`; then (--only 19,20) head dim 256 causal, MHA and GQA 32/8.
+GQA sweep of `heads_per_cta`; then (--only 19,20) head dim 256 causal, MHA and GQA 32/8;
+then (--only 21) 4x4096 causal in float16.
 
 HOPPER_BWD_SCHEDULES (comma-separated; each a "+"-joined set of `SCHEDULE_FLAGS`, e.g.
 "stale,fa3,nofa3,wide,stale+det,ordered+det") adds a row of the Hopper backward per
@@ -59,10 +60,14 @@ GQA_SWEEP_SHAPES = [((4, 4096, 32, 16, 128, True), jnp.bfloat16),
 # where its spills sat (benchmarks/results/tuning/ptxas_attention_offline.md).
 WIDE_MASKED_SHAPES = [((2, 8192, 16, 16, 256, True), jnp.bfloat16),
                       ((4, 4096, 32, 8, 256, True), jnp.bfloat16)]
+# (--only 21) 4x4096 causal in float16, whose backward spills where bfloat16's does not
+# (offline 112 / 128 bytes against 8 / 4: ptxas_attention_offline.md): the case for
+# `fresh_mask_offsets` (HOPPER_BWD_SCHEDULES=fmask) outside GQA.
+FLOAT16_SHAPES = [((4, 4096, 16, 16, 128, True), jnp.float16)]
 SHAPES = TARGET_SHAPES + [((4, 4096, 32, 8, 128, True), jnp.bfloat16),
                           ((4, 4096, 32, 32, 128, True), jnp.bfloat16),
                           *MLA_SHAPES, *MORE_TARGET_SHAPES, *GQA_SWEEP_SHAPES,
-                          *WIDE_MASKED_SHAPES]
+                          *WIDE_MASKED_SHAPES, *FLOAT16_SHAPES]
 SMOKE_SHAPES = [((1, 64, 2, 1, 32, True), jnp.bfloat16)]
 # Our rows: bench_attention's names, with the implementation and determinism each asks
 # for; the row's label names the backward that runs (`our_backward`).
