@@ -14,6 +14,10 @@ that summed durations leave out.
 Ceilings: a Pallas copy kernel (read + write) and a Pallas read kernel (read only), run
 in the same process on the same shapes, give the bandwidth the other rows are compared to.
 
+Clocks: while a row is timed, a thread samples the GPU's SM clock through NVML
+(`ClockSampler`); where the GPU lowered it (power cap, heat), the row's note says so, since
+a row measured after a long one may then run at a lower clock than the rows before it.
+
 Errors: max abs error against a float64 truth computed on the device, and the normwise
 relative error max|out - truth| / max|truth| (elementwise ratios are meaningless for
 probabilities that underflow).
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -214,6 +219,88 @@ def time_call(fn: Callable, arg_sets: Sequence[tuple]):
   return statistics.median(device), statistics.median(walls), timer
 
 
+# --- the GPU's clocks ------------------------------------------------------------------
+
+# NVML's clock event reasons (nvml.h, nvmlClocksEventReason*) that lower the SM clock
+# under load; GPU_IDLE marks a sample taken between kernels.
+GPU_IDLE = 0x1
+SLOWDOWNS = {0x4: "power cap", 0x8: "hardware slowdown", 0x20: "thermal (software)",
+             0x40: "thermal (hardware)", 0x80: "power brake"}
+
+
+@functools.cache
+def _nvml_reader() -> Callable[[], tuple[int, int]]:
+  """() -> (SM clock MHz, clock event reasons) of the first GPU NVML lists (the one
+  GPU of the single-GPU machines), through the driver's libnvidia-ml; raises OSError or
+  RuntimeError where there is none (a machine without a GPU)."""
+  import ctypes
+  nvml = ctypes.CDLL("libnvidia-ml.so.1")
+  if nvml.nvmlInit_v2() != 0:
+    raise RuntimeError("nvmlInit failed")
+  handle = ctypes.c_void_p()
+  if nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)) != 0:
+    raise RuntimeError("NVML has no GPU 0")
+  # NVML's newer name for the call; older drivers have only the "throttle" one.
+  reasons_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+      nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+  clock, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
+
+  def read():
+    if (nvml.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(clock))  # NVML_CLOCK_SM
+        or reasons_fn(handle, ctypes.byref(reasons))):
+      raise RuntimeError("NVML could not read the clock")
+    return clock.value, reasons.value
+  return read
+
+
+class ClockSampler:
+  """The SM clock while a block runs, sampled from a thread every ``period`` seconds:
+  whether the GPU lowered it (a long row can heat it, or reach its power cap, and then
+  the rows after it run at a lower clock than the ones before: docs/kernels.md, where
+  the Hopper attention stands). ``read``: () -> (MHz, NVML's event reasons), NVML's by
+  default; where it cannot be read (no GPU), `result` is None.
+
+      with ClockSampler() as clocks:
+        ...
+      clocks.result  # (median MHz, lowest MHz, slowdowns seen) over the busy samples
+  """
+
+  def __init__(self, period: float = 0.005, read: Callable[[], tuple[int, int]] | None = None):
+    self.period, self.samples, self.result = period, [], None
+    try:
+      self._read = read or _nvml_reader()
+    except (OSError, RuntimeError, AttributeError):
+      self._read = None
+
+  def __enter__(self):
+    import threading
+    self._stop = threading.Event()
+    self._thread = None
+    if self._read is not None:
+      self._thread = threading.Thread(target=self._run, daemon=True)
+      self._thread.start()
+    return self
+
+  def _run(self):
+    while not self._stop.is_set():
+      try:
+        self.samples.append(self._read())
+      except RuntimeError:
+        return
+      self._stop.wait(self.period)
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+    busy = [(mhz, reasons) for mhz, reasons in self.samples if not reasons & GPU_IDLE]
+    if busy:
+      seen = ", ".join(name for bit, name in SLOWDOWNS.items()
+                       if any(reasons & bit for _, reasons in busy))
+      clocks = [mhz for mhz, _ in busy]
+      self.result = (statistics.median(clocks), min(clocks), seen)
+    return False
+
 # --- bandwidth ceilings ----------------------------------------------------------------
 
 _CEILING_BLOCK = 16384
@@ -335,6 +422,18 @@ class Row:
   note: str = ""
   tflops: float | None = None
   peak_mib: float | None = None
+  # The SM clock while the row was timed (`ClockSampler`): median and lowest MHz, and
+  # the slowdowns NVML gave as reasons ("power cap", ...); None off a GPU.
+  sm_mhz: float | None = None
+  sm_mhz_min: float | None = None
+  slowdowns: str = ""
+
+  @property
+  def clock_note(self) -> str:
+    """The note's words on the clock, where the GPU lowered it during the timing."""
+    if not self.slowdowns:
+      return ""
+    return f"SM clock {self.sm_mhz:.0f} MHz (lowest {self.sm_mhz_min:.0f}): {self.slowdowns}"
 
   @property
   def tflops_e2e(self) -> float | None:
@@ -389,6 +488,8 @@ class Report:
     else:
       speed = f"{row.median_us:9.1f} us {row.tflops:6.0f} TFLOP/s {row.peak_mib:8.0f} MiB"
     err = f"err {row.max_abs_err:.1e}" if row.max_abs_err is not None else ""
+    if row.sm_mhz is not None:
+      err += f" SM {row.sm_mhz:.0f} MHz" + (f" ({row.slowdowns})" if row.slowdowns else "")
     print(f"[{len(self.rows):3d}/{self.total} {time.time() - self.started:5.0f}s] "
           f"{row.op:12s} {row.mode:7s} {row.impl:22s} {row.shape:16s} {row.dtype:8s} "
           f"{speed} {err}", flush=True)
@@ -411,20 +512,22 @@ class Report:
         err = (None, None)
       del out
       peak = peak_memory_mib(fn, *arg_sets[0]) if flops is not None else None
-      device_us, wall_us, timer = time_call(fn, arg_sets)
+      with ClockSampler() as clocks:
+        device_us, wall_us, timer = time_call(fn, arg_sets)
     except Exception as e:  # noqa: BLE001 - a peer that fails is a result, not a crash
       self.add(Row(op, impl, shape_s, dtype, mode, None, None, None, None, None, None,
                    ceiling, "", note=failure_note(e)))
       return None
+    sm = dict(zip(("sm_mhz", "sm_mhz_min", "slowdowns"), clocks.result or ()))
     if flops is not None:
       self.add(Row(op, impl, shape_s, dtype, mode, err[0], err[1], device_us, wall_us,
                    None, None, "", timer, note=note, tflops=flops / device_us / 1e6,
-                   peak_mib=peak))
+                   peak_mib=peak, **sm))
       return self.rows[-1].tflops
     gbps = nbytes / device_us / 1e3
     pct = 100 * gbps / ceiling_gbps if ceiling_gbps else 100.0
     self.add(Row(op, impl, shape_s, dtype, mode, err[0], err[1], device_us, wall_us, gbps,
-                 pct, ceiling, timer, note=note))
+                 pct, ceiling, timer, note=note, **sm))
     return gbps
 
   def skip(self, *, op, impl, shape, dtype, mode, note):
@@ -462,6 +565,10 @@ class Report:
                          f"{fmt(r.peak_mib, '.0f')}")
     header += (" wall us: end to end per call, wall clock over pipelined calls "
                "(`time_call`).")
+    if any(r.slowdowns for r in self.rows):
+      header += (" Where the GPU lowered its SM clock while a row was timed, the row's "
+                 "note gives the median and lowest clock and NVML's reasons "
+                 "(`ClockSampler`).")
     titles = ("| op | mode | impl | shape | dtype | max abs err | max rel err | median us "
               f"| wall us | {columns} | note |")
     lines = [f"# {self.name}", "", header, "", titles, "|" + "---|" * (titles.count("|") - 1)]
@@ -469,7 +576,8 @@ class Report:
       lines.append(
           f"| {r.op} | {r.mode} | {r.impl} | {r.shape} | {r.dtype} | "
           f"{fmt(r.max_abs_err, '.1e')} | {fmt(r.max_rel_err, '.1e')} | "
-          f"{fmt(r.median_us, '.1f')} | {fmt(r.wall_us, '.1f')} | {extra(r)} | {r.note} |")
+          f"{fmt(r.median_us, '.1f')} | {fmt(r.wall_us, '.1f')} | {extra(r)} | "
+          f"{'; '.join(filter(None, (r.note, r.clock_note)))} |")
     return "\n".join(lines) + "\n" + (self.summary(self.rows) if self.summary else "")
 
   def plot(self, path: str):

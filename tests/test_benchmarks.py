@@ -313,6 +313,34 @@ def test_kernel_timeline_helpers():
   assert harness.device_kernels({"/host:CPU": {}}) == []
 
 
+
+def test_clock_sampler_reports_the_busy_clock_and_its_slowdowns(tmp_path):
+  # Samples between kernels (NVML's idle reason) are left out; a power cap seen in any
+  # busy sample is named, and the row's note in the table says so.
+  harness = _benchmark_module("harness")
+  samples = iter([(1980, 0x1), (1980, 0x0), (1755, 0x4), (1830, 0x4), (345, 0x1)])
+
+  def read():
+    try:
+      return next(samples)
+    except StopIteration:
+      raise RuntimeError("no more samples") from None
+
+  with harness.ClockSampler(period=0, read=read) as clocks:
+    clocks._thread.join()  # it stops once read() fails
+  assert clocks.result == (1830, 1755, "power cap")
+  report = harness.Report("clocks", 1, str(tmp_path), unit="TFLOP/s")
+  report.add(harness.Row("attention", "ours", "1x2", "bfloat16", "fwd", 0.0, 0.0, 10.0,
+                         11.0, None, None, "", "cupti", tflops=1.0, peak_mib=1.0,
+                         sm_mhz=1830, sm_mhz_min=1755, slowdowns="power cap"))
+  table = report.markdown()
+  assert "SM clock 1830 MHz (lowest 1755): power cap |" in table
+  assert "lowered its SM clock" in table
+  # A reader that fails at once (as NVML where there is no GPU) leaves no result.
+  with harness.ClockSampler(read=read) as none:
+    pass
+  assert none.result is None
+
 def test_attn_rows_keeps_the_named_rows(monkeypatch):
   bench_attention = _benchmark_module("bench_attention")
   impls = {"jaxsoftmax mosaic_gpu": 1, "cudnn": 2, "fa3": 3}

@@ -172,8 +172,9 @@ class HopperBlockSizes:
     claim), they ran 657 against heads fastest's 648 at 4x4096x16 causal in one run,
     level on the other rows (attention_claim_late_h100.md). With 16 pairs they run level
     with the grid at 1x16384 (708 against 707 causal, 692 against 692 without a mask;
-    heads fastest had lost 3-5%) and 0.96x it at 1x32768 causal (669 against 696,
-    attention_claimed_32k_h100.md), so those keep the grid.
+    heads fastest had lost 3-5%) and read 0.96x it at 1x32768 causal (669 against
+    696, attention_claimed_32k_h100.md, timed after the grid, where that shape's second
+    row reads low: docs/kernels.md), so those keep the grid.
     Above head dim 128 they lost (MLA's 192 / 128: 599 against 606 causal, 611 against
     650 without a mask) and ptxas spills at head dim 256 (ptxas_attention_offline.md),
     so the grid stays there."""
