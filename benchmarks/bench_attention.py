@@ -29,7 +29,8 @@ points, with and without its deterministic backward (`fa3 varlen`, `fa3 varlen
 deterministic`), beside our `deterministic=True`. The table ends with each shape's ratio of
 ours to the fastest peer whose errors are finite (`vs_best_peer`). ATTN_ROWS
 (comma-separated row names, e.g. "jaxsoftmax mosaic_gpu,cudnn,fa3") keeps only those rows,
-in both dtypes, so that every target row fits one command on the GPU machine.
+in both dtypes, so that every target row fits one command on the GPU machine, and times
+them in that order.
 HOPPER_FWD_SCHEDULES (comma-separated, e.g. "dynamic,persistent") adds a row of ours for
 each, "jaxsoftmax mosaic_gpu dynamic", whose Hopper forward takes its default tiles
 (`HopperBlockSizes.default` for an unknown count of (batch row, head) pairs) with the
@@ -227,9 +228,14 @@ def float16_implementations(N: int, K: int, H: int, causal: bool, Hv: int):
 
 def kept(rows: dict, variable: str = "ATTN_ROWS") -> dict:
   """The entries of ``rows`` (by row name) that the comma-separated environment variable
-  ``variable`` names; all of them where it is unset."""
-  keep = set(filter(None, os.environ.get(variable, "").split(",")))
-  return {name: row for name, row in rows.items() if not keep or name in keep}
+  ``variable`` names, in its order, which is the order they are timed in; all of them,
+  in their own order, where it is unset. A row timed after a long one may find the GPU's
+  clock lowered (harness.ClockSampler), so naming the rows in another order tells
+  whether their order moved them."""
+  keep = list(dict.fromkeys(filter(None, os.environ.get(variable, "").split(","))))
+  if not keep:
+    return dict(rows)
+  return {name: rows[name] for name in keep if name in rows}
 
 
 def fwd_bwd(attention):

@@ -26,7 +26,8 @@
 #                           (TUNE_ONLY picks shapes, TUNE_TILINGS="0,4" its tilings)
 #   attn-bench              bench_attention.py (ATTN_ONLY="0,1" picks shapes, ATTN_NAME
 #                           names the results, ATTN_MODES="fwd" measures the forward alone,
-#                           ATTN_ROWS="jaxsoftmax mosaic_gpu,cudnn" keeps only those rows;
+#                           ATTN_ROWS="jaxsoftmax mosaic_gpu,cudnn" keeps only those rows,
+#                           timed in that order;
 #                           HOPPER_FWD_SCHEDULES="dynamic" adds rows of the Hopper
 #                           forward's schedules, "jaxsoftmax mosaic_gpu dynamic", which
 #                           ATTN_ROWS must name too where it is set; ATTN_TIMEOUT,

@@ -346,8 +346,11 @@ def test_attn_rows_keeps_the_named_rows(monkeypatch):
   impls = {"jaxsoftmax mosaic_gpu": 1, "cudnn": 2, "fa3": 3}
   monkeypatch.setenv("ATTN_ROWS", "jaxsoftmax mosaic_gpu,fa3")
   assert bench_attention.kept(impls) == {"jaxsoftmax mosaic_gpu": 1, "fa3": 3}
+  # Timed in the order named, a name not among the rows left out.
+  monkeypatch.setenv("ATTN_ROWS", "fa3,tokamax mosaic,jaxsoftmax mosaic_gpu,fa3")
+  assert list(bench_attention.kept(impls).items()) == [("fa3", 3), ("jaxsoftmax mosaic_gpu", 1)]
   monkeypatch.delenv("ATTN_ROWS")
-  assert bench_attention.kept(impls) == impls
+  assert list(bench_attention.kept(impls)) == list(impls)
   monkeypatch.setenv("BWD_ROWS", "cudnn")  # bench_attention_backward's rows
   assert bench_attention.kept(impls, "BWD_ROWS") == {"cudnn": 2}
 
