@@ -30,7 +30,9 @@ deterministic`), beside our `deterministic=True`. The table ends with each shape
 ours to the fastest peer whose errors are finite (`vs_best_peer`). ATTN_ROWS
 (comma-separated row names, e.g. "jaxsoftmax mosaic_gpu,cudnn,fa3") keeps only those rows,
 in both dtypes, so that every target row fits one command on the GPU machine, and times
-them in that order.
+them in that order; BENCH_ROUNDS=2 times a shape's rows in two rounds, the second in the
+reverse order (`harness.Report.measure_rounds`), so that none of them is always timed
+last.
 HOPPER_FWD_SCHEDULES (comma-separated, e.g. "dynamic,persistent") adds a row of ours for
 each, "jaxsoftmax mosaic_gpu dynamic", whose Hopper forward takes its default tiles
 (`HopperBlockSizes.default` for an unknown count of (batch row, head) pairs) with the
@@ -296,6 +298,7 @@ def bench_shape(report: harness.Report, case, dtype):
     if "fwd+bwd" in modes:
       truth["fwd+bwd"] = harness.float64_truth(fwd_bwd(ref), part_q(q), part_kv(k),
                                                part_kv(v), part_q(do))
+    rows = []
     for name, (attention, why) in impls.items():
       for mode in modes:
         if attention is None:
@@ -303,9 +306,11 @@ def bench_shape(report: harness.Report, case, dtype):
           continue
         fn, args = (attention, (q, k, v)) if mode == "fwd" else (fwd_bwd(attention),
                                                                   (q, k, v, do))
-        report.measure(mode=mode, impl=name, fn=fn, arg_sets=[args],
-                       flops=flops * (1 if mode == "fwd" else 3.5), truth=truth[mode],
-                       compare=part_q if mode == "fwd" else compare_bwd, **common)
+        rows.append(dict(mode=mode, impl=name, fn=fn, arg_sets=[args],
+                         flops=flops * (1 if mode == "fwd" else 3.5), truth=truth[mode],
+                         compare=part_q if mode == "fwd" else compare_bwd, **common))
+    # In interleaved rounds where BENCH_ROUNDS asks (harness.Report.measure_rounds).
+    report.measure_rounds(rows)
 
 
 # A row whose relative error exceeds this many times the smallest of its shape's rows

@@ -27,12 +27,15 @@ schedule: the default `HopperBackwardBlockSizes` with those fields changed ("det
 deterministic=True), named "jaxsoftmax mosaic_gpu fa3". The sweep that chose today's
 default: benchmarks/results/tuning/attention_backward_schedules.md. BWD_ROWS
 (comma-separated row names, e.g. "jaxsoftmax mosaic_gpu,fa3") keeps only those of the
-other rows, to spend less device time on a sweep.
+other rows, to spend less device time on a sweep. BENCH_ROUNDS=2 times a shape's rows in
+two rounds, the second in the reverse order (`harness.Report.measure_rounds`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import os
 
 import jax
@@ -141,34 +144,38 @@ def bench_shape(report: harness.Report, case, dtype):
   for suffix, (blocks, deterministic) in schedules().items():
     name = f"{OURS} mosaic_gpu" + " deterministic" * deterministic
     rows.append((name, f"{OURS} mosaic_gpu {suffix}", blocks))
+  timed = []
   for name, impl, blocks in rows:
     attention, why = impls[name]
     if attention is None:
       report.skip(impl=impl, mode="bwd", note=why, **common)
       continue
-    default_blocks = mosaic_backward.BLOCKS
-    mosaic_backward.BLOCKS = blocks or default_blocks  # read when the pullback traces
+    context = functools.partial(_blocks, blocks or mosaic_backward.BLOCKS)
     try:
-      _measure(report, name, impl, attention, q, k, v, do, causal, flops, truth,
-               compare_bwd, common)
-    finally:
-      mosaic_backward.BLOCKS = default_blocks
+      with context():
+        _, vjp = jax.vjp(jax.jit(attention), q, k, v)
+        if name in OUR_ROWS:  # the label names the backward these blocks pick
+          impl = f"{impl} ({our_backward(name, q, k, v, causal)})"
+    except Exception as e:  # noqa: BLE001 - a peer that fails is a result, not a crash
+      report.skip(impl=impl, mode="bwd", note=harness.failure_note(e), **common)
+      continue
+    timed.append(dict(mode="bwd", impl=impl, fn=_pullback, arg_sets=[(vjp, do)],
+                      flops=flops * 2.5, truth=truth, compare=compare_bwd,
+                      context=context, **common))
+  # In interleaved rounds where BENCH_ROUNDS asks (harness.Report.measure_rounds).
+  report.measure_rounds(timed)
 
 
-def _measure(report: harness.Report, name: str, impl: str, attention, q, k, v, do,
-             causal: bool, flops, truth, compare, common):
-  """The row ``impl`` of ``attention``'s pullback (row ``name``), or a skip row saying
-  why it failed."""
+@contextlib.contextmanager
+def _blocks(blocks: mosaic_backward.HopperBackwardBlockSizes):
+  """The Hopper backward's blocks set to ``blocks`` while a row's pullback traces (it
+  reads `mosaic_backward.BLOCKS` then), the default's again after."""
+  default = mosaic_backward.BLOCKS
+  mosaic_backward.BLOCKS = blocks
   try:
-    _, vjp = jax.vjp(jax.jit(attention), q, k, v)
-  except Exception as e:  # noqa: BLE001 - a peer that fails is a result, not a crash
-    report.skip(impl=impl, mode="bwd", note=f"{type(e).__name__}: {str(e)[:160]}",
-                **common)
-    return
-  if name in OUR_ROWS:
-    impl = f"{impl} ({our_backward(name, q, k, v, causal)})"
-  report.measure(mode="bwd", impl=impl, fn=_pullback, arg_sets=[(vjp, do)],
-                 flops=flops * 2.5, truth=truth, compare=compare, **common)
+    yield
+  finally:
+    mosaic_backward.BLOCKS = default
 
 
 if __name__ == "__main__":

@@ -9,14 +9,17 @@ function on several input sets in turn when one set fits in L2 (inputs are rotat
 60 MB), after a warm-up that compiles. Beside it, the end-to-end time per call: wall
 clock over ITERATIONS calls issued back to back (pipelined, as a training step issues
 them), the median of three such runs, which counts the gaps between a call's kernels
-that summed durations leave out.
+that summed durations leave out. Rows of one shape may be timed in interleaved rounds
+(BENCH_ROUNDS, `Report.measure_rounds`), A B C then C B A, so that none is always timed
+after the others.
 
 Ceilings: a Pallas copy kernel (read + write) and a Pallas read kernel (read only), run
 in the same process on the same shapes, give the bandwidth the other rows are compared to.
 
 Clocks: while a row is timed, a thread samples the GPU's SM clock through NVML
 (`ClockSampler`); where the GPU lowered it (power cap, heat), the row's note says so, since
-a row measured after a long one may then run at a lower clock than the rows before it.
+a row measured after a long one may then run at a lower clock than the rows before it
+(the case for the rounds above).
 
 Errors: max abs error against a float64 truth computed on the device, and the normwise
 relative error max|out - truth| / max|truth| (elementwise ratios are meaningless for
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -78,9 +82,10 @@ def rotations(nbytes: int) -> int:
   return max(1, math.ceil(2 * L2_BYTES / max(nbytes, 1)))
 
 
-def _cupti_times(fn, arg_sets, iterations):
+def _cupti_times(run_all, arg_sets, iterations):
+  """Device time (us) per call of each of ``iterations`` calls of ``run_all`` (jitted:
+  every input set once), read by CUPTI."""
   from jax.experimental.mosaic.gpu import profiler
-  run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
   _, per_iteration = profiler.measure(run_all, iterations=iterations)(arg_sets)
   if per_iteration is None:
     raise RuntimeError("CUPTI saw no kernels")
@@ -98,9 +103,8 @@ def _profile(run: Callable[[], object]):
     return ProfileData.from_file(path)
 
 
-def _trace_times(fn, arg_sets, iterations):
+def _trace_times(run_all, arg_sets, iterations):
   """Kernel time per call from a jax.profiler trace (device planes, stream lines)."""
-  run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
   jax.block_until_ready(run_all(arg_sets))
   profile = _profile(lambda: [jax.block_until_ready(run_all(arg_sets))
                               for _ in range(iterations)])
@@ -181,42 +185,74 @@ def kernel_section(title: str, kernels, calls: int) -> list[str]:
           + kernel_table(groups, busy, "call") + [""])
 
 
-def _pipelined_wall_us(jitted, arg_sets) -> float:
-  """Wall-clock time per call of ITERATIONS calls issued back to back (us)."""
+def _pipelined_wall_us(jitted, arg_sets, calls: int) -> float:
+  """Wall-clock time per call of ``calls`` calls issued back to back (us)."""
   start = time.perf_counter()
-  outs = [jitted(*arg_sets[i % len(arg_sets)]) for i in range(ITERATIONS)]
+  outs = [jitted(*arg_sets[i % len(arg_sets)]) for i in range(calls)]
   jax.block_until_ready(outs)
-  return (time.perf_counter() - start) * 1e6 / ITERATIONS
+  return (time.perf_counter() - start) * 1e6 / calls
+
+
+class Timer:
+  """Times ``fn`` on ``arg_sets`` (input sets the iterations rotate through: see
+  `rotations`) in one or more rounds, which `Report.measure_rounds` interleaves with
+  other rows' rounds. Each round: a warm-up, three end-to-end (pipelined wall-clock)
+  runs of ``iterations`` calls, and ``iterations`` device-timed calls. The functions
+  are jitted once, here, so that a later round compiles nothing.
+
+  Without a GPU (a smoke run of the scripts, which checks them and their results, not
+  speed: its interpreted kernels take up to seconds a call) a round is one call's wall
+  time, both device and end to end, timer "wall".
+  """
+
+  def __init__(self, fn: Callable, arg_sets: Sequence[tuple]):
+    self.arg_sets = arg_sets
+    self.jitted = jax.jit(fn)
+    self.run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
+    self.device, self.walls, self.timer = [], [], None
+
+  def round(self, iterations: int = ITERATIONS):
+    """Adds a round's samples."""
+    first = self.arg_sets[0]
+    if jax.default_backend() != "gpu":
+      start = time.perf_counter()
+      jax.block_until_ready(self.jitted(*first))
+      wall = (time.perf_counter() - start) * 1e6
+      self.device.append(wall)
+      self.walls.append(wall)
+      self.timer = "wall"
+      return
+    for _ in range(WARMUP):
+      jax.block_until_ready(self.jitted(*first))
+    self.walls += [_pipelined_wall_us(self.jitted, self.arg_sets, iterations)
+                   for _ in range(3)]
+    try:
+      if os.environ.get("BENCH_TIMER") == "trace":
+        raise RuntimeError("BENCH_TIMER=trace")
+      device, timer = _cupti_times(self.run_all, self.arg_sets, iterations), "cupti"
+    except Exception as cupti_error:  # noqa: BLE001 - fall back, and say why below
+      try:
+        device, timer = _trace_times(self.run_all, self.arg_sets, iterations), "jax.profiler"
+      except Exception as trace_error:  # noqa: BLE001
+        raise RuntimeError(f"no device timer: cupti: {cupti_error}; trace: {trace_error}")
+    self.device += device
+    # Both names where one round's CUPTI failed and another's did not.
+    self.timer = timer if self.timer in (None, timer) else f"{self.timer}+{timer}"
+
+  @property
+  def result(self) -> tuple[float, float, str]:
+    """Median device time (us) per call over every round's samples, median end-to-end
+    time (us) per call, and the timer used."""
+    return statistics.median(self.device), statistics.median(self.walls), self.timer
 
 
 def time_call(fn: Callable, arg_sets: Sequence[tuple]):
   """Median device time (us) per call, end-to-end (pipelined wall-clock) time (us) per
-  call, and the timer used.
-
-  ``arg_sets``: input sets the iterations rotate through (see `rotations`). Without a
-  GPU (a smoke run of the scripts, which checks them and their results, not speed: its
-  interpreted kernels take up to seconds a call) one call's wall time is both, timer
-  "wall"; `Report.measure` has compiled and run ``fn`` once before.
-  """
-  jitted = jax.jit(fn)
-  if jax.default_backend() != "gpu":
-    start = time.perf_counter()
-    jax.block_until_ready(jitted(*arg_sets[0]))
-    wall = (time.perf_counter() - start) * 1e6
-    return wall, wall, "wall"
-  for _ in range(WARMUP):
-    jax.block_until_ready(jitted(*arg_sets[0]))
-  walls = [_pipelined_wall_us(jitted, arg_sets) for _ in range(3)]
-  try:
-    if os.environ.get("BENCH_TIMER") == "trace":
-      raise RuntimeError("BENCH_TIMER=trace")
-    device, timer = _cupti_times(fn, arg_sets, ITERATIONS), "cupti"
-  except Exception as cupti_error:  # noqa: BLE001 - fall back, and say why below
-    try:
-      device, timer = _trace_times(fn, arg_sets, ITERATIONS), "jax.profiler"
-    except Exception as trace_error:  # noqa: BLE001
-      raise RuntimeError(f"no device timer: cupti: {cupti_error}; trace: {trace_error}")
-  return statistics.median(device), statistics.median(walls), timer
+  call, and the timer used: one `Timer` round of ITERATIONS calls. Without a GPU,
+  `Report.measure` has compiled and run ``fn`` once before."""
+  timer = Timer(fn, arg_sets)
+  timer.round()
+  return timer.result
 
 
 # --- the GPU's clocks ------------------------------------------------------------------
@@ -263,6 +299,9 @@ class ClockSampler:
       with ClockSampler() as clocks:
         ...
       clocks.result  # (median MHz, lowest MHz, slowdowns seen) over the busy samples
+
+  It may be entered again (a row's later rounds, `Report.measure_rounds`): the samples
+  add up, and ``result`` covers them all.
   """
 
   def __init__(self, period: float = 0.005, read: Callable[[], tuple[int, int]] | None = None):
@@ -452,6 +491,50 @@ ATTENTION_FLOPS = ("2·B·N·T·S·(H + Hv), 4·B·N·T·S·H where the value he
                    "causal; 3.5x for forward + backward)")
 
 
+class _Pending:
+  """One row of `Report.measure_rounds` between its rounds: its errors and peak memory,
+  its `Timer` and `ClockSampler`, or the error that stopped it."""
+
+  KEYS = {"op", "impl", "shape", "dtype", "mode", "fn", "arg_sets", "nbytes", "flops",
+          "truth", "compare", "ceiling_gbps", "ceiling", "note", "context"}
+
+  def __init__(self, row: dict):
+    unknown = set(row) - self.KEYS
+    if unknown:
+      raise TypeError(f"unknown row fields {sorted(unknown)}; known: {sorted(self.KEYS)}")
+    self.row = dict(row)
+    self.context = self.row.pop("context", contextlib.nullcontext)
+    self.err, self.peak, self.failure = (None, None), None, None
+    self.timer, self.clocks = None, ClockSampler()
+
+  def prepare(self):
+    """Compiles the row's function and runs it once: its errors and peak memory."""
+    row = self.row
+    fn, first = row["fn"], row["arg_sets"][0]
+    try:
+      with self.context():
+        self.timer = Timer(fn, row["arg_sets"])
+        out = jax.block_until_ready(self.timer.jitted(*first))
+        if row.get("truth") is not None:
+          compare = row.get("compare")
+          self.err = errors(compare(out) if compare else out, row["truth"])
+        del out
+        if row.get("flops") is not None:
+          self.peak = peak_memory_mib(fn, *first)
+    except Exception as e:  # noqa: BLE001 - a peer that fails is a result, not a crash
+      self.failure = e
+
+  def time_round(self, iterations: int):
+    """One round of the row's timing, the clock sampled; a failure ends the row."""
+    if self.failure is not None:
+      return
+    try:
+      with self.context(), self.clocks:
+        self.timer.round(iterations)
+    except Exception as e:  # noqa: BLE001
+      self.failure = e
+
+
 class Report:
   """Collects rows, prints progress, and writes JSON and Markdown after every row (a
   run cut short keeps what it measured) and a PNG plot at the end.
@@ -495,39 +578,65 @@ class Report:
           f"{speed} {err}", flush=True)
     self._write_tables()
 
-  def measure(self, *, op, impl, shape, dtype, mode, fn, arg_sets, nbytes=None,
-              flops=None, truth=None, compare=None, ceiling_gbps=None, ceiling="copy",
-              note=""):
-    """Times ``fn`` on ``arg_sets`` and adds its row; ``nbytes`` is the minimum traffic
-    of one call (GB/s reports), ``flops`` its FLOPs (TFLOP/s reports). Errors are of
-    ``compare(output)`` (default: the output) against ``truth``; ``note`` goes in the
-    row's note column. A failure becomes a row that says why. Returns the rate, or
-    None."""
-    shape_s = "x".join(map(str, shape))
-    try:
-      out = jax.block_until_ready(jax.jit(fn)(*arg_sets[0]))
-      if truth is not None:
-        err = errors(compare(out) if compare else out, truth)
-      else:
-        err = (None, None)
-      del out
-      peak = peak_memory_mib(fn, *arg_sets[0]) if flops is not None else None
-      with ClockSampler() as clocks:
-        device_us, wall_us, timer = time_call(fn, arg_sets)
-    except Exception as e:  # noqa: BLE001 - a peer that fails is a result, not a crash
-      self.add(Row(op, impl, shape_s, dtype, mode, None, None, None, None, None, None,
-                   ceiling, "", note=failure_note(e)))
+  def measure(self, **row):
+    """Times one row and adds it: `measure_rounds` of that row alone, in one round.
+    Returns its rate, or None."""
+    return self.measure_rounds([row], rounds=1)[0]
+
+  def measure_rounds(self, rows: Sequence[dict], rounds: int | None = None):
+    """Times ``rows`` in interleaved rounds and adds them in their order; returns each
+    one's rate, or None where it failed.
+
+    Each row is a dict of ``op``, ``impl``, ``shape``, ``dtype``, ``mode``, ``fn`` and
+    ``arg_sets``, with optional ``nbytes`` (the minimum traffic of one call: GB/s
+    reports), ``flops`` (its FLOPs: TFLOP/s reports), ``truth`` and ``compare`` (errors
+    are of ``compare(output)``, default the output, against ``truth``),
+    ``ceiling_gbps``, ``ceiling`` ("copy"), ``note`` (the row's note column) and
+    ``context`` (a function giving the context manager its calls run in, e.g. one that
+    sets what a kernel reads when it traces). A failure becomes a row that says why.
+
+    Round r times the rows in their order, in reverse where r is odd (A B C, C B A,
+    ...), each for ITERATIONS / rounds iterations (at least 2): with an even count of
+    rounds every row sits at the same mean place in the run, so a GPU that lowers its
+    clock as the run goes on (`ClockSampler`) slows them alike rather than the ones
+    timed last. ``rounds`` defaults to BENCH_ROUNDS, else 1 (one row after the other).
+    """
+    if rounds is None:
+      rounds = int(os.environ.get("BENCH_ROUNDS", "1"))
+    if rounds < 1:
+      raise ValueError(f"rounds (BENCH_ROUNDS) must be at least 1, got {rounds}")
+    if rounds > 1:
+      self.meta["rounds"] = max(rounds, self.meta.get("rounds", 1))
+    iterations = max(2, math.ceil(ITERATIONS / rounds))
+    pending = [_Pending(row) for row in rows]
+    for p in pending:
+      p.prepare()
+    for r in range(rounds):
+      for p in (pending if r % 2 == 0 else pending[::-1]):
+        p.time_round(iterations)
+    return [self._add_timed(p) for p in pending]
+
+  def _add_timed(self, p: _Pending) -> float | None:
+    """Adds the row of a timed `_Pending`, or the row of its failure; its rate."""
+    row = p.row
+    common = (row["op"], row["impl"], "x".join(map(str, row["shape"])), row["dtype"],
+              row["mode"])
+    ceiling, note = row.get("ceiling", "copy"), row.get("note", "")
+    if p.failure is not None:
+      self.add(Row(*common, None, None, None, None, None, None, ceiling, "",
+                   note=failure_note(p.failure)))
       return None
-    sm = dict(zip(("sm_mhz", "sm_mhz_min", "slowdowns"), clocks.result or ()))
-    if flops is not None:
-      self.add(Row(op, impl, shape_s, dtype, mode, err[0], err[1], device_us, wall_us,
-                   None, None, "", timer, note=note, tflops=flops / device_us / 1e6,
-                   peak_mib=peak, **sm))
+    device_us, wall_us, timer = p.timer.result
+    sm = dict(zip(("sm_mhz", "sm_mhz_min", "slowdowns"), p.clocks.result or ()))
+    if row.get("flops") is not None:
+      self.add(Row(*common, *p.err, device_us, wall_us, None, None, "", timer, note=note,
+                   tflops=row["flops"] / device_us / 1e6, peak_mib=p.peak, **sm))
       return self.rows[-1].tflops
-    gbps = nbytes / device_us / 1e3
+    gbps = row["nbytes"] / device_us / 1e3
+    ceiling_gbps = row.get("ceiling_gbps")
     pct = 100 * gbps / ceiling_gbps if ceiling_gbps else 100.0
-    self.add(Row(op, impl, shape_s, dtype, mode, err[0], err[1], device_us, wall_us, gbps,
-                 pct, ceiling, timer, note=note, **sm))
+    self.add(Row(*common, *p.err, device_us, wall_us, gbps, pct, ceiling, timer,
+                 note=note, **sm))
     return gbps
 
   def skip(self, *, op, impl, shape, dtype, mode, note):
@@ -550,7 +659,12 @@ class Report:
     m = self.meta
     fmt = lambda v, f: "" if v is None else format(v, f)
     header = (f"{m['device']}, JAX {m['jax']}, {m['date']}. Device time: median over "
-              f"{ITERATIONS} iterations of the kernels' summed durations; ")
+              f"{ITERATIONS} iterations of the kernels' summed durations")
+    rounds = m.get("rounds", 1)
+    if rounds > 1:
+      header += (f", timed in {rounds} rounds of {math.ceil(ITERATIONS / rounds)} "
+                 "that alternate the rows' order (`Report.measure_rounds`)")
+    header += "; "
     if self.unit == "GB/s":
       header += ("GB/s over the minimum traffic; % of the ceiling (copy or read) measured "
                  "in the same run.")

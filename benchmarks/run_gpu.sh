@@ -27,7 +27,9 @@
 #   attn-bench              bench_attention.py (ATTN_ONLY="0,1" picks shapes, ATTN_NAME
 #                           names the results, ATTN_MODES="fwd" measures the forward alone,
 #                           ATTN_ROWS="jaxsoftmax mosaic_gpu,cudnn" keeps only those rows,
-#                           timed in that order;
+#                           timed in that order; BENCH_ROUNDS=2 times each shape's rows
+#                           in two rounds, the second in reverse order (attn-bench-bwd
+#                           too: harness.Report.measure_rounds);
 #                           HOPPER_FWD_SCHEDULES="dynamic" adds rows of the Hopper
 #                           forward's schedules, "jaxsoftmax mosaic_gpu dynamic", which
 #                           ATTN_ROWS must name too where it is set; ATTN_TIMEOUT,

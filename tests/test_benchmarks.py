@@ -165,7 +165,10 @@ def test_bench_decode_attention_smoke(tmp_path):
 
 def test_bench_attention_backward_smoke(tmp_path, monkeypatch):
   monkeypatch.setenv("HOPPER_BWD_SCHEDULES", "stale+fa3,wide+det,ordered+det")
+  monkeypatch.setenv("BENCH_ROUNDS", "2")  # the rows in interleaved rounds
   rows = _smoke_rows(tmp_path, "bench_attention_backward", "attention_backward")
+  with open(tmp_path / "attention_backward.md") as f:
+    assert "timed in 2 rounds of 10 that alternate the rows' order" in f.read()
   # The backward alone, timed from the forward's residuals: ours on Triton runs here.
   [triton] = [r for r in rows if r["impl"] == "jaxsoftmax triton (Triton backward)"]
   assert triton["mode"] == "bwd" and triton["median_us"] > 0
@@ -340,6 +343,44 @@ def test_clock_sampler_reports_the_busy_clock_and_its_slowdowns(tmp_path):
   with harness.ClockSampler(read=read) as none:
     pass
   assert none.result is None
+
+def test_measure_rounds_alternates_the_rows_order(tmp_path):
+  # Three rows in two rounds: each prepared once, then timed A B C and C B A (the
+  # context a row's calls run in sees each), each row's median over both rounds; a row
+  # whose function fails becomes a row that says why, and the others go on.
+  import jax.numpy as jnp
+  harness = _benchmark_module("harness")
+  seen = []
+
+  def context(name):
+    import contextlib
+
+    @contextlib.contextmanager
+    def enter():
+      seen.append(name)
+      yield
+    return enter
+
+  def fails(x):
+    raise ValueError("no such kernel")
+
+  x = jnp.ones(4)
+  rows = [dict(op="op", impl=name, shape=(4,), dtype="float32", mode="fwd", fn=fn,
+               arg_sets=[(x,)], nbytes=16, context=context(name), truth=x)
+          for name, fn in (("a", jnp.exp), ("b", fails), ("c", jnp.sin))]
+  report = harness.Report("rounds", 3, str(tmp_path))
+  rates = report.measure_rounds(rows, rounds=2)
+  assert seen == ["a", "b", "c", "a", "c", "c", "a"]  # b failed when prepared
+  assert [r.impl for r in report.rows] == ["a", "b", "c"]
+  assert rates[1] is None and "ValueError: no such kernel" in report.rows[1].note
+  assert rates[0] > 0 and report.rows[0].max_abs_err == pytest.approx(1.718, abs=1e-3)
+  assert "timed in 2 rounds of 10" in report.markdown()
+  with pytest.raises(TypeError, match="unknown row fields \\['flop'\\]"):
+    report.measure(op="op", impl="d", shape=(4,), dtype="float32", mode="fwd",
+                   fn=jnp.exp, arg_sets=[(x,)], flop=1)
+  with pytest.raises(ValueError, match="BENCH_ROUNDS"):
+    report.measure_rounds(rows, rounds=0)
+
 
 def test_attn_rows_keeps_the_named_rows(monkeypatch):
   bench_attention = _benchmark_module("bench_attention")
