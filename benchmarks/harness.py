@@ -196,9 +196,10 @@ def _pipelined_wall_us(jitted, arg_sets, calls: int) -> float:
 class Timer:
   """Times ``fn`` on ``arg_sets`` (input sets the iterations rotate through: see
   `rotations`) in one or more rounds, which `Report.measure_rounds` interleaves with
-  other rows' rounds. Each round: a warm-up, three end-to-end (pipelined wall-clock)
-  runs of ``iterations`` calls, and ``iterations`` device-timed calls. The functions
-  are jitted once, here, so that a later round compiles nothing.
+  other rows' rounds. Each round: a warm-up, end-to-end (pipelined wall-clock) runs of
+  ITERATIONS calls (three in all, shared out between the rounds of ``iterations``
+  each), and ``iterations`` device-timed calls. The functions are jitted once, here, so
+  that a later round compiles nothing.
 
   Without a GPU (a smoke run of the scripts, which checks them and their results, not
   speed: its interpreted kernels take up to seconds a call) a round is one call's wall
@@ -211,7 +212,7 @@ class Timer:
     self.run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
     self.device, self.walls, self.timer = [], [], None
 
-  def round(self, iterations: int = ITERATIONS):
+  def run_round(self, iterations: int = ITERATIONS):
     """Adds a round's samples."""
     first = self.arg_sets[0]
     if jax.default_backend() != "gpu":
@@ -224,8 +225,12 @@ class Timer:
       return
     for _ in range(WARMUP):
       jax.block_until_ready(self.jitted(*first))
-    self.walls += [_pipelined_wall_us(self.jitted, self.arg_sets, iterations)
-                   for _ in range(3)]
+    # Each end-to-end run keeps ITERATIONS calls, as a run of one round has, since a
+    # shorter one would spread the pipeline's fill over fewer calls; the rounds share
+    # the three runs out between them, at least one each.
+    rounds = max(1, round(ITERATIONS / iterations))
+    self.walls += [_pipelined_wall_us(self.jitted, self.arg_sets, ITERATIONS)
+                   for _ in range(math.ceil(3 / rounds))]
     try:
       if os.environ.get("BENCH_TIMER") == "trace":
         raise RuntimeError("BENCH_TIMER=trace")
@@ -251,7 +256,7 @@ def time_call(fn: Callable, arg_sets: Sequence[tuple]):
   call, and the timer used: one `Timer` round of ITERATIONS calls. Without a GPU,
   `Report.measure` has compiled and run ``fn`` once before."""
   timer = Timer(fn, arg_sets)
-  timer.round()
+  timer.run_round()
   return timer.result
 
 
@@ -530,7 +535,7 @@ class _Pending:
       return
     try:
       with self.context(), self.clocks:
-        self.timer.round(iterations)
+        self.timer.run_round(iterations)
     except Exception as e:  # noqa: BLE001
       self.failure = e
 

@@ -382,6 +382,34 @@ def test_measure_rounds_alternates_the_rows_order(tmp_path):
     report.measure_rounds(rows, rounds=0)
 
 
+def test_timer_rounds_share_the_iterations_out(monkeypatch):
+  # On a GPU (stood in for here) a round of 10 device-timed iterations runs two of the
+  # three end-to-end runs, each of ITERATIONS calls; one round of 20 runs all three.
+  import jax.numpy as jnp
+  harness = _benchmark_module("harness")
+  walls, cupti = [], iter([[2.0] * 10, RuntimeError("dropped records"), [2.0] * 20])
+
+  def cupti_times(run_all, arg_sets, iterations):
+    result = next(cupti)
+    if isinstance(result, Exception):
+      raise result
+    return result
+
+  monkeypatch.setattr(harness.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(harness, "_pipelined_wall_us",
+                      lambda jitted, arg_sets, calls: walls.append(calls) or 5.0)
+  monkeypatch.setattr(harness, "_cupti_times", cupti_times)
+  monkeypatch.setattr(harness, "_trace_times", lambda run_all, arg_sets, n: [4.0] * n)
+  timer = harness.Timer(jnp.exp, [(jnp.ones(3),)])
+  timer.run_round(10)
+  assert walls == [20, 20] and timer.result == (2.0, 5.0, "cupti")
+  timer.run_round(10)  # CUPTI fails in this round: the trace's times, and both names
+  assert len(timer.device) == 20 and timer.result == (3.0, 5.0, "cupti+jax.profiler")
+  walls.clear()
+  harness.Timer(jnp.exp, [(jnp.ones(3),)]).run_round(harness.ITERATIONS)
+  assert walls == [20, 20, 20]
+
+
 def test_attn_rows_keeps_the_named_rows(monkeypatch):
   bench_attention = _benchmark_module("bench_attention")
   impls = {"jaxsoftmax mosaic_gpu": 1, "cudnn": 2, "fa3": 3}
