@@ -471,6 +471,8 @@ class Row:
   sm_mhz: float | None = None
   sm_mhz_min: float | None = None
   slowdowns: str = ""
+  # The interleaved rounds the row was timed in (`Report.measure_rounds`).
+  rounds: int = 1
 
   @property
   def clock_note(self) -> str:
@@ -610,8 +612,6 @@ class Report:
       rounds = int(os.environ.get("BENCH_ROUNDS", "1"))
     if rounds < 1:
       raise ValueError(f"rounds (BENCH_ROUNDS) must be at least 1, got {rounds}")
-    if rounds > 1:
-      self.meta["rounds"] = max(rounds, self.meta.get("rounds", 1))
     iterations = max(2, math.ceil(ITERATIONS / rounds))
     pending = [_Pending(row) for row in rows]
     for p in pending:
@@ -619,9 +619,9 @@ class Report:
     for r in range(rounds):
       for p in (pending if r % 2 == 0 else pending[::-1]):
         p.time_round(iterations)
-    return [self._add_timed(p) for p in pending]
+    return [self._add_timed(p, rounds) for p in pending]
 
-  def _add_timed(self, p: _Pending) -> float | None:
+  def _add_timed(self, p: _Pending, rounds: int) -> float | None:
     """Adds the row of a timed `_Pending`, or the row of its failure; its rate."""
     row = p.row
     common = (row["op"], row["impl"], "x".join(map(str, row["shape"])), row["dtype"],
@@ -632,7 +632,8 @@ class Report:
                    note=failure_note(p.failure)))
       return None
     device_us, wall_us, timer = p.timer.result
-    sm = dict(zip(("sm_mhz", "sm_mhz_min", "slowdowns"), p.clocks.result or ()))
+    sm = dict(zip(("sm_mhz", "sm_mhz_min", "slowdowns"), p.clocks.result or ()),
+              rounds=rounds)
     if row.get("flops") is not None:
       self.add(Row(*common, *p.err, device_us, wall_us, None, None, "", timer, note=note,
                    tflops=row["flops"] / device_us / 1e6, peak_mib=p.peak, **sm))
@@ -665,10 +666,17 @@ class Report:
     fmt = lambda v, f: "" if v is None else format(v, f)
     header = (f"{m['device']}, JAX {m['jax']}, {m['date']}. Device time: median over "
               f"{ITERATIONS} iterations of the kernels' summed durations")
-    rounds = m.get("rounds", 1)
-    if rounds > 1:
-      header += (f", timed in {rounds} rounds of {math.ceil(ITERATIONS / rounds)} "
-                 "that alternate the rows' order (`Report.measure_rounds`)")
+    # Rows timed in interleaved rounds (`Report.measure_rounds`): the header says so
+    # where every row was; in a merge of runs timed both ways, each such row's note.
+    rounds = {r.rounds for r in self.rows if r.median_us is not None}
+    mixed = len(rounds) > 1
+    if mixed:
+      header += (", some rows timed in rounds that alternate the rows' order "
+                 "(`Report.measure_rounds`), as their notes say")
+    elif rounds and (n := rounds.pop()) > 1:
+      header += (f", timed in {n} rounds of {math.ceil(ITERATIONS / n)} that alternate "
+                 "the rows' order (`Report.measure_rounds`)")
+    rounds_note = lambda r: f"timed in {r.rounds} rounds" if mixed and r.rounds > 1 else ""
     header += "; "
     if self.unit == "GB/s":
       header += ("GB/s over the minimum traffic; % of the ceiling (copy or read) measured "
@@ -696,7 +704,7 @@ class Report:
           f"| {r.op} | {r.mode} | {r.impl} | {r.shape} | {r.dtype} | "
           f"{fmt(r.max_abs_err, '.1e')} | {fmt(r.max_rel_err, '.1e')} | "
           f"{fmt(r.median_us, '.1f')} | {fmt(r.wall_us, '.1f')} | {extra(r)} | "
-          f"{'; '.join(filter(None, (r.note, r.clock_note)))} |")
+          f"{'; '.join(filter(None, (r.note, r.clock_note, rounds_note(r))))} |")
     return "\n".join(lines) + "\n" + (self.summary(self.rows) if self.summary else "")
 
   def plot(self, path: str):

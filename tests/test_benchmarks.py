@@ -374,7 +374,12 @@ def test_measure_rounds_alternates_the_rows_order(tmp_path):
   assert [r.impl for r in report.rows] == ["a", "b", "c"]
   assert rates[1] is None and "ValueError: no such kernel" in report.rows[1].note
   assert rates[0] > 0 and report.rows[0].max_abs_err == pytest.approx(1.718, abs=1e-3)
-  assert "timed in 2 rounds of 10" in report.markdown()
+  assert "timed in 2 rounds of 10" in report.markdown() and report.rows[0].rounds == 2
+  # A row of one round beside them (as a merge of two runs): the rows in rounds say so.
+  report.measure(op="op", impl="d", shape=(4,), dtype="float32", mode="fwd", fn=jnp.exp,
+                 arg_sets=[(x,)], nbytes=16)
+  table = report.markdown()
+  assert "some rows timed in rounds" in table and table.count("| timed in 2 rounds |") == 2
   with pytest.raises(TypeError, match="unknown row fields \\['flop'\\]"):
     report.measure(op="op", impl="d", shape=(4,), dtype="float32", mode="fwd",
                    fn=jnp.exp, arg_sets=[(x,)], flop=1)
