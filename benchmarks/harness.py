@@ -197,8 +197,7 @@ class Timer:
   """Times ``fn`` on ``arg_sets`` (input sets the iterations rotate through: see
   `rotations`) in one or more rounds, which `Report.measure_rounds` interleaves with
   other rows' rounds. Each round: a warm-up, end-to-end (pipelined wall-clock) runs of
-  ITERATIONS calls (three in all, shared out between the rounds of ``iterations``
-  each), and ``iterations`` device-timed calls. The functions are jitted once, here, so
+  ITERATIONS calls, and device-timed calls. The functions are jitted once, here, so
   that a later round compiles nothing.
 
   Without a GPU (a smoke run of the scripts, which checks them and their results, not
@@ -212,8 +211,9 @@ class Timer:
     self.run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
     self.device, self.walls, self.timer = [], [], None
 
-  def run_round(self, iterations: int = ITERATIONS):
-    """Adds a round's samples."""
+  def run_round(self, iterations: int = ITERATIONS, wall_runs: int = 3):
+    """Adds a round's samples: ``iterations`` device-timed calls and ``wall_runs``
+    end-to-end runs."""
     first = self.arg_sets[0]
     if jax.default_backend() != "gpu":
       start = time.perf_counter()
@@ -225,12 +225,10 @@ class Timer:
       return
     for _ in range(WARMUP):
       jax.block_until_ready(self.jitted(*first))
-    # Each end-to-end run keeps ITERATIONS calls, as a run of one round has, since a
-    # shorter one would spread the pipeline's fill over fewer calls; the rounds share
-    # the three runs out between them, at least one each.
-    rounds = max(1, round(ITERATIONS / iterations))
+    # Each end-to-end run keeps ITERATIONS calls whatever the round's iterations, since
+    # a shorter one would spread the pipeline's fill over fewer calls.
     self.walls += [_pipelined_wall_us(self.jitted, self.arg_sets, ITERATIONS)
-                   for _ in range(math.ceil(3 / rounds))]
+                   for _ in range(wall_runs)]
     try:
       if os.environ.get("BENCH_TIMER") == "trace":
         raise RuntimeError("BENCH_TIMER=trace")
@@ -502,13 +500,16 @@ class _Pending:
   """One row of `Report.measure_rounds` between its rounds: its errors and peak memory,
   its `Timer` and `ClockSampler`, or the error that stopped it."""
 
-  KEYS = {"op", "impl", "shape", "dtype", "mode", "fn", "arg_sets", "nbytes", "flops",
-          "truth", "compare", "ceiling_gbps", "ceiling", "note", "context"}
+  REQUIRED = {"op", "impl", "shape", "dtype", "mode", "fn", "arg_sets"}
+  KEYS = REQUIRED | {"nbytes", "flops", "truth", "compare", "ceiling_gbps", "ceiling",
+                     "note", "context"}
 
   def __init__(self, row: dict):
-    unknown = set(row) - self.KEYS
-    if unknown:
-      raise TypeError(f"unknown row fields {sorted(unknown)}; known: {sorted(self.KEYS)}")
+    unknown, missing = set(row) - self.KEYS, self.REQUIRED - set(row)
+    if unknown or missing or ("nbytes" in row) == ("flops" in row):
+      raise TypeError(f"a row takes {sorted(self.REQUIRED)}, nbytes or flops (one), and "
+                      f"optionally {sorted(self.KEYS - self.REQUIRED - {'nbytes', 'flops'})}"
+                      f"; got unknown {sorted(unknown)}, missing {sorted(missing)}")
     self.row = dict(row)
     self.context = self.row.pop("context", contextlib.nullcontext)
     self.err, self.peak, self.failure = (None, None), None, None
@@ -531,13 +532,14 @@ class _Pending:
     except Exception as e:  # noqa: BLE001 - a peer that fails is a result, not a crash
       self.failure = e
 
-  def time_round(self, iterations: int):
-    """One round of the row's timing, the clock sampled; a failure ends the row."""
+  def time_round(self, iterations: int, wall_runs: int):
+    """One round of the row's timing (`Timer.run_round`), the clock sampled; a failure
+    ends the row."""
     if self.failure is not None:
       return
     try:
       with self.context(), self.clocks:
-        self.timer.run_round(iterations)
+        self.timer.run_round(iterations, wall_runs)
     except Exception as e:  # noqa: BLE001
       self.failure = e
 
@@ -616,9 +618,10 @@ class Report:
     pending = [_Pending(row) for row in rows]
     for p in pending:
       p.prepare()
+    wall_runs = math.ceil(3 / rounds)  # three in all, as one round has, one at least
     for r in range(rounds):
       for p in (pending if r % 2 == 0 else pending[::-1]):
-        p.time_round(iterations)
+        p.time_round(iterations, wall_runs)
     return [self._add_timed(p, rounds) for p in pending]
 
   def _add_timed(self, p: _Pending, rounds: int) -> float | None:

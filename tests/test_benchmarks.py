@@ -380,16 +380,19 @@ def test_measure_rounds_alternates_the_rows_order(tmp_path):
                  arg_sets=[(x,)], nbytes=16)
   table = report.markdown()
   assert "some rows timed in rounds" in table and table.count("| timed in 2 rounds |") == 2
-  with pytest.raises(TypeError, match="unknown row fields \\['flop'\\]"):
+  with pytest.raises(TypeError, match="unknown \\[.flop.\\], missing \\[\\]"):
     report.measure(op="op", impl="d", shape=(4,), dtype="float32", mode="fwd",
                    fn=jnp.exp, arg_sets=[(x,)], flop=1)
+  with pytest.raises(TypeError, match="missing \\['fn'\\]"):
+    report.measure(op="op", impl="d", shape=(4,), dtype="float32", mode="fwd",
+                   arg_sets=[(x,)], nbytes=16)
   with pytest.raises(ValueError, match="BENCH_ROUNDS"):
     report.measure_rounds(rows, rounds=0)
 
 
 def test_timer_rounds_share_the_iterations_out(monkeypatch):
-  # On a GPU (stood in for here) a round of 10 device-timed iterations runs two of the
-  # three end-to-end runs, each of ITERATIONS calls; one round of 20 runs all three.
+  # On a GPU (stood in for here) each round of a two-round run (`measure_rounds`) times
+  # 10 iterations and two end-to-end runs, each of ITERATIONS calls all the same.
   import jax.numpy as jnp
   harness = _benchmark_module("harness")
   walls, cupti = [], iter([[2.0] * 10, RuntimeError("dropped records"), [2.0] * 20])
@@ -406,12 +409,12 @@ def test_timer_rounds_share_the_iterations_out(monkeypatch):
   monkeypatch.setattr(harness, "_cupti_times", cupti_times)
   monkeypatch.setattr(harness, "_trace_times", lambda run_all, arg_sets, n: [4.0] * n)
   timer = harness.Timer(jnp.exp, [(jnp.ones(3),)])
-  timer.run_round(10)
+  timer.run_round(10, wall_runs=2)
   assert walls == [20, 20] and timer.result == (2.0, 5.0, "cupti")
-  timer.run_round(10)  # CUPTI fails in this round: the trace's times, and both names
+  timer.run_round(10, wall_runs=2)  # CUPTI fails: the trace's times, and both names
   assert len(timer.device) == 20 and timer.result == (3.0, 5.0, "cupti+jax.profiler")
   walls.clear()
-  harness.Timer(jnp.exp, [(jnp.ones(3),)]).run_round(harness.ITERATIONS)
+  harness.time_call(jnp.exp, [(jnp.ones(3),)])  # one round of everything
   assert walls == [20, 20, 20]
 
 
