@@ -29,6 +29,12 @@ Two models, per shape and order:
 
 ``--overhead``: a CTA's fixed cost (loading K and V, storing dK and dV) in steps.
 
+``--dq``: the deterministic backward's dQ kernel instead (`dq_steps`), a CTA per query
+tile, each as many steps as the key blocks it walks causal: the last SM's finish
+against the bound with the grid's query tiles launched from the first (the shortest)
+and, as the kernel launches them causal since 2026-12-08, from the last. On issue 30's
+causal rows 1.032-1.073 the bound from the first, 1.001-1.013 from the last.
+
 ``--forward``: the Hopper forward's persistent CTAs instead (`forward._Work`), each item
 (a tile of 128 query rows of a head and batch row) as many steps as the key blocks of
 128 it walks causal (tile t: t + 1). The last CTA's finish against an even share, for
@@ -64,7 +70,7 @@ import heapq
 
 import numpy as np
 
-from jaxsoftmax.attention.masks import MaskSpec, query_block_ranges
+from jaxsoftmax.attention.masks import MaskSpec, key_block_ranges, query_block_ranges
 from jaxsoftmax.attention.mosaic_gpu import backward as mosaic_backward
 from jaxsoftmax.attention.mosaic_gpu import forward as mosaic_forward
 
@@ -255,13 +261,45 @@ def forward_l2_hits(order: list[tuple[int, int, int]], N: int, K: int, sms: int,
     tick += 1
 
 
+def dq_steps(B: int, T: int, N: int, longest_first: bool, blocks=None) -> list[int]:
+  """Each causal dQ CTA's steps (the key blocks its query tile walks:
+  `masks.key_block_ranges`), in launch order: the deterministic backward's dQ kernel, a
+  CTA per query tile of 2 · block_q rows of a batch row and query head, its grid (query
+  heads, query tiles, batch rows) launched batch rows fastest. ``longest_first``: the
+  query tiles from the last, as the kernel takes them under a causal mask."""
+  blocks = mosaic_backward.BLOCKS if blocks is None else blocks
+  rows = 2 * blocks.block_q
+  spec = MaskSpec(T, T, is_causal=True)
+  tiles = -(-T // rows)
+  steps = []
+  for _ in range(N):
+    for t in range(tiles):
+      tile = tiles - 1 - t if longest_first else t
+      lo, _, _, hi = key_block_ranges(spec, tile * rows, rows, blocks.block_kv, None, None)
+      steps += [int(hi - lo)] * B
+  return steps
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--sms", type=int, default=132)
   parser.add_argument("--overhead", type=int, default=4)
   parser.add_argument("--l2-mib", type=int, default=50)
   parser.add_argument("--forward", action="store_true")
+  parser.add_argument("--dq", action="store_true")
   args = parser.parse_args()
+  if args.dq:
+    print("B, T, N causal: the dQ kernel's finish / max(steps / SMs, longest CTA), its "
+          "query tiles launched from the first, then from the last")
+    for B, T, N, _ in SHAPES:
+      cells = []
+      for longest_first in (False, True):
+        steps = dq_steps(B, T, N, longest_first)
+        bound = max((sum(steps) + args.overhead * len(steps)) / args.sms,
+                    max(steps) + args.overhead)
+        cells.append(f"{finish(steps, args.sms, args.overhead) / bound:.3f}")
+      print(f"{B}, {T}, {N}: " + ", ".join(cells), flush=True)
+    return
   if args.forward:
     print("B, T, N causal: finish / even share, fixed share and claimed; (batch row, "
           "query head) pairs the first wave walks, fixed share and claimed")

@@ -537,6 +537,10 @@ def test_launch_order_schedules_the_backward_ctas():
   assert launch_order.forward_l2_hits([(0, 0, 2), (0, 0, 1)], 2, 2, 2, 2**30) == (2 / 5, 3)
   assert launch_order.forward_l2_hits([(0, 0, 2), (0, 1, 1)], 2, 2, 1, 2**30) == (0, 5)
   assert launch_order.forward_l2_hits([(0, 0, 2), (0, 0, 1)], 2, 2, 2, 0) == (0, 3)
+  # The dQ kernel, causal 1x512 with 2 heads: tiles of 128 queries walk 2, 4, 6 and 8
+  # key blocks of 64; launched from the last tile, each head's longest first.
+  assert launch_order.dq_steps(1, 512, 2, longest_first=False) == [2, 4, 6, 8] * 2
+  assert launch_order.dq_steps(2, 512, 1, longest_first=True) == [8, 8, 6, 6, 4, 4, 2, 2]
 
 
 def test_tune_linear_cross_entropy_smoke(tmp_path):

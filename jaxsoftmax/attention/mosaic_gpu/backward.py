@@ -1122,18 +1122,25 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_pr
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, aux_present,
                spec: MaskSpec, blocks: HopperBackwardBlockSizes, logits: Logits,
-               group: int, float32_grads: bool, q_tiles, do_tiles, k_ring,
-               v_ring, q_loaded, k_loaded, v_loaded, k_free, v_free):
+               group: int, float32_grads: bool, q_tile_count: int, q_tiles, do_tiles,
+               k_ring, v_ring, q_loaded, k_loaded, v_loaded, k_free, v_free):
   """dQ of a query tile (the deterministic backward's second kernel): the forward's
   layout (a producer streaming K/V blocks, two consumers of block_q rows each), with
   S = Q Kᵀ, P, dP = dO Vᵀ, dS and dQ += dS K per key block. ``float32_grads`` as
-  `_dkdv_kernel`."""
+  `_dkdv_kernel`; ``q_tile_count``: the grid's query tiles."""
   aux_refs, (dq_ref,) = AuxArrays.split_refs(refs, aux_present)
   q_len_ref, kv_len_ref, q_seg_ref, kv_seg_ref = aux_refs.lengths_and_segments
   bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.num_stages
   wg = lax.axis_index("wg")
   b, n = lax.axis_index("batch"), lax.axis_index("heads")
-  q0 = lax.axis_index("q_tiles") * (_CONSUMERS * bq)
+  q_tile_index = lax.axis_index("q_tiles")
+  if spec.is_causal:
+    # Later tiles walk more key blocks: launched first, as the forward's grid launches
+    # them, the short ones fill in at the end. The grid's order, shortest first, left
+    # the last SM 3-7% past the bound on issue 30's causal rows, against 0.1-1.3%
+    # (a model of the launch, benchmarks/launch_order.py --dq).
+    q_tile_index = q_tile_count - 1 - q_tile_index
+  q0 = q_tile_index * (_CONSUMERS * bq)
   q_length = None if q_len_ref is None else q_len_ref[b]
   kv_length = None if kv_len_ref is None else kv_len_ref[b]
   ranges = key_block_ranges(spec, q0, _CONSUMERS * bq, bkv, kv_length, q_length)
@@ -1351,7 +1358,7 @@ def backward(q, k, v, o, m, log2_l, do, aux_arrays, *, spec: MaskSpec, scale: fl
   if not atomic_dq:
     dk, dv = dkdv_kernel(*inputs)
     dq = warp_specialized_kernel(
-        functools.partial(_dq_kernel, **statics),
+        functools.partial(_dq_kernel, q_tile_count=T_pad // (_CONSUMERS * bq), **statics),
         consumers=_CONSUMERS, name="attention_backward_dq_mosaic_gpu", softcap=softcap,
         out_type=jax.ShapeDtypeStruct((B, T_pad, N, H_pad), jnp.float32) if float32_grads
         else jax.ShapeDtypeStruct((B, T8, N, H_pad), q.dtype),
