@@ -251,8 +251,7 @@ class Timer:
 
 def time_call(fn: Callable, arg_sets: Sequence[tuple]):
   """Median device time (us) per call, end-to-end (pipelined wall-clock) time (us) per
-  call, and the timer used: one `Timer` round of ITERATIONS calls. Without a GPU,
-  `Report.measure` has compiled and run ``fn`` once before."""
+  call, and the timer used: one `Timer` round of ITERATIONS calls."""
   timer = Timer(fn, arg_sets)
   timer.run_round()
   return timer.result

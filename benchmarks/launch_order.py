@@ -140,6 +140,12 @@ def finish(steps: list[int], sms: int, overhead: int) -> int:
   return end
 
 
+def lower_bound(steps: list[int], sms: int, overhead: int) -> float:
+  """No launch order finishes before this: the steps over the SMs, or the longest CTA
+  (each with ``overhead``)."""
+  return max((sum(steps) + overhead * len(steps)) / sms, max(steps) + overhead)
+
+
 def finish_claiming_ahead(steps: list[int], sms: int) -> int:
   """The last SM's finish when each CTA starts with item ``cta`` of ``steps`` and claims
   its next item as it starts the one before, as the Hopper forward's claimed items did
@@ -295,9 +301,8 @@ def main():
       cells = []
       for longest_first in (False, True):
         steps = dq_steps(B, T, N, longest_first)
-        bound = max((sum(steps) + args.overhead * len(steps)) / args.sms,
-                    max(steps) + args.overhead)
-        cells.append(f"{finish(steps, args.sms, args.overhead) / bound:.3f}")
+        end = finish(steps, args.sms, args.overhead)
+        cells.append(f"{end / lower_bound(steps, args.sms, args.overhead):.3f}")
       print(f"{B}, {T}, {N}: " + ", ".join(cells), flush=True)
     return
   if args.forward:
@@ -330,8 +335,7 @@ def main():
       blocks = dataclasses.replace(mosaic_backward.BLOCKS, l2_sections=sections)
       order = ctas(B, T, N, K, blocks=blocks, sms=args.sms)
       steps = [cta.steps for cta in order]
-      work = np.sum(steps) + args.overhead * len(steps)
-      bound = max(work / args.sms, max(steps) + args.overhead)
+      bound = lower_bound(steps, args.sms, args.overhead)
       end = finish(steps, args.sms, args.overhead)
       hits = l2_hits(order, args.sms, args.l2_mib * 2**20, blocks.block_q)
       print(f"{B}, {T}, {N}/{K}, {name}: {len(steps)} CTAs, {end} / {bound:.0f} = "
